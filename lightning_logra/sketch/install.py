@@ -1,0 +1,94 @@
+"""Selecting target weights and swapping their `nn.Linear`s for `SketchedLinear`s."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.projection import DISTRIBUTIONS
+
+
+def _matches(name: str, pattern: str) -> bool:
+    # Suffix match on whole name components: "q_proj" selects "model.layers.0.self_attn.q_proj" but not "xq_proj".
+    return name == pattern or name.endswith("." + pattern)
+
+
+def install_sketches(
+    model: nn.Module,
+    target_modules: Sequence[str],
+    rank: int,
+    seed: int = 0,
+    distribution: str = "rademacher",
+    *,
+    cache_projection: bool = True,
+    train_bias: bool = False,
+) -> dict[str, SketchedLinear]:
+    """Replace every `nn.Linear` whose name ends with one of `target_modules` by a `SketchedLinear`.
+
+    Returns {module name: handle}, in module order. Each handle exposes `.weight`, `.projection()` and `.sketch`.
+    Sketched weights are frozen (no `.grad`); their biases are trained densely only if `train_bias`. Nothing
+    else in the model is changed. `cache_projection=False` regenerates A from its seed at every use instead of
+    keeping an r×k buffer per layer (less memory, more compute).
+    """
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    if not target_modules:
+        raise ValueError("target_modules is empty: name the linear layers to sketch, e.g. ['q_proj', 'v_proj']")
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    if rank < 1:
+        raise ValueError(f"rank must be a positive integer, got {rank}")
+
+    modules = dict(model.named_modules())
+    owners: dict[int, list[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(pname)
+    selected: dict[str, nn.Linear] = {}
+    for pattern in target_modules:
+        names = [name for name in modules if _matches(name, pattern)]
+        if not names:
+            linear_suffixes = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, nn.Linear)})
+            raise ValueError(
+                f"target_modules: {pattern!r} matches no module of {type(model).__name__}; "
+                f"linear layers it has: {linear_suffixes}"
+            )
+        for name in names:
+            module = modules[name]
+            if isinstance(module, SketchedLinear):
+                raise ValueError(f"target_modules: {name!r} is already sketched (install_sketches ran twice?)")
+            if not isinstance(module, nn.Linear):
+                raise TypeError(
+                    f"target_modules: {pattern!r} matches {name!r}, a {type(module).__name__}, not an nn.Linear; "
+                    "use a more specific pattern"
+                )
+            d, k = module.out_features, module.in_features
+            if rank >= min(d, k):
+                raise ValueError(
+                    f"rank={rank} must be smaller than min(out_features, in_features) = min({d}, {k}) of {name!r}: "
+                    "a sketch that large saves nothing; lower the rank or drop this target"
+                )
+            tied = owners.get(id(module.weight), [])
+            if len(tied) > 1:
+                raise ValueError(
+                    f"target_modules: the weight of {name!r} is shared by {tied} (tied embeddings?); sketching it "
+                    "would change all of them through one projection; drop this target"
+                )
+            selected[name] = module
+
+    handles: dict[str, SketchedLinear] = {}
+    for name in sorted(selected, key=list(modules).index):
+        linear = selected[name]
+        handle = SketchedLinear(linear, name, rank, seed, distribution, cache_projection)
+        if linear.bias is not None:
+            linear.bias.requires_grad_(train_bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, handle)
+        handles[name] = handle
+    return handles
+
+
+def sketched_layers(model: nn.Module) -> dict[str, SketchedLinear]:
+    """The handles of a model whose sketches were installed earlier (e.g. after loading it elsewhere)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, SketchedLinear)}

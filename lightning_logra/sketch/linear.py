@@ -1,0 +1,154 @@
+"""A linear layer whose weight gradient is only ever held as a d×r sketch S = G·Aᵀ.
+
+For y = x Wᵀ + b with W (d×k), the dense weight gradient is G = δᵀx (d×k). Its sketch factors as
+S = G Aᵀ = δᵀ (x Aᵀ), so the forward pass keeps z = x Aᵀ (n×r) instead of x (n×k), and backward contracts δ
+with z. G is never formed.
+
+S is held as the `.grad` of a d×r parameter `sketch_param` (B, always zero): S is exactly ∂L/∂B at B = 0 for
+W_eff = W + B A. Holding it there means autograd accumulates micro-batches into it, and zero_grad, gradient
+clipping and DDP's all-reduce treat it like any other gradient — at d×r instead of d×k. B itself is a stride-0
+view of one zero, so it costs 4 bytes, not d×r×4; being identically zero it is left out of state_dicts, which
+therefore look exactly like the original model's (checkpoints and `save_pretrained` exports need no filtering).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_logra.sketch.projection import make_projection, matrix_seed
+
+
+class _SketchedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, sketch_param, projection):  # noqa: ARG004 (sketch_param: grad carrier)
+        # x (..., k), weight (d, k), bias (d,) or None, projection A (r, k) in x's dtype
+        y = nn.functional.linear(x, weight, bias)  # (..., d)
+        z = x.reshape(-1, x.shape[-1]) @ projection.T  # (n, r): all the weight side needs from x
+        ctx.save_for_backward(z, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        z, weight = ctx.saved_tensors
+        grad_x = grad_bias = grad_sketch = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_y @ weight  # (..., k), as a dense layer would return
+        delta = grad_y.reshape(-1, grad_y.shape[-1])  # (n, d)
+        if ctx.needs_input_grad[3]:
+            # The sketch is fp32 whatever the compute dtype: it accumulates many micro-batches and feeds an
+            # optimizer, so it must not round to bf16 on every addition.
+            grad_sketch = delta.T.float() @ z.float()  # (d, r)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = delta.sum(0)  # (d,)
+        # weight: no gradient ever (None), projection: constant.
+        return grad_x, None, grad_bias, grad_sketch, None
+
+
+class SketchedLinear(nn.Linear):
+    """A drop-in replacement for an `nn.Linear` that shares its weight and bias Parameters.
+
+    It is also the *handle* `install_sketches` returns: `.weight` (W), `.projection()` (A), `.sketch` (S).
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        name: str,
+        rank: int,
+        base_seed: int = 0,
+        distribution: str = "rademacher",
+        cache_projection: bool = True,
+    ) -> None:
+        nn.Module.__init__(self)  # skip nn.Linear.__init__: it would allocate a fresh weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.weight.requires_grad_(False)  # sketched weights never get a .grad
+        self.name = name
+        self.rank = rank
+        self.base_seed = base_seed
+        self.distribution = distribution
+        self.refresh_index = 0
+        self.cache_projection = cache_projection
+        # B = 0 (d, r): never used numerically in the forward pass, only as the holder of S (fp32) in .grad.
+        self.sketch_param = nn.Parameter(self._zero_carrier())
+        # Not persistent: A is a pure function of the seed, so checkpoints carry the seed, not the matrix.
+        self.register_buffer("cached_projection", None, persistent=False)
+        if cache_projection:
+            self.cached_projection = self._generate()
+
+    def _zero_carrier(self) -> torch.Tensor:
+        # One fp32 zero expanded to (d, r): autograd gives an expanded leaf a contiguous (d, r) fp32 .grad.
+        zero = torch.zeros((), dtype=torch.float32, device=self.weight.device)
+        return zero.expand(self.out_features, self.rank)
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.half()/.cuda() would materialize B as d×r zeros and cast A; keep B a stride-0 fp32 zero and
+        # regenerate A in fp32 on the new device instead.
+        super()._apply(fn, recurse)
+        self.sketch_param.data = self._zero_carrier()
+        if self.cached_projection is not None:
+            self.cached_projection = self._generate()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # B ≡ 0 carries no information; leaving it out keeps checkpoints and exports in the original layout.
+        sketch_param = self._parameters.pop("sketch_param")
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._parameters["sketch_param"] = sketch_param
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        sketch_param = self._parameters.pop("sketch_param")
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        finally:
+            self._parameters["sketch_param"] = sketch_param
+
+    @property
+    def seed(self) -> int:
+        """Seed of the current projection (changes when the projection is refreshed)."""
+        return matrix_seed(self.base_seed, self.name, self.refresh_index)
+
+    def _generate(self) -> torch.Tensor:
+        return make_projection(
+            self.seed, self.rank, self.in_features, self.distribution, device=self.weight.device
+        )  # (r, k) fp32
+
+    def projection(self) -> torch.Tensor:
+        """A (r, k), fp32, on the weight's device."""
+        if self.cached_projection is not None:
+            return self.cached_projection
+        return self._generate()
+
+    def set_refresh_index(self, index: int) -> None:
+        """Switch to the projection of refresh `index` (the sketch must be empty: it was taken with the old A)."""
+        self.refresh_index = index
+        if self.cache_projection:
+            self.cached_projection = self._generate()
+
+    @property
+    def sketch(self) -> torch.Tensor:
+        """S (d, r) fp32, accumulated since the last zeroing (zeros if nothing was accumulated)."""
+        if self.sketch_param.grad is None:
+            return torch.zeros_like(self.sketch_param)
+        return self.sketch_param.grad
+
+    def zero_sketch(self) -> None:
+        self.sketch_param.grad = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and self.sketch_param.requires_grad):
+            # Generation and KL evaluation need no sketch: skip the x·Aᵀ projection entirely.
+            return nn.functional.linear(x, self.weight, self.bias)
+        projection = self.projection().to(x.dtype)
+        return _SketchedLinearFn.apply(x, self.weight, self.bias, self.sketch_param, projection)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"rank={self.rank}, distribution={self.distribution}, refresh_index={self.refresh_index}"
+        )

@@ -1,0 +1,70 @@
+"""Memory accounting by category for a model with sketches installed.
+
+The numbers are the steady-state footprint of training, not a snapshot: a sketch counts d×r fp32 and a
+trainable dense parameter counts its gradient even between steps when `.grad` happens to be None, because both
+exist during every backward pass. Optimizer state counts what the optimizers hold (a sketch optimizer's
+d×r tensors by its kind, since it allocates them lazily on the first step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.optim import SketchOptimizer
+
+_FP32 = 4
+
+
+@dataclass
+class MemoryBreakdown:
+    weights: int = 0  # every parameter's storage (sketched or not)
+    sketches: int = 0  # d×r fp32 per sketched weight
+    sketch_optimizer_state: int = 0  # momentum / Adam moments, d×r fp32 each
+    projections: int = 0  # cached A buffers, r×k fp32 each
+    dense_gradients: int = 0  # .grad of densely trained parameters
+    dense_optimizer_state: int = 0  # state of ordinary optimizers (e.g. AdamW on non-sketched parameters)
+    # What dense fp32 gradients of the sketched weights would take instead of `sketches` (for comparison only).
+    dense_equivalent_gradients: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes actually needed (the comparison figure excluded)."""
+        return sum(v for k, v in asdict(self).items() if k != "dense_equivalent_gradients")
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> MemoryBreakdown:
+    out = MemoryBreakdown()
+    layers = [m for m in model.modules() if isinstance(m, SketchedLinear)]
+    sketch_params = {id(layer.sketch_param) for layer in layers}
+    for param in model.parameters():  # de-duplicated, so tied weights count once
+        if id(param) in sketch_params:
+            continue  # B is a stride-0 zero: 4 bytes, not d×r
+        out.weights += _nbytes(param)
+        if param.requires_grad:
+            out.dense_gradients += _nbytes(param)
+    for layer in layers:
+        d, k, r = layer.out_features, layer.in_features, layer.rank
+        out.sketches += d * r * _FP32
+        out.dense_equivalent_gradients += d * k * _FP32
+        if layer.cached_projection is not None:
+            out.projections += _nbytes(layer.cached_projection)
+    for optimizer in optimizers:
+        if isinstance(optimizer, SketchOptimizer):
+            per_layer = optimizer.state_tensors_per_layer()
+            out.sketch_optimizer_state += sum(per_layer * l.out_features * l.rank * _FP32 for l in optimizer.layers)
+        else:
+            for state in optimizer.state.values():
+                out.dense_optimizer_state += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
+    return out

@@ -1,0 +1,196 @@
+"""Sketch optimizers: turn each layer's sketch S (d×r) into a direction U (d×r) and merge W ← W − α·η·U·A.
+
+A step is split in two so that the predicted-KL controller can choose α between them:
+  propose()   checks every sketch is finite, computes U from S and updates the d×r state;
+  apply(α)    merges α·η·U·A into each W in place, zeroes the sketches and returns the factors F = α·η·U
+              that a rollout engine needs (with the seed) to make the same change.
+`step()` is propose() + apply(1.0), so these are ordinary `torch.optim.Optimizer`s for Lightning, LR schedulers
+and checkpoints; their parameters are the layers' zero `sketch_param`s, whose `.grad` is the sketch.
+
+Projection refresh: with `refresh_every = N`, after every N applied updates each layer switches to the
+projection of the next refresh index (a new seed). The state (momentum, Adam moments and the step count used
+for bias correction) is *reset* at a refresh: it lives in the coordinates of the old A, and while a first
+moment could be carried over through A_old·A_newᵀ, Adam's elementwise second moment has no such linear map.
+The paper's default is a fixed projection (`refresh_every=None`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.update import apply_low_rank_update_
+
+log = logging.getLogger(__name__)
+
+
+class SketchOptimizer(torch.optim.Optimizer):
+    """Base class; subclasses define `_direction(S, state, group) -> U`."""
+
+    def __init__(
+        self,
+        layers: Mapping[str, SketchedLinear] | Iterable[SketchedLinear],
+        defaults: dict,
+        refresh_every: int | None = None,
+    ) -> None:
+        layers = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
+        if not layers:
+            raise ValueError(f"{type(self).__name__}: no sketched layers given (install_sketches first)")
+        if refresh_every is not None and refresh_every < 1:
+            raise ValueError(f"refresh_every must be a positive number of updates or None, got {refresh_every}")
+        if defaults["lr"] <= 0:
+            raise ValueError(f"lr must be positive, got {defaults['lr']}")
+        self.refresh_every = refresh_every
+        self.skipped_steps = 0
+        self._layer_of = {layer.sketch_param: layer for layer in layers}
+        self._proposal: dict[torch.Tensor, torch.Tensor] | None = None
+        super().__init__([layer.sketch_param for layer in layers], defaults)
+
+    @property
+    def layers(self) -> list[SketchedLinear]:
+        return [self._layer_of[p] for group in self.param_groups for p in group["params"]]
+
+    def _direction(self, sketch: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def state_tensors_per_layer(self) -> int:
+        """How many d×r fp32 state tensors this optimizer keeps per layer (for memory accounting)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def propose(self) -> bool:
+        """Compute U for every layer and advance the state. False (and nothing changed) if a sketch is not finite."""
+        layers = self.layers
+        finite = torch.stack([torch.isfinite(layer.sketch).all() for layer in layers])  # one sync, not one per layer
+        if not bool(finite.all()):
+            bad = [layer.name for layer, ok in zip(layers, finite.tolist()) if not ok]
+            self.skipped_steps += 1
+            log.warning("non-finite sketch in %s: update skipped (%d skipped so far)", bad, self.skipped_steps)
+            for layer in layers:
+                layer.zero_sketch()
+            self._proposal = None
+            return False
+        self._proposal = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0  # updates since the last refresh
+                    state["refresh_index"] = self._layer_of[p].refresh_index
+                self._proposal[p] = self._direction(self._layer_of[p].sketch, state, group)
+        return True
+
+    def proposal(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        """The pending proposal per layer name: (U (d, r), A (r, k), η), i.e. Δ = −η·U·A at α = 1."""
+        if self._proposal is None:
+            raise RuntimeError("no pending proposal: call propose() first")
+        return {
+            self._layer_of[p].name: (self._proposal[p], self._layer_of[p].projection(), group["lr"])
+            for group in self.param_groups
+            for p in group["params"]
+        }
+
+    @torch.no_grad()
+    def apply(self, alpha: float = 1.0) -> dict[str, torch.Tensor]:
+        """Merge W ← W − α·η·U·A for the pending proposal; zero the sketches; return {name: F = α·η·U (d, r)}."""
+        if self._proposal is None:
+            raise RuntimeError("no pending proposal: call propose() first (or it was skipped)")
+        factors = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                layer = self._layer_of[p]
+                factor = (alpha * group["lr"]) * self._proposal[p]  # (d, r) fp32
+                apply_low_rank_update_(layer.weight, factor, layer.projection())
+                layer.zero_sketch()
+                self.state[p]["step"] += 1
+                factors[layer.name] = factor
+        self._proposal = None
+        self._maybe_refresh()
+        return factors
+
+    def _maybe_refresh(self) -> None:
+        if self.refresh_every is None:
+            return
+        for p, state in self.state.items():
+            if state["step"] >= self.refresh_every:
+                refresh_index = state["refresh_index"] + 1
+                state.clear()
+                state["step"] = 0
+                state["refresh_index"] = refresh_index
+                self._layer_of[p].set_refresh_index(refresh_index)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.propose():
+            self.apply(1.0)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # The refresh index is part of the optimizer's state; the layers must use the matching projection.
+        for p, state in self.state.items():
+            if "refresh_index" in state and self._layer_of[p].refresh_index != state["refresh_index"]:
+                self._layer_of[p].set_refresh_index(state["refresh_index"])
+
+
+class SketchSGD(SketchOptimizer):
+    """U = S, or heavy-ball momentum M ← β·M + S, U = M (as torch.optim.SGD with dampening 0)."""
+
+    def __init__(self, layers, lr: float, momentum: float = 0.0, refresh_every: int | None = None) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        super().__init__(layers, dict(lr=lr, momentum=momentum), refresh_every)
+
+    def _direction(self, sketch, state, group):
+        # No copies: apply() drops the sketch by setting .grad to None (never zeroes it in place), and the
+        # momentum buffer only changes at the next propose(), so U stays valid until apply() has used it.
+        if group["momentum"] == 0.0:
+            return sketch
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = sketch.clone()  # (d, r)
+        else:
+            state["momentum_buffer"].mul_(group["momentum"]).add_(sketch)
+        return state["momentum_buffer"]
+
+    def state_tensors_per_layer(self) -> int:
+        return 0 if all(g["momentum"] == 0.0 for g in self.param_groups) else 1
+
+
+class SketchAdam(SketchOptimizer):
+    """Adam on the sketch coordinates: m, v (d×r each), bias-corrected; U = m̂ / (√v̂ + ε)."""
+
+    def __init__(
+        self,
+        layers,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        refresh_every: int | None = None,
+    ) -> None:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if eps <= 0:
+            raise ValueError(f"eps must be positive, got {eps}")
+        super().__init__(layers, dict(lr=lr, betas=tuple(betas), eps=eps), refresh_every)
+
+    def _direction(self, sketch, state, group):
+        beta1, beta2 = group["betas"]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(sketch)  # (d, r)
+            state["exp_avg_sq"] = torch.zeros_like(sketch)  # (d, r)
+        t = state["step"] + 1  # this proposal's step since the last refresh (step advances on apply)
+        state["exp_avg"].mul_(beta1).add_(sketch, alpha=1.0 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(sketch, sketch, value=1.0 - beta2)
+        m_hat = state["exp_avg"] / (1.0 - beta1**t)
+        v_hat = state["exp_avg_sq"] / (1.0 - beta2**t)
+        return m_hat / (v_hat.sqrt() + group["eps"])
+
+    def state_tensors_per_layer(self) -> int:
+        return 2

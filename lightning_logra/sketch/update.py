@@ -1,0 +1,29 @@
+"""Merging a low-rank update into a weight in place: W ← W − F·A.
+
+The trainer and the rollout engine both call this, so the same factor F and seed give the same weights on both
+sides (up to kernel rounding on different hardware).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows per chunk are chosen so the fp32 transient of a low-precision merge stays near 64 MiB.
+_CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+
+@torch.no_grad()
+def apply_low_rank_update_(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> None:
+    """W (d, k) −= F (d, r) @ A (r, k), in place, computed in fp32 and rounded into W's dtype once."""
+    factor = factor.to(device=weight.device, dtype=torch.float32)
+    projection = projection.to(device=weight.device, dtype=torch.float32)
+    if weight.dtype == torch.float32:
+        weight.addmm_(factor, projection, alpha=-1.0)  # no d×k temporary at all
+        return
+    # bf16/fp16 W: a product F·A rounded to bf16 and then subtracted would round twice and lose the small update
+    # against the large weight; do the subtraction in fp32 a block of rows at a time instead.
+    rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
+    for start in range(0, weight.shape[0], rows):
+        block = weight[start : start + rows]  # (rows, k) view into W
+        merged = block.float().addmm_(factor[start : start + rows], projection, alpha=-1.0)  # (rows, k) fp32
+        block.copy_(merged)

@@ -1,0 +1,222 @@
+"""Verifiable rewards: 1.0 for a right answer, 0.0 otherwise.
+
+Every reward has TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``: ``columns`` are the
+dataset's extra columns, each a list aligned with ``completions`` (``answer=[...]``), and unknown ones are ignored,
+so the same function works in this trainer and as a TRL reward function. TRL lets a reward return None for "does
+not apply to this sample"; the rewards here judge every sample and never do.
+"""
+
+import logging
+import multiprocessing
+import os
+import re
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., list[float | None]]
+
+DEFAULT_TIMEOUT_S = 5.0
+# Starting the verifier process (interpreter, the parent's main module, math-verify, sympy) takes seconds; allow for
+# a loaded machine.
+_START_TIMEOUT_S = 120.0
+
+
+def exact_match(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float | None]:
+    """1.0 where the completion is the answer up to surrounding whitespace (the embedded arithmetic task, whose
+    completions end at EOS, so nothing may follow the answer)."""
+    return [float(completion.strip() == gold.strip()) for completion, gold in zip(completions, answer, strict=True)]
+
+
+# The last line that starts with "Answer:", the form DAPO-Math's prompts ask for ("Answer: $Answer" on its own
+# line). Markdown bold around the label ("**Answer:** 12") is common enough in model output to accept.
+_ANSWER_LINE = re.compile(r"^[ \t*]*answer[ \t*]*:[ \t*]*(.+?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` whose braces close; None if there is none (a completion cut off
+    inside the box has no answer)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    content_start = start + len("\\boxed{")
+    for i in range(content_start - 1, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[content_start:i]
+    return None
+
+
+def extract_final_answer(completion: str) -> str | None:
+    """The model's final answer: the last ``\\boxed{...}``, else the last ``Answer: ...`` line, else None."""
+    boxed = _last_boxed(completion)
+    if boxed is not None:
+        return boxed
+    lines = _ANSWER_LINE.findall(completion)
+    return lines[-1] if lines else None
+
+
+def _as_latex(answer: str) -> str:
+    """Math-verify extracts LaTeX only between delimiters, so a bare answer ("\\frac{1}{2}", "34") is wrapped in
+    ``$...$``; one already wrapped ("$\\frac{1}{2}$" on an Answer line) is unwrapped first so it is not doubled."""
+    answer = answer.strip()
+    if len(answer) >= 2 and answer.startswith("$") and answer.endswith("$"):
+        answer = answer.strip("$")
+    return f"${answer}$"
+
+
+def _judge(prediction: str, gold: str) -> float:
+    """Runs in the verifier process. Math-verify's own timeouts are off (None): they use ``signal.alarm``, which
+    only works on a process's main thread; the parent bounds this call instead."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(_as_latex(gold), parsing_timeout=None)
+    prediction_parsed = parse(_as_latex(prediction), parsing_timeout=None)
+    return float(verify(gold_parsed, prediction_parsed, timeout_seconds=None))
+
+
+def _serve(conn: Connection) -> None:
+    """The verifier process's loop: judge each ``(prediction, gold)`` pair it receives until the parent closes
+    the pipe."""
+    # Math-verify warns once per process that its timeouts are disabled; that is deliberate here (see _judge).
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # Import math-verify and sympy and warm their caches before reporting ready, so that a check's timeout
+    # measures the check, not the start of this process.
+    _judge("1", "1")
+    conn.send("ready")
+    while True:
+        try:
+            prediction, gold = conn.recv()
+        except EOFError:
+            return
+        try:
+            score = _judge(prediction, gold)
+        except Exception:
+            # An answer that makes math-verify or sympy raise cannot be confirmed right, so it is wrong.
+            score = 0.0
+        conn.send(score)
+
+
+class MathVerifier:
+    """Judges answers with math-verify in a child process, giving up on any one answer after ``timeout_s``.
+
+    Why a process: rewards get called from threads other than the main one (Lightning hooks, data-loader and
+    rollout threads), where math-verify's ``signal.alarm`` timeout cannot be set. Running the check in a worker
+    thread and waiting with a timeout would return on time, but a thread cannot be killed: sympy can spend minutes
+    or forever on an answer such as ``10^{10^{10}}``, and every such answer would leave one more thread burning a
+    core, and contending for the GIL with training, for the rest of the run. A process can be killed. So one child
+    process judges the answers one at a time; when an answer runs past the timeout the child is killed (scoring
+    that answer 0.0) and a fresh one is started for the next. A ``ProcessPoolExecutor`` would not do: it cannot
+    kill one stuck worker, only wait for it.
+
+    The child is started with "spawn": forking a parent that holds threads (or CUDA) can deadlock the child. A
+    restart therefore costs an interpreter start, a re-import of the parent's main module and the math-verify
+    import, paid only after a timeout and not counted against the next answer's timeout. As with any
+    spawn-started process, a script that calls ``math_answer`` must keep its top-level work under
+    ``if __name__ == "__main__":``. Calls from several threads take turns on the one child, which is fine at a few
+    milliseconds a check.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._owner_pid = os.getpid()
+
+    def score(self, predictions: list[str | None], golds: list[str], timeout_s: float) -> list[float]:
+        """1.0 or 0.0 per pair; a missing prediction (None) is 0.0 without a check."""
+        with self._lock:
+            return [0.0 if prediction is None else self._score_one(prediction, gold, timeout_s)
+                    for prediction, gold in zip(predictions, golds, strict=True)]
+
+    def close(self) -> None:
+        """Stops the child process; the next ``score`` starts a new one."""
+        with self._lock:
+            self._stop()
+
+    def _score_one(self, prediction: str, gold: str, timeout_s: float) -> float:
+        conn = self._connection()
+        conn.send((prediction, gold))
+        if conn.poll(timeout_s):
+            try:
+                return conn.recv()
+            except EOFError:
+                # poll also returns when the child died (e.g. killed for memory); the next call restarts it.
+                logger.warning("math verifier process died judging %.200r; scored 0.0", prediction)
+                self._stop()
+                return 0.0
+        logger.warning("math verification exceeded %.1f s on %.200r; scored 0.0 and replaced the verifier process",
+                       timeout_s, prediction)
+        self._stop()
+        return 0.0
+
+    def _connection(self) -> Connection:
+        # A forked copy of this object (e.g. inside a fork-started data-loader worker) must not use the parent's
+        # child process: it may not even wait on it. It starts its own.
+        if self._owner_pid != os.getpid():
+            self._process, self._conn, self._owner_pid = None, None, os.getpid()
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        assert self._conn is not None
+        return self._conn
+
+    def _start(self) -> None:
+        self._stop()
+        context = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = context.Pipe()
+        # daemon: the child dies with this process even if close() is never called.
+        process = context.Process(target=_serve, args=(child_conn,), name="math-verifier", daemon=True)
+        process.start()
+        # The child holds its own end; closing ours lets recv() see EOF if the child dies.
+        child_conn.close()
+        self._process, self._conn = process, parent_conn
+        # A child that cannot start (math-verify missing, say) must fail loudly, not score every answer 0.0.
+        try:
+            if not parent_conn.poll(_START_TIMEOUT_S):
+                raise EOFError
+            parent_conn.recv()
+        except EOFError:
+            self._stop()
+            raise RuntimeError(f"the math verifier process did not start within {_START_TIMEOUT_S:.0f} s (its "
+                               "error, if any, is on stderr); math_answer needs math-verify: "
+                               "pip install 'lightning-logra[math]'") from None
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+        if self._conn is not None:
+            self._conn.close()
+        self._process, self._conn = None, None
+
+
+# One verifier per process, started on first use, so importing this module starts nothing.
+_VERIFIER = MathVerifier()
+
+
+def math_answer(prompts: list[str], completions: list[str], answer: list[str], timeout_s: float = DEFAULT_TIMEOUT_S,
+                **_: object) -> list[float | None]:
+    """1.0 where the completion's final answer (its last ``\\boxed{}``, else its last ``Answer:`` line) is
+    mathematically equal to the gold answer by math-verify (``\\frac{1}{2}`` = ``0.5``, ``2\\sqrt{2}`` =
+    ``\\sqrt{8}``), else 0.0. Each check is cut off after ``timeout_s`` seconds and then scores 0.0; safe to call
+    from any thread."""
+    predictions = [extract_final_answer(completion) for completion in completions]
+    return _VERIFIER.score(predictions, [str(gold) for gold in answer], timeout_s)
+
+
+_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function a config names."""
+    try:
+        return _REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REWARDS)}") from None

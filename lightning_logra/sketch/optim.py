@@ -4,7 +4,7 @@ A step is split in two so that the predicted-KL controller can choose α between
   propose()   checks every sketch is finite, computes U from S and updates the d×r state;
   apply(α)    merges α·η·U·A into each W in place, zeroes the sketches and returns the factors F = α·η·U
               that a rollout engine needs (with the seed) to make the same change.
-`step()` is propose() + apply(1.0), so these are ordinary `torch.optim.Optimizer`s for Lightning, LR schedulers
+`step(alpha=...)` is propose() + apply(α), so these are ordinary `torch.optim.Optimizer`s for Lightning, LR schedulers
 and checkpoints; their parameters are the layers' zero `sketch_param`s, whose `.grad` is the sketch.
 
 Projection refresh: with `refresh_every = N`, after every N applied updates each layer switches to the
@@ -17,7 +17,7 @@ The paper's default is a fixed projection (`refresh_every=None`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -45,6 +45,7 @@ class SketchOptimizer(torch.optim.Optimizer):
             raise ValueError(f"lr must be positive, got {defaults['lr']}")
         self.refresh_every = refresh_every
         self.skipped_steps = 0
+        self.last_factors: dict[str, torch.Tensor] = {}  # {name: α·η·U} of the last applied step (for weight sync)
         self._layer_of = {layer.sketch_param: layer for layer in layers}
         self._proposal: dict[torch.Tensor, torch.Tensor] | None = None
         super().__init__([layer.sketch_param for layer in layers], defaults)
@@ -67,11 +68,7 @@ class SketchOptimizer(torch.optim.Optimizer):
         finite = torch.stack([torch.isfinite(layer.sketch).all() for layer in layers])  # one sync, not one per layer
         if not bool(finite.all()):
             bad = [layer.name for layer, ok in zip(layers, finite.tolist()) if not ok]
-            self.skipped_steps += 1
-            log.warning("non-finite sketch in %s: update skipped (%d skipped so far)", bad, self.skipped_steps)
-            for layer in layers:
-                layer.zero_sketch()
-            self._proposal = None
+            self.skip(f"non-finite sketch in {bad}")
             return False
         self._proposal = {}
         for group in self.param_groups:
@@ -82,6 +79,14 @@ class SketchOptimizer(torch.optim.Optimizer):
                     state["refresh_index"] = self._layer_of[p].refresh_index
                 self._proposal[p] = self._direction(self._layer_of[p].sketch, state, group)
         return True
+
+    def skip(self, reason: str) -> None:
+        """Drop this step's sketches without touching weights or state; count and report it."""
+        self.skipped_steps += 1
+        log.warning("%s: update skipped (%d skipped so far)", reason, self.skipped_steps)
+        for layer in self.layers:
+            layer.zero_sketch()
+        self._proposal = None
 
     def proposal(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
         """The pending proposal per layer name: (U (d, r), A (r, k), η), i.e. Δ = −η·U·A at α = 1."""
@@ -123,13 +128,19 @@ class SketchOptimizer(torch.optim.Optimizer):
                 self._layer_of[p].set_refresh_index(refresh_index)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, alpha: float | Callable[[], float] = 1.0, skip: bool = False):
+        """propose() then apply(α). `alpha` may be a callable, asked only once the proposal exists (the
+        predicted-KL controller measures it first). `skip=True` (the caller found a non-finite gradient elsewhere)
+        drops the step. A skipped step applies nothing but still counts as a step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.propose():
-            self.apply(1.0)
+        self.last_factors = {}
+        if skip:
+            self.skip("non-finite gradient")
+        elif self.propose():
+            self.last_factors = self.apply(alpha() if callable(alpha) else alpha)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

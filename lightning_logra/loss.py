@@ -1,0 +1,71 @@
+"""The policy-gradient objective: group-normalized advantages, per-token weights, completion log-probs.
+
+Each batch of rollouts is used for exactly one update, so the PPO/GRPO ratio π_θ/π_θ_old is 1 at the point
+where the gradient is taken and its clipping never binds: the objective reduces to REINFORCE with a group
+baseline, −Σ w_t · A · log π_θ(token_t). The three loss types differ only in the per-token weights w.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_logra.rollout.hf import positions
+
+LossType = Literal["dapo", "grpo", "dr_grpo"]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """rewards (N,) with N = groups·group_size, samples of one prompt adjacent → advantages (N,).
+
+    A = r − mean(group), divided by std(group) + eps when `scale` (Dr. GRPO argues for scale=False: dividing by the
+    std up-weights prompts that are almost always right or wrong).
+    """
+    grouped = rewards.view(-1, group_size)  # (groups, G)
+    centered = grouped - grouped.mean(1, keepdim=True)
+    if scale:
+        centered = centered / (grouped.std(1, keepdim=True) + eps)
+    return centered.reshape(-1)
+
+
+def token_weights(completion_mask: torch.Tensor, loss_type: LossType, max_new_tokens: int) -> torch.Tensor:
+    """Per-token weights (N, C) of the whole batch, so that any split into micro-batches sums to the same loss.
+
+    dapo:    token mean over the batch        1 / (tokens in the batch)
+    grpo:    mean over sequences of the per-sequence token mean   1 / (N · length_i)
+    dr_grpo: a constant normalizer            1 / (N · max_new_tokens)
+    """
+    mask = completion_mask.float()
+    n = mask.shape[0]
+    if loss_type == "dapo":
+        return mask / mask.sum().clamp(min=1)
+    if loss_type == "grpo":
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * n)
+    if loss_type == "dr_grpo":
+        return mask / (n * max_new_tokens)
+    raise ValueError(f"loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
+
+
+def completion_logits(
+    policy: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Logits (n, C, V) that predict each completion token, from one forward pass over prompt + completion."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    width = completion_ids.shape[1]
+    # Only the last C + 1 positions are needed (the position before each completion token predicts it), so the
+    # LM head never runs over the prompt.
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions(mask), logits_to_keep=width + 1).logits
+    return logits[:, :-1]  # (n, C, V)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log π(token) (n, C) from logits (n, C, V) at the sampling temperature, in fp32."""
+    logits = logits.float() / temperature
+    return logits.gather(-1, tokens[..., None]).squeeze(-1) - logits.logsumexp(-1)

@@ -1,0 +1,242 @@
+"""The RLVR LightningModule: rollout → reward → group advantage → micro-batched policy-gradient backward → update.
+
+Manual optimization, because one training step is a whole RL iteration: generate G completions for each prompt of
+the batch, score them with a verifiable reward, and accumulate the loss of every micro-batch into one update.
+The same module trains densely (any plain strategy: AdamW from `configure_optimizers`) or with sketches
+(`SketchStrategy` replaces the optimizers), so baselines compare like with like.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_logra.loss import LossType, completion_logits, group_advantages, token_logprobs, token_weights
+from lightning_logra.rewards import RewardFn, get_reward
+from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams
+from lightning_logra.sketch.optim import SketchOptimizer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in reward by name ("exact_match", "math_answer") or any function by dotted path ("pkg.mod.fn")."""
+    if "." in name:
+        module, _, attr = name.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"model.reward: cannot import {name!r} ({err})") from err
+    return get_reward(name)
+
+
+class RLVRModule(LightningModule):
+    def __init__(
+        self,
+        model: str,
+        reward: str = "exact_match",
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        loss_type: LossType = "dapo",
+        scale_rewards: bool = True,
+        micro_batch_size: int = 8,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        eval_temperature: float = 0.0,
+        eval_max_new_tokens: int | None = None,
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        chat_template: bool = False,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        export_dir: str | None = None,
+    ) -> None:
+        """
+        Args:
+            model: a transformers causal LM: a local directory or a hub name.
+            reward: a built-in reward name or a dotted path to `fn(prompts, completions, **columns)`.
+            num_generations: completions sampled per prompt (the group size G).
+            lr, weight_decay: the dense AdamW used without `SketchStrategy` (the baseline).
+            max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
+            eval_temperature: 0 means greedy pass@1 in validate/test.
+            chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+            seed: seeds the sampling of every step (a pure function of seed and step, so resumes are exact).
+            export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained`.
+        """
+        super().__init__()
+        for key, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
+                           ("micro_batch_size", micro_batch_size)):
+            if value < 1:
+                raise ValueError(f"model.{key} must be a positive integer, got {value}")
+        if num_generations < 2:
+            raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
+        if temperature <= 0:
+            raise ValueError(f"model.temperature must be positive for sampling, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"model.top_p must be in (0, 1], got {top_p}")
+        if loss_type not in ("dapo", "grpo", "dr_grpo"):
+            raise ValueError(f"model.loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
+        # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
+        if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+            raise FileNotFoundError(f"model.model: no such model directory {model!r}")
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.reward_fn = resolve_reward(reward)
+        self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
+        self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.engine: RolloutEngine | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        # Loaded here, not in __init__, so that configs can be parsed and checked without loading weights.
+        if self.policy is not None:
+            return
+        path, hp = self.hparams.model, self.hparams
+        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        dtype = getattr(torch, hp.dtype)
+        self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+        if hp.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+            self.policy.config.use_cache = False
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.engine = HFEngine(self.policy, self._stop_token_ids(), pad)
+
+    def _stop_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        eos = getattr(self.policy.generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos])
+        return sorted(i for i in ids if i is not None)
+
+    def configure_optimizers(self):
+        # The dense baseline; SketchStrategy replaces it.
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+    # ---- one RL iteration ---------------------------------------------------------------------------------------
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        if self.hparams.chat_template:
+            return [
+                self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+                for p in prompts
+            ]
+        return self.tokenizer(prompts)["input_ids"]
+
+    def _rollout_and_score(
+        self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, seed: int
+    ) -> tuple[Rollout, torch.Tensor]:
+        rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seed)
+        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        # Every column repeated per sample, so the reward sees row-aligned lists (TRL's convention).
+        columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
+        prompts = columns.pop("prompt")
+        rewards = self.reward_fn(prompts, completions, **columns)
+        # None means "not applicable to this sample" in TRL's signature; it earns nothing here.
+        rewards = torch.tensor([0.0 if r is None else float(r) for r in rewards], device=self.device)  # (N,)
+        return rollout, rewards
+
+    def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        start = time.perf_counter()
+        # Sampling depends only on (seed, step): a resumed run draws what the uninterrupted one would have.
+        rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling,
+                                                   seed=hp.seed * 1_000_003 + self.global_step)
+        generated = time.perf_counter()
+        advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards)  # (N,)
+        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens)  # (N, C)
+
+        loss = torch.zeros((), device=self.device)
+        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes.
+        active = advantages.nonzero().squeeze(-1)
+        for rows in active.split(hp.micro_batch_size) if active.numel() else ():
+            width = int(rollout.completion_mask[rows].sum(-1).max())  # trim right padding of this micro-batch
+            completion_ids = rollout.completion_ids[rows, :width]
+            completion_mask = rollout.completion_mask[rows, :width]
+            logits = completion_logits(self.policy, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
+                                       completion_ids, completion_mask)  # (m, w, V)
+            logprobs = token_logprobs(logits, completion_ids, hp.temperature)  # (m, w)
+            micro_loss = -(weights[rows, :width] * advantages[rows, None] * logprobs).sum()
+            self.manual_backward(micro_loss)
+            loss += micro_loss.detach()
+
+        grad_norm, skipped = self._update()
+        elapsed = time.perf_counter() - start
+        lengths = rollout.completion_lengths.float()
+        groups = rewards.view(-1, hp.num_generations)
+        metrics = {
+            "train/reward_std": rewards.std(),
+            "train/completion_len": lengths.mean(),
+            "train/zero_std_frac": (groups.std(1) == 0).float().mean(),
+            "train/loss": loss,
+            "train/grad_norm": grad_norm,
+            "train/update_skipped": float(skipped),
+            "train/tokens_per_s": lengths.sum() / elapsed,
+            "train/rollout_s": generated - start,
+            "train/step_s": elapsed,
+        }
+        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards))
+        self.log_dict(metrics, batch_size=len(rewards))
+        return loss
+
+    def _update(self) -> tuple[torch.Tensor, bool]:
+        """Clip, then step every optimizer; returns (grad norm before clipping, whether the update was skipped)."""
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        grads = [p.grad for opt in optimizers for group in opt.param_groups for p in group["params"]
+                 if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)  # sketches included: E‖G·Aᵀ‖² = ‖G‖²
+        skipped = not bool(torch.isfinite(grad_norm))
+        if not skipped and self.hparams.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(grads, self.hparams.max_grad_norm, grad_norm)
+        if skipped:
+            log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
+        for index, opt in enumerate(optimizers):
+            inner = opt.optimizer
+            # Only the first optimizer steps through Lightning, so that global_step counts training steps.
+            step = opt.step if index == 0 else inner.step
+            if isinstance(inner, SketchOptimizer):
+                step(alpha=1.0, skip=skipped)
+            else:
+                if skipped:
+                    inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW
+                step()
+            inner.zero_grad(set_to_none=True)
+        return grad_norm, skipped
+
+    # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
+
+    def _pass_at_1(self, batch: dict[str, list[Any]], stage: str) -> None:
+        _, rewards = self._rollout_and_score(batch, 1, self.eval_sampling, seed=self.hparams.seed)
+        self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards))
+
+    def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
+        self._pass_at_1(batch, "val")
+
+    def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
+        self._pass_at_1(batch, "test")
+
+    # ---- export ---------------------------------------------------------------------------------------------------
+
+    def export(self, path: str | Path) -> None:
+        """Save the policy and tokenizer as a transformers checkpoint (sketched layers keep the original layout)."""
+        self.policy.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir is not None and self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir)

@@ -1,0 +1,36 @@
+"""The rollout engine interface: prompts in, sampled completions (and the sampler's log-probs) out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class Rollout:
+    """n completions per prompt, sample i of prompt j in row j·n + i. Shapes: N = prompts·n, P, C token columns."""
+
+    prompt_ids: torch.Tensor  # (N, P) prompts, left-padded
+    prompt_mask: torch.Tensor  # (N, P) 1 on prompt tokens
+    completion_ids: torch.Tensor  # (N, C) right-padded after the stop token
+    completion_mask: torch.Tensor  # (N, C) 1 on generated tokens, the stop token included
+    sampler_logprobs: torch.Tensor  # (N, C) log π_sampler(token | context) at the sampling temperature, 0 on padding
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)  # (N,)
+
+
+class RolloutEngine(ABC):
+    @abstractmethod
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> Rollout:
+        """Sample n completions for each tokenized prompt; the same seed gives the same completions."""

@@ -1,0 +1,105 @@
+"""The in-process engine: samples from the policy being trained, with a KV cache, in plain PyTorch.
+
+A loop of our own rather than `model.generate` so that sampling draws from an explicit `torch.Generator` (the
+completions of a step are a pure function of its seed, which makes resumed runs exact) and so that the sampler's
+log-probs come out without a second pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (len(sequences), longest): sequences right-aligned so that generation appends on the right."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.tensor(seq)
+            mask[row, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding: 0 at each row's first real token."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def sample_next(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits (N, V); returns (tokens (N,), their log-probs at the temperature (N,)).
+
+    The log-probs are those of the tempered distribution *before* top-p truncation: that is the distribution the
+    trainer's loss evaluates, so the two stay comparable for importance-sampling corrections.
+    """
+    logits = logits.float()
+    if sampling.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = torch.log_softmax(logits / sampling.temperature, -1)  # (N, V)
+    probs = logprobs.exp()
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+        sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # multinomial renormalizes
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine(RolloutEngine):
+    """Generates with a transformers causal LM in this process (the policy itself, sharing its weights)."""
+
+    def __init__(self, model: nn.Module, eos_token_ids: list[int], pad_token_id: int) -> None:
+        self.model = model
+        self.eos_token_ids = torch.tensor(eos_token_ids)
+        self.pad_token_id = pad_token_id
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> Rollout:
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, device)  # (N, P)
+        eos = self.eos_token_ids.to(device)
+        rows = prompt.shape[0]
+        tokens, logprobs = [], []
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        mask, position = prompt_mask, positions(prompt_mask)
+        step_ids, cache = prompt, None
+        for _ in range(sampling.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,  # only the last position's logits are needed
+            )
+            cache = out.past_key_values
+            token, logprob = sample_next(out.logits[:, -1], sampling, generator)  # (N,), (N,)
+            token = torch.where(finished, self.pad_token_id, token)
+            tokens.append(token)
+            logprobs.append(torch.where(finished, 0.0, logprob))
+            finished = finished | torch.isin(token, eos)
+            if finished.all():
+                break
+            step_ids = token[:, None]  # (N, 1)
+            position = position[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        completion = torch.stack(tokens, dim=1)  # (N, C)
+        # A token belongs to the completion if no stop token came before it (the stop token itself counts).
+        stops = torch.isin(completion, eos).long()
+        completion_mask = ((stops.cumsum(1) - stops) == 0).long()  # (N, C)
+        return Rollout(
+            prompt_ids=prompt,
+            prompt_mask=prompt_mask,
+            completion_ids=completion,
+            completion_mask=completion_mask,
+            sampler_logprobs=torch.stack(logprobs, dim=1) * completion_mask,
+        )

@@ -1,0 +1,63 @@
+"""Everything needed to turn a model into a sketch-trained one, as one value shared by the Lightning strategy,
+the Fabric adapter and plain-PyTorch users: install the sketches, freeze the rest, build the optimizers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_logra.sketch.install import install_sketches
+from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchSGD
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class SketchConfig:
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    rank: int = 64
+    seed: int = 0
+    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    refresh_every: int | None = None  # None: a fixed projection (the paper's default)
+    optimizer: Literal["sgd", "adam"] = "adam"
+    lr: float = 1e-5
+    momentum: float = 0.0  # sgd only
+    betas: tuple[float, float] = (0.9, 0.999)  # adam only
+    eps: float = 1e-8  # adam only
+    cache_projection: bool = True
+    train_bias: bool = False  # biases of sketched layers, trained densely
+    train_rest: bool = False  # every other parameter (embeddings, norms, ...) trained densely with AdamW
+    rest_lr: float = 1e-6
+    rest_weight_decay: float = 0.0
+
+    def install(self, model: nn.Module) -> dict[str, SketchedLinear]:
+        """Install the sketches; freeze every other parameter unless `train_rest`."""
+        handles = install_sketches(
+            model, self.target_modules, self.rank, self.seed, self.distribution,
+            cache_projection=self.cache_projection, train_bias=self.train_bias,
+        )
+        sketch_params = {id(h.sketch_param) for h in handles.values()}
+        biases = {id(h.bias) for h in handles.values() if h.bias is not None}
+        for param in model.parameters():
+            if id(param) not in sketch_params and id(param) not in biases and param.requires_grad:
+                param.requires_grad_(self.train_rest)
+        return handles
+
+    def build_optimizers(self, model: nn.Module, handles: dict[str, SketchedLinear]) -> list[torch.optim.Optimizer]:
+        """[sketch optimizer] plus, when anything else is trainable, an AdamW over it."""
+        sketch: SketchOptimizer
+        if self.optimizer == "sgd":
+            sketch = SketchSGD(handles, self.lr, self.momentum, self.refresh_every)
+        elif self.optimizer == "adam":
+            sketch = SketchAdam(handles, self.lr, self.betas, self.eps, self.refresh_every)
+        else:
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        sketch_params = {id(h.sketch_param) for h in handles.values()}
+        dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sketch_params]
+        if not dense:
+            return [sketch]
+        return [sketch, torch.optim.AdamW(dense, lr=self.rest_lr, weight_decay=self.rest_weight_decay)]

@@ -1,0 +1,119 @@
+"""The product through its command line: configs, training, resume, bad input, export."""
+
+import glob
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cli import main
+from lightning_logra.data.module import ArithDataModule, PromptDataModule
+from lightning_logra.module import RLVRModule
+from lightning_logra.strategy import SketchStrategy
+
+CONFIGS = sorted(glob.glob(str(Path(__file__).parents[1] / "configs" / "*.yaml")))
+
+
+def _fast(model_path, root, steps, *extra):
+    """Overrides that make any tiny_arith config a seconds-long run on a random tiny model."""
+    return [
+        "--model.model", model_path,
+        "--trainer.max_steps", str(steps),
+        "--trainer.val_check_interval", "2",
+        "--trainer.logger.init_args.save_dir", str(root),
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(root),
+        "--data.init_args.batch_size", "4",
+        "--data.init_args.eval_limit", "8",
+        "--model.reward", "conftest.odd_first_digit",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: Path(p).stem)
+def test_every_config_instantiates_the_real_classes(config):
+    # GPU configs are checked on this CPU machine by overriding only where they run.
+    cli = main(["--config", config, "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+                "--trainer.logger", "false"], run=False)
+    assert isinstance(cli.model, RLVRModule) and cli.model.policy is None  # weights load lazily, at fit
+    assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
+    if "dense" not in Path(config).stem:
+        assert isinstance(cli.trainer.strategy, SketchStrategy)
+        assert cli.trainer.strategy.config.rank < 4096
+
+
+def test_qwen1_5b_is_the_papers_design_choice_setting():
+    cli = main(["--config", str(Path(CONFIGS[0]).parent / "qwen1_5b.yaml"), "--trainer.accelerator", "cpu",
+                "--trainer.precision", "32-true", "--trainer.logger", "false"], run=False)
+    config = cli.trainer.strategy.config
+    assert cli.model.hparams.model == "Qwen/Qwen2.5-Math-1.5B"
+    assert (config.rank, config.distribution, config.refresh_every) == (256, "rademacher", None)
+    assert cli.datamodule.preset == "dapo_math"
+
+
+def _weights(module):
+    return {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+
+def test_resume_continues_exactly(tiny_arith_model, tmp_path):
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    straight = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 4)])
+    first = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2)])
+    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "*.ckpt"), recursive=True)
+    assert len(checkpoint) == 1 and "step=2" in checkpoint[0]
+    resumed = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "c", 4), "--ckpt_path",
+                    checkpoint[0]])
+    assert resumed.trainer.global_step == straight.trainer.global_step == 4
+    a, b, start = _weights(straight.model), _weights(resumed.model), _weights(first.model)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert any(not torch.equal(a[n], start[n]) for n in a)  # steps 3-4 did change something
+    # the sketch optimizer state came back too: Adam has taken 4 steps on both paths
+    opt_a, opt_b = straight.trainer.optimizers[0], resumed.trainer.optimizers[0]
+    for pa, pb in zip(opt_a.param_groups[0]["params"], opt_b.param_groups[0]["params"]):
+        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"] == 4
+        assert torch.equal(opt_a.state[pa]["exp_avg"], opt_b.state[pb]["exp_avg"])
+
+
+def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp_path):
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    export = tmp_path / "export"
+    cli = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 2), "--model.export_dir", str(export)])
+    assert json.loads((export / "config.json").read_text())["model_type"] == "qwen2"
+    reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, cli.model.policy.state_dict()[name]), name
+    prompts = tokenizer(["12+34=", "81+19=", "40+7="], return_tensors="pt", padding=True)
+    kwargs = dict(do_sample=False, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        theirs = reloaded.generate(**prompts, **kwargs)
+        ours = cli.model.policy.eval().generate(**prompts, **kwargs)
+    assert tokenizer.batch_decode(theirs) == tokenizer.batch_decode(ours)
+
+
+@pytest.mark.parametrize(
+    "override, error, message",
+    [
+        (["--model.rnak", "3"], SystemExit, "rnak"),
+        (["--trainer.strategy.init_args.rank", "500"], ValueError, "rank=500 must be smaller"),
+        (["--trainer.strategy.init_args.target_modules", "[qq_proj]"], ValueError, "target_modules: 'qq_proj'"),
+        (["--model.model", "./no/such/model"], FileNotFoundError, "model.model"),
+    ],
+    ids=["wrong key", "rank too large", "no target match", "missing model"],
+)
+def test_bad_input_fails_before_training(tiny_arith_model, tmp_path, capsys, override, error, message):
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    with pytest.raises(error) as info:
+        main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 2), *override])
+    shown = capsys.readouterr().err if error is SystemExit else str(info.value)
+    assert message in shown
+    assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)  # no step was taken
+
+
+def test_missing_data_file_names_the_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"data.train: no such file"):
+        PromptDataModule(train=str(tmp_path / "missing.jsonl"))

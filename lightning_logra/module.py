@@ -96,6 +96,8 @@ class RLVRModule(LightningModule):
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self.engine: RolloutEngine | None = None
+        # Set by a step-size controller callback (PredictedKLBudget); without one every update is taken at α = 1.
+        self.step_controller = None
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -174,7 +176,7 @@ class RLVRModule(LightningModule):
             self.manual_backward(micro_loss)
             loss += micro_loss.detach()
 
-        grad_norm, skipped = self._update()
+        grad_norm, skipped = self._update(rollout)
         elapsed = time.perf_counter() - start
         lengths = rollout.completion_lengths.float()
         groups = rewards.view(-1, hp.num_generations)
@@ -193,7 +195,7 @@ class RLVRModule(LightningModule):
         self.log_dict(metrics, batch_size=len(rewards))
         return loss
 
-    def _update(self) -> tuple[torch.Tensor, bool]:
+    def _update(self, rollout: Rollout) -> tuple[torch.Tensor, bool]:
         """Clip, then step every optimizer; returns (grad norm before clipping, whether the update was skipped)."""
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
@@ -210,7 +212,12 @@ class RLVRModule(LightningModule):
             # Only the first optimizer steps through Lightning, so that global_step counts training steps.
             step = opt.step if index == 0 else inner.step
             if isinstance(inner, SketchOptimizer):
-                step(alpha=1.0, skip=skipped)
+                alpha = 1.0
+                if self.step_controller is not None:
+                    # asked only once the proposal exists, i.e. between propose() and apply(α)
+                    controller = self.step_controller
+                    alpha = lambda: controller.choose_alpha(self, inner, rollout)  # noqa: E731
+                step(alpha=alpha, skip=skipped)
             else:
                 if skipped:
                     inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW

@@ -62,8 +62,8 @@ def test_resume_continues_exactly(tiny_arith_model, tmp_path):
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
     straight = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 4)])
     first = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2)])
-    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "*.ckpt"), recursive=True)
-    assert len(checkpoint) == 1 and "step=2" in checkpoint[0]
+    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "last.ckpt"), recursive=True)
+    assert len(checkpoint) == 1 and torch.load(checkpoint[0], weights_only=False)["global_step"] == 2
     resumed = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "c", 4), "--ckpt_path",
                     checkpoint[0]])
     assert resumed.trainer.global_step == straight.trainer.global_step == 4
@@ -117,3 +117,11 @@ def test_bad_input_fails_before_training(tiny_arith_model, tmp_path, capsys, ove
 def test_missing_data_file_names_the_key(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data.train: no such file"):
         PromptDataModule(train=str(tmp_path / "missing.jsonl"))
+
+
+def test_validate_and_test_report_pass_at_1(tiny_arith_model, tmp_path):
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    for command, key in (("validate", "val/pass@1"), ("test", "test/pass@1")):
+        cli = main([command, "--config", config, *_fast(tiny_arith_model, tmp_path, 2)])
+        results = cli.trainer.callback_metrics
+        assert key in results and 0.0 <= float(results[key]) <= 1.0

@@ -1,0 +1,5 @@
+"""Toggleable pieces of a run; each owns only its own schedule and state, and the run works without it."""
+
+from callbacks.kl_budget import PredictedKLBudget
+
+__all__ = ["PredictedKLBudget"]

@@ -1,0 +1,118 @@
+"""PredictedKLBudget: scale every sketch update so that its predicted KL stays within a (scheduled) budget δ."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_logra.kl import Responses, predicted_kl, realized_kl, step_scale
+from lightning_logra.rollout import Rollout
+from lightning_logra.sketch.optim import SketchOptimizer
+
+Schedule = Literal["constant", "linear", "cosine", "exponential"]
+
+
+class PredictedKLBudget(Callback):
+    """Before each update, measure q = KL(π_θ ‖ π_{θ+Δ}) of the proposal on a few responses and take the step
+    α = min(α_max, √(δ/q)); after it, log the realized KL on the same responses beside the prediction.
+
+    Args:
+        budget: δ₀, the budget at step 0.
+        final_budget: δ₁, reached after `anneal_steps` (required unless the schedule is constant).
+        schedule: constant, or linear / cosine / exponential (geometric) interpolation from δ₀ to δ₁.
+        anneal_steps: steps from δ₀ to δ₁; δ₁ is kept afterwards.
+        alpha_max: the largest scale of a proposal (stops tiny-q proposals from blowing up).
+        subset: how many responses D to measure on: a count (int) or a fraction of the batch (float ≤ 1).
+        seed: the subset of step s is drawn from a generator seeded with (seed, s).
+    """
+
+    def __init__(
+        self,
+        budget: float = 2e-4,
+        final_budget: float | None = None,
+        schedule: Schedule = "constant",
+        anneal_steps: int | None = None,
+        alpha_max: float = 1.0,
+        subset: int | float = 8,
+        seed: int = 0,
+    ) -> None:
+        if budget <= 0 or (final_budget is not None and final_budget <= 0):
+            raise ValueError(f"PredictedKLBudget: budget and final_budget must be positive, got {budget}, {final_budget}")
+        if schedule not in ("constant", "linear", "cosine", "exponential"):
+            raise ValueError(f"PredictedKLBudget: schedule must be constant/linear/cosine/exponential, got {schedule!r}")
+        if schedule != "constant" and (final_budget is None or not anneal_steps or anneal_steps < 1):
+            raise ValueError(f"PredictedKLBudget: schedule={schedule!r} needs final_budget and anneal_steps >= 1")
+        if alpha_max <= 0:
+            raise ValueError(f"PredictedKLBudget: alpha_max must be positive, got {alpha_max}")
+        if subset <= 0 or (isinstance(subset, float) and subset > 1):
+            raise ValueError(f"PredictedKLBudget: subset is a count >= 1 or a fraction in (0, 1], got {subset}")
+        self.budget, self.final_budget, self.schedule = budget, final_budget, schedule
+        self.anneal_steps, self.alpha_max, self.subset, self.seed = anneal_steps, alpha_max, subset, seed
+        self.controlled_steps = 0  # updates this callback has scaled (its checkpointed state)
+        self._pending: tuple[Responses, torch.Tensor, float] | None = None
+
+    def budget_at(self, step: int) -> float:
+        """δ at a step: δ₀ → δ₁ over anneal_steps by the schedule, δ₁ afterwards."""
+        if self.schedule == "constant":
+            return self.budget
+        t = min(step / self.anneal_steps, 1.0)
+        d0, d1 = self.budget, self.final_budget
+        if self.schedule == "linear":
+            return d0 + (d1 - d0) * t
+        if self.schedule == "cosine":
+            return d1 + (d0 - d1) * 0.5 * (1.0 + math.cos(math.pi * t))
+        return d0 * (d1 / d0) ** t  # exponential: a constant ratio per step
+
+    # ---- the module asks for α once the sketch optimizer has a proposal ----------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pl_module.step_controller = self
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pl_module.step_controller = None
+
+    def _select(self, rollout, step: int) -> Responses:
+        n = rollout.completion_ids.shape[0]
+        size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * n))
+        rows = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step))[:size]
+        rows = rows.sort().values.to(rollout.completion_ids.device)
+        width = int(rollout.completion_mask[rows].sum(-1).max())
+        return Responses(rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows, :width],
+                         rollout.completion_mask[rows, :width])
+
+    def choose_alpha(self, pl_module: LightningModule, optimizer: SketchOptimizer, rollout: Rollout) -> float:
+        """Called by the module between the optimizer's propose() and apply(α)."""
+        start = time.perf_counter()
+        step = pl_module.global_step
+        temperature = pl_module.hparams.temperature  # the distribution the rollouts were sampled from
+        responses = self._select(rollout, step)
+        layers = {layer.name: layer for layer in optimizer.layers}
+        q, current = predicted_kl(pl_module.policy, layers, optimizer.proposal(), responses, temperature)
+        q = float(q)
+        budget = self.budget_at(step)
+        alpha = step_scale(q, budget, self.alpha_max)
+        self._pending = (responses, current, temperature)
+        self.controlled_steps += 1
+        pl_module.log_dict({"kl/q": q, "kl/alpha": alpha, "kl/budget": budget, "kl/predicted": alpha**2 * q,
+                            "kl/control_s": time.perf_counter() - start})
+        return alpha
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._pending is None:
+            return  # nothing was proposed this step (the update was skipped)
+        start = time.perf_counter()
+        responses, before, temperature = self._pending
+        self._pending = None
+        realized = realized_kl(pl_module.policy, responses, before, temperature)
+        pl_module.log_dict({"kl/realized": float(realized), "kl/realized_s": time.perf_counter() - start})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"controlled_steps": self.controlled_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.controlled_steps = state_dict["controlled_steps"]

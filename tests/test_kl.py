@@ -1,0 +1,131 @@
+import copy
+import math
+
+import pytest
+import torch
+
+from callbacks import PredictedKLBudget
+from conftest import SKETCH_TARGETS, make_tiny_qwen2
+from lightning_logra.kl import (
+    Responses,
+    _completion_logprobs,
+    low_rank_perturbation,
+    mean_token_kl,
+    predicted_kl,
+    realized_kl,
+    step_scale,
+)
+from lightning_logra.sketch import SketchSGD, apply_low_rank_update_, install_sketches
+
+
+def _responses(n=4, prompt=5, completion=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, completion, dtype=torch.long)
+    mask[0, 4:] = 0  # one shorter completion
+    return Responses(torch.randint(0, 97, (n, prompt), generator=g), torch.ones(n, prompt, dtype=torch.long),
+                     torch.randint(0, 97, (n, completion), generator=g), mask)
+
+
+def _random_proposal(handles, scale, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(h.out_features, h.rank, generator=g).to(dtype) * scale, h.projection(), 0.5)
+            for name, h in handles.items()}
+
+
+def test_low_rank_evaluation_equals_a_weight_copy_in_float64():
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.1, torch.float64)
+    responses = _responses()
+    copied = copy.deepcopy(model)
+    for name, (u, a, lr) in proposal.items():
+        apply_low_rank_update_(copied.get_submodule(name).weight, lr * u.double(), a.double())
+    with torch.no_grad(), low_rank_perturbation(handles, proposal):
+        perturbed = _completion_logprobs(model, responses, 1.0, None)
+    with torch.no_grad():
+        merged = _completion_logprobs(copied, responses, 1.0, None)
+        original = _completion_logprobs(model, responses, 1.0, None)  # hooks are gone again
+    torch.testing.assert_close(perturbed, merged, rtol=0, atol=1e-6)  # logprobs are fp32 by design
+    assert not torch.allclose(perturbed, original, atol=1e-3)
+
+
+def test_dense_deltas_equal_a_weight_copy():
+    model = make_tiny_qwen2()
+    delta = torch.randn_like(model.model.norm.weight) * 0.1
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        copied.model.norm.weight += delta
+        ours = _completion_logprobs(model, _responses(), 1.0, {"model.norm.weight": delta})
+        theirs = _completion_logprobs(copied, _responses(), 1.0, None)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_kl_is_quadratic_in_the_step_for_small_steps():
+    model = make_tiny_qwen2()
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.02)
+    responses = _responses()
+    with torch.no_grad():
+        base = _completion_logprobs(model, responses, 1.0, None)
+        kls = []
+        for alpha in (0.1, 0.2):
+            with low_rank_perturbation(handles, proposal, alpha):
+                kls.append(mean_token_kl(base, _completion_logprobs(model, responses, 1.0, None),
+                                         responses.completion_mask).item())
+    assert kls[1] / kls[0] == pytest.approx(4.0, rel=0.05)
+
+
+def test_realized_kl_agrees_with_the_prediction_for_a_small_step():
+    model = make_tiny_qwen2()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=8)
+    # η small enough that the proposal at α = 1 is itself a small step: q is measured in the quadratic regime.
+    # (At η = 1 on this random model, q = 0.027 lies far outside it and α = √(δ/q) then overshoots δ 15-fold.)
+    optimizer = SketchSGD(handles, lr=0.01)
+    responses = _responses()
+    ids = torch.cat([responses.prompt_ids, responses.completion_ids], 1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert optimizer.propose()
+    q, before = predicted_kl(model, handles, optimizer.proposal(), responses)
+    budget = 1e-4
+    alpha = step_scale(float(q), budget, alpha_max=10.0)
+    assert alpha**2 * float(q) == pytest.approx(budget)  # the budget binds: α < α_max
+    optimizer.apply(alpha)
+    realized = float(realized_kl(model, responses, before))
+    assert realized == pytest.approx(budget, rel=0.10)
+
+
+def test_step_scale_rule():
+    delta = 2e-4
+    assert step_scale(4 * delta, delta, alpha_max=1.0) == pytest.approx(0.5)
+    assert step_scale(delta / 100, delta, alpha_max=3.0) == 3.0  # √100 = 10, capped at α_max
+    assert step_scale(0.0, delta, alpha_max=2.0) == 2.0
+    assert step_scale(float("nan"), delta, alpha_max=2.0) == 0.0
+    for q in torch.logspace(-8, 2, 50).tolist():
+        alpha = step_scale(q, delta, alpha_max=5.0)
+        assert alpha**2 * q <= delta * (1 + 1e-12)
+    with pytest.raises(ValueError, match="budget"):
+        step_scale(1.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "exponential"])
+def test_schedules_run_from_budget_to_final_budget(schedule):
+    control = PredictedKLBudget(2e-4, 2e-5, schedule, anneal_steps=100)
+    assert control.budget_at(0) == pytest.approx(2e-4)
+    assert control.budget_at(100) == pytest.approx(2e-5)
+    assert control.budget_at(250) == pytest.approx(2e-5)
+    values = [control.budget_at(s) for s in range(101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    middle = {"linear": 1.1e-4, "cosine": 1.1e-4, "exponential": math.sqrt(2e-4 * 2e-5)}[schedule]
+    assert control.budget_at(50) == pytest.approx(middle)
+    assert PredictedKLBudget(3e-4).budget_at(77) == 3e-4
+
+
+def test_bad_budget_settings_fail_fast():
+    with pytest.raises(ValueError, match="budget"):
+        PredictedKLBudget(budget=0.0)
+    with pytest.raises(ValueError, match="anneal_steps"):
+        PredictedKLBudget(2e-4, 2e-5, "linear")
+    with pytest.raises(ValueError, match="subset"):
+        PredictedKLBudget(subset=1.5)

@@ -22,5 +22,11 @@ def test_tiny_arith_learns(tmp_path):
     first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
     print(f"reward first tenth {first:.3f} → last tenth {last:.3f} over {steps} steps")
     assert last - first >= 0.2
-    for name in ("train/loss", "train/grad_norm", "train/tokens_per_s", "val/pass@1"):
+    for name in ("train/loss", "train/grad_norm", "train/tokens_per_s", "val/pass@1", "kl/q", "kl/alpha",
+                 "kl/realized"):
         assert events.Scalars(name), name
+    # the predicted-KL controller kept every update inside its (annealed) budget
+    predicted, budget = events.Scalars("kl/predicted"), events.Scalars("kl/budget")
+    assert len(predicted) == steps
+    assert all(p.value <= b.value * (1 + 1e-6) for p, b in zip(predicted, budget))
+    assert budget[0].value > budget[-1].value

@@ -1,5 +1,6 @@
 """Toggleable pieces of a run; each owns only its own schedule and state, and the run works without it."""
 
 from callbacks.kl_budget import PredictedKLBudget
+from callbacks.memory import MemoryProfiler
 
-__all__ = ["PredictedKLBudget"]
+__all__ = ["MemoryProfiler", "PredictedKLBudget"]

@@ -92,7 +92,8 @@ class PredictedKLBudget(Callback):
         responses = self._select(rollout, step)
         layers = {layer.name: layer for layer in optimizer.layers}
         q, current = predicted_kl(pl_module.policy, layers, optimizer.proposal(), responses, temperature)
-        q = float(q)
+        # Every rank must take the same α: average q over the ranks' subsets before deciding.
+        q = float(pl_module.trainer.strategy.reduce(q, reduce_op="mean"))
         budget = self.budget_at(step)
         alpha = step_scale(q, budget, self.alpha_max)
         self._pending = (responses, current, temperature)
@@ -108,7 +109,8 @@ class PredictedKLBudget(Callback):
         start = time.perf_counter()
         responses, before, temperature = self._pending
         self._pending = None
-        realized = realized_kl(pl_module.policy, responses, before, temperature)
+        realized = pl_module.trainer.strategy.reduce(realized_kl(pl_module.policy, responses, before, temperature),
+                                                     reduce_op="mean")
         pl_module.log_dict({"kl/realized": float(realized), "kl/realized_s": time.perf_counter() - start})
 
     def state_dict(self) -> dict[str, Any]:

@@ -30,21 +30,31 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     return centered.reshape(-1)
 
 
-def token_weights(completion_mask: torch.Tensor, loss_type: LossType, max_new_tokens: int) -> torch.Tensor:
+def token_weights(
+    completion_mask: torch.Tensor,
+    loss_type: LossType,
+    max_new_tokens: int,
+    total_tokens: float | None = None,
+    total_sequences: int | None = None,
+) -> torch.Tensor:
     """Per-token weights (N, C) of the whole batch, so that any split into micro-batches sums to the same loss.
 
     dapo:    token mean over the batch        1 / (tokens in the batch)
-    grpo:    mean over sequences of the per-sequence token mean   1 / (N · length_i)
-    dr_grpo: a constant normalizer            1 / (N · max_new_tokens)
+    grpo:    mean over sequences of the per-sequence token mean   1 / (sequences · length_i)
+    dr_grpo: a constant normalizer            1 / (sequences · max_new_tokens)
+
+    When the batch is sharded over processes, `total_tokens` / `total_sequences` are the counts of the global
+    batch, so that the processes' summed gradients equal the gradient of the global loss.
     """
     mask = completion_mask.float()
-    n = mask.shape[0]
+    tokens = mask.sum() if total_tokens is None else total_tokens
+    sequences = mask.shape[0] if total_sequences is None else total_sequences
     if loss_type == "dapo":
-        return mask / mask.sum().clamp(min=1)
+        return mask / max(float(tokens), 1.0)
     if loss_type == "grpo":
-        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * n)
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * sequences)
     if loss_type == "dr_grpo":
-        return mask / (n * max_new_tokens)
+        return mask / (sequences * max_new_tokens)
     raise ValueError(f"loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
 
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_logra.loss import LossType, completion_logits, group_advantages, token_logprobs, token_weights
 from lightning_logra.rewards import RewardFn, get_reward
-from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams
+from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, prompt_seeds
 from lightning_logra.sketch.optim import SketchOptimizer
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class RLVRModule(LightningModule):
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
             eval_temperature: 0 means greedy pass@1 in validate/test.
             chat_template: wrap each prompt as a user message with the tokenizer's chat template.
-            seed: seeds the sampling of every step (a pure function of seed and step, so resumes are exact).
+            seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
             export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained`.
         """
         super().__init__()
@@ -140,9 +140,13 @@ class RLVRModule(LightningModule):
         return self.tokenizer(prompts)["input_ids"]
 
     def _rollout_and_score(
-        self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, seed: int
+        self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int
     ) -> tuple[Rollout, torch.Tensor]:
-        rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seed)
+        # Each prompt's sampling depends only on (seed, step, its index in the global batch): a resumed run, or
+        # one sharded over several processes, draws what the uninterrupted single-process run would have.
+        count = len(batch["prompt"])
+        seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
+        rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seeds)
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         # Every column repeated per sample, so the reward sees row-aligned lists (TRL's convention).
         columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
@@ -155,16 +159,23 @@ class RLVRModule(LightningModule):
     def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> torch.Tensor:
         hp = self.hparams
         start = time.perf_counter()
-        # Sampling depends only on (seed, step): a resumed run draws what the uninterrupted one would have.
-        rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling,
-                                                   seed=hp.seed * 1_000_003 + self.global_step)
+        rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling, self.global_step)
         generated = time.perf_counter()
-        advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards)  # (N,)
-        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens)  # (N, C)
+        advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards)  # (N,), groups stay on one rank
+        # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
+        strategy = self.trainer.strategy
+        total_tokens = strategy.reduce(rollout.completion_mask.sum().float(), reduce_op="sum")
+        total_sequences = int(strategy.reduce(torch.tensor(float(len(rewards)), device=self.device), reduce_op="sum"))
+        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
+                                total_sequences)  # (N, C)
+        # A wrapper that averages gradients over ranks (plain DDP) divides by the world size; undo that.
+        grad_scale = 1.0 if hasattr(strategy, "sum_gradients") else float(self.trainer.world_size)
 
         loss = torch.zeros((), device=self.device)
-        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes.
-        active = advantages.nonzero().squeeze(-1)
+        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
+        # unless a DDP wrapper syncs inside every backward, where all ranks must run the same number of them.
+        explicit_sync = hasattr(strategy, "sum_gradients") or self.trainer.world_size == 1
+        active = advantages.nonzero().squeeze(-1) if explicit_sync else torch.arange(len(rewards), device=self.device)
         for rows in active.split(hp.micro_batch_size) if active.numel() else ():
             width = int(rollout.completion_mask[rows].sum(-1).max())  # trim right padding of this micro-batch
             completion_ids = rollout.completion_ids[rows, :width]
@@ -173,8 +184,9 @@ class RLVRModule(LightningModule):
                                        completion_ids, completion_mask)  # (m, w, V)
             logprobs = token_logprobs(logits, completion_ids, hp.temperature)  # (m, w)
             micro_loss = -(weights[rows, :width] * advantages[rows, None] * logprobs).sum()
-            self.manual_backward(micro_loss)
+            self.manual_backward(micro_loss * grad_scale)
             loss += micro_loss.detach()
+        loss = strategy.reduce(loss, reduce_op="sum")  # the global batch's loss
 
         grad_norm, skipped = self._update(rollout)
         elapsed = time.perf_counter() - start
@@ -191,16 +203,22 @@ class RLVRModule(LightningModule):
             "train/rollout_s": generated - start,
             "train/step_s": elapsed,
         }
-        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards))
-        self.log_dict(metrics, batch_size=len(rewards))
+        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
+        self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
         return loss
 
     def _update(self, rollout: Rollout) -> tuple[torch.Tensor, bool]:
         """Clip, then step every optimizer; returns (grad norm before clipping, whether the update was skipped)."""
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        grads = [p.grad for opt in optimizers for group in opt.param_groups for p in group["params"]
-                 if p.grad is not None]
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        sum_gradients = getattr(self.trainer.strategy, "sum_gradients", None)
+        if sum_gradients is not None:
+            sum_gradients(params)  # one all-reduce of the d×r sketches (and dense grads) per step
+            strategy = self.trainer.strategy
+            self.log_dict({"ddp/allreduce_bytes": float(strategy.last_allreduce_bytes),
+                           "ddp/dense_allreduce_bytes": float(strategy.dense_allreduce_bytes)})
+        grads = [p.grad for p in params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads)  # sketches included: E‖G·Aᵀ‖² = ‖G‖²
         skipped = not bool(torch.isfinite(grad_norm))
         if not skipped and self.hparams.max_grad_norm is not None:
@@ -228,8 +246,8 @@ class RLVRModule(LightningModule):
     # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
 
     def _pass_at_1(self, batch: dict[str, list[Any]], stage: str) -> None:
-        _, rewards = self._rollout_and_score(batch, 1, self.eval_sampling, seed=self.hparams.seed)
-        self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards))
+        _, rewards = self._rollout_and_score(batch, 1, self.eval_sampling, step=-1)
+        self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
 
     def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
         self._pass_at_1(batch, "val")

@@ -1,72 +1,115 @@
-"""Lightning wiring for sketch training: a strategy that installs the sketches when the Trainer sets up, and the
-same installer for Fabric users. All the math lives in `lightning_logra.sketch`."""
+"""Lightning wiring for sketch training: strategies that install the sketches when the Trainer sets up (one
+device, or DDP over processes), and the same installer for Fabric users. All the math is in `lightning_logra.sketch`.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_logra.checkpoint import AtomicCheckpointIO
-from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
+from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketched_layers
+from lightning_logra.sketch.linear import SketchedLinear
 
 
-class SketchStrategy(SingleDeviceStrategy):
-    """Single-device training of the module's `policy` with LoGRA sketches on `target_modules`.
+class _InstallsSketches:
+    """What both strategies share: install the sketches into the module's `policy` at fit set-up, and build the
+    sketch optimizer (plus AdamW for non-target parameters if `sketch.train_rest`) instead of the module's
+    `configure_optimizers`, which is its dense baseline."""
 
-    The module's own `configure_optimizers` (its dense baseline) is not used: this strategy builds the sketch
-    optimizer (and AdamW for the non-target parameters if `train_rest`). Checkpoints are written atomically.
-    """
-
-    strategy_name = "logra_sketch"
-
-    def __init__(
-        self,
-        target_modules: list[str] = list(DEFAULT_TARGETS),
-        rank: int = 64,
-        seed: int = 0,
-        distribution: Literal["rademacher", "gaussian"] = "rademacher",
-        refresh_every: int | None = None,
-        optimizer: Literal["sgd", "adam"] = "adam",
-        lr: float = 1e-5,
-        momentum: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        cache_projection: bool = True,
-        train_bias: bool = False,
-        train_rest: bool = False,
-        rest_lr: float = 1e-6,
-        rest_weight_decay: float = 0.0,
-        device: str | None = None,
-    ) -> None:
-        if device is None:
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        super().__init__(device=device, checkpoint_io=AtomicCheckpointIO())
-        self.config = SketchConfig(
-            list(target_modules), rank, seed, distribution, refresh_every, optimizer, lr, momentum, tuple(betas), eps,
-            cache_projection, train_bias, train_rest, rest_lr, rest_weight_decay,
-        )
-        self.handles: dict = {}
+    config: SketchConfig
+    handles: dict[str, SketchedLinear]
 
     @property
     def policy(self) -> nn.Module:
         return self.lightning_module.policy
 
-    def setup(self, trainer: Trainer) -> None:
-        # configure_model (which loads the policy) has run by now; the optimizers are built inside super().setup.
+    def _install(self, trainer: Trainer) -> None:
+        # configure_model (which loads the policy) has run by now; the optimizers are built inside setup().
         if trainer.state.fn == TrainerFn.FITTING:
             self.handles = sketched_layers(self.policy) or self.config.install(self.policy)
-        super().setup(trainer)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         self.optimizers = self.config.build_optimizers(self.policy, self.handles)
         self.lr_scheduler_configs = []
+
+
+class SketchStrategy(_InstallsSketches, SingleDeviceStrategy):
+    """Single-device training of the module's `policy` with LoGRA sketches. Checkpoints are written atomically."""
+
+    strategy_name = "logra_sketch"
+
+    def __init__(self, sketch: SketchConfig | None = None, device: str | None = None) -> None:
+        if device is None:
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        super().__init__(device=device, checkpoint_io=AtomicCheckpointIO())
+        self.config = sketch or SketchConfig()
+        self.handles = {}
+
+    def setup(self, trainer: Trainer) -> None:
+        self._install(trainer)
+        super().setup(trainer)
+
+
+class SketchDDPStrategy(_InstallsSketches, DDPStrategy):
+    """Data parallel sketch training: every rank holds the whole model and draws the same projections; the d×r
+    sketches are summed over ranks explicitly, once per optimizer step, and no d×k gradient exists anywhere.
+
+    There is no DDP wrapper: DDP syncs inside every backward pass, which would send each micro-batch's sketches
+    (and hang if ranks ran different numbers of micro-batches, as they do when zero-advantage samples are left
+    out); one explicit all-reduce per step sends the accumulated sketches once. The module normalizes its loss by
+    the global batch's counts, so the summed sketches equal a single process's on the whole batch.
+    """
+
+    strategy_name = "logra_sketch_ddp"
+
+    def __init__(self, sketch: SketchConfig | None = None, process_group_backend: str | None = None,
+                 **kwargs) -> None:
+        super().__init__(process_group_backend=process_group_backend, checkpoint_io=AtomicCheckpointIO(), **kwargs)
+        self.config = sketch or SketchConfig()
+        self.handles = {}
+        self.last_allreduce_bytes = self.dense_allreduce_bytes = 0
+
+    def setup(self, trainer: Trainer) -> None:
+        self._install(trainer)
+        super().setup(trainer)
+
+    def configure_ddp(self) -> None:
+        # Instead of wrapping in DDP: start every rank from rank 0's weights (the stride-0 sketch carriers B = 0
+        # are the same everywhere and cannot be broadcast into).
+        self.model._ddp_params_and_buffers_to_ignore = [
+            name for name, p in self.model.named_parameters() if any(p is h.sketch_param for h in self.handles.values())
+        ]
+        _sync_module_states(self.model)
+
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Sum the gradients of `params` over ranks in one collective: sketches (d×r) and any dense gradients."""
+        if self.world_size == 1:
+            return
+        # Every rank has the same parameters, so a rank whose sketch stayed empty (no active sample) sends zeros.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros(p.shape, dtype=torch.float32 if p.stride() == (0, 0) else p.dtype,
+                                     device=p.device)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
+        self.last_allreduce_bytes = flat.numel() * flat.element_size()
+        # What DDP would send for the same parameters with dense fp32 gradients of the sketched weights.
+        layer_of = {id(h.sketch_param): h for h in self.handles.values()}
+        self.dense_allreduce_bytes = sum(
+            layer_of[id(p)].weight.numel() * 4 if id(p) in layer_of else p.grad.numel() * p.grad.element_size()
+            for p in params
+        )
 
 
 def setup_fabric(
@@ -79,4 +122,4 @@ def setup_fabric(
     return model, optimizers
 
 
-__all__ = ["SketchConfig", "SketchStrategy", "setup_fabric"]
+__all__ = ["SketchConfig", "SketchDDPStrategy", "SketchStrategy", "setup_fabric"]

@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_logra.sketch import sketched_layers
 
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -59,3 +62,12 @@ def tiny_arith_model(tmp_path_factory) -> str:
 def odd_first_digit(prompts: list[str], completions: list[str], **_) -> list[float]:
     """A reward a random model earns about a third of the time, so tiny runs have non-zero advantages."""
     return [1.0 if c[:1] in "13579" else 0.0 for c in completions]
+
+
+class NoDenseSketchGradients(Callback):
+    """For subprocess runs: fails the run if a sketched weight ever holds a (d×k) gradient."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for name, layer in sketched_layers(pl_module.policy).items():
+            assert layer.weight.grad is None, f"rank {trainer.global_rank}: {name} has a dense gradient"
+            assert layer.sketch.shape == (layer.out_features, layer.rank)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cli import main
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
 from lightning_logra.module import RLVRModule
-from lightning_logra.strategy import SketchStrategy
+from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
 
 CONFIGS = sorted(glob.glob(str(Path(__file__).parents[1] / "configs" / "*.yaml")))
 
@@ -41,7 +41,7 @@ def test_every_config_instantiates_the_real_classes(config):
     assert isinstance(cli.model, RLVRModule) and cli.model.policy is None  # weights load lazily, at fit
     assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
     if "dense" not in Path(config).stem:
-        assert isinstance(cli.trainer.strategy, SketchStrategy)
+        assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy))
         assert cli.trainer.strategy.config.rank < 4096
 
 
@@ -99,8 +99,8 @@ def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp
     "override, error, message",
     [
         (["--model.rnak", "3"], SystemExit, "rnak"),
-        (["--trainer.strategy.init_args.rank", "500"], ValueError, "rank=500 must be smaller"),
-        (["--trainer.strategy.init_args.target_modules", "[qq_proj]"], ValueError, "target_modules: 'qq_proj'"),
+        (["--trainer.strategy.init_args.sketch.rank", "500"], ValueError, "rank=500 must be smaller"),
+        (["--trainer.strategy.init_args.sketch.target_modules", "[qq_proj]"], ValueError, "target_modules: 'qq_proj'"),
         (["--model.model", "./no/such/model"], FileNotFoundError, "model.model"),
     ],
     ids=["wrong key", "rank too large", "no target match", "missing model"],

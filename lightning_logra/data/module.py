@@ -20,20 +20,30 @@ from lightning_logra.data.prompts import PromptDataset
 
 
 class StepBatchSampler(Sampler[list[int]]):
-    """Endless batches of distinct indices; batch b depends only on (seed, b). Starts at batch `start`."""
+    """Endless batches of distinct indices; global batch b depends only on (seed, b). Starts at batch `start`.
 
-    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0) -> None:
+    With several ranks, each takes its contiguous slice of every global batch, so the ranks together see exactly
+    the batches of a single-process run.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0, rank: int = 0,
+                 world_size: int = 1) -> None:
         if batch_size > size:
-            raise ValueError(f"batch_size={batch_size} is larger than the training set ({size} prompts)")
+            raise ValueError(f"data.batch_size={batch_size} is larger than the training set ({size} prompts)")
+        if batch_size % world_size:
+            raise ValueError(f"data.batch_size={batch_size} (the global batch) must be divisible by the "
+                             f"{world_size} processes")
         self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
         self.per_epoch = size // batch_size  # the remainder of each permutation is dropped
+        local = batch_size // world_size
+        self.local = slice(rank * local, (rank + 1) * local)
 
     def __iter__(self) -> Iterator[list[int]]:
         batch = self.start
         while True:
             epoch, index = divmod(batch, self.per_epoch)
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
-            yield order[index * self.batch_size : (index + 1) * self.batch_size].tolist()
+            yield order[index * self.batch_size : (index + 1) * self.batch_size][self.local].tolist()
             batch += 1
 
 
@@ -46,6 +56,7 @@ class RLVRDataModule(LightningDataModule):
     """Base: subclasses say where the train and evaluation prompts come from."""
 
     def __init__(self, batch_size: int = 8, eval_batch_size: int = 64, seed: int = 0) -> None:
+        """batch_size: prompts per optimizer step over all processes (each rank takes an equal share)."""
         super().__init__()
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError("data.batch_size and data.eval_batch_size must be positive")
@@ -69,8 +80,9 @@ class RLVRDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # One batch is one optimizer step, so the global step is the index of the next batch.
-        start = self.trainer.global_step if self.trainer is not None else 0
-        sampler = StepBatchSampler(len(self.train_set), self.batch_size, self.seed, start)
+        trainer = self.trainer
+        start, rank, world = (trainer.global_step, trainer.global_rank, trainer.world_size) if trainer else (0, 0, 1)
+        sampler = StepBatchSampler(len(self.train_set), self.batch_size, self.seed, start, rank, world)
         return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=collate_rows)
 
     def _eval_loader(self, stage: str) -> DataLoader | list:

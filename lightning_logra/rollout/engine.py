@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -30,7 +31,20 @@ class Rollout:
         return self.completion_mask.sum(-1)  # (N,)
 
 
+def prompt_seeds(seed: int, step: int, first_index: int, count: int) -> list[int]:
+    """One sampling seed per prompt, a stable hash of (run seed, step, the prompt's index in the global batch).
+
+    Seeding each prompt, not the batch, makes a prompt's completions independent of which other prompts share
+    its batch or its process: a run sharded over 2 ranks samples what the same run on 1 process samples.
+    """
+    def one(index: int) -> int:
+        digest = hashlib.blake2b(f"{seed}:{step}:{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+    return [one(first_index + i) for i in range(count)]
+
+
 class RolloutEngine(ABC):
     @abstractmethod
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> Rollout:
-        """Sample n completions for each tokenized prompt; the same seed gives the same completions."""
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Rollout:
+        """Sample n completions for each tokenized prompt; prompt j's completions depend only on seeds[j]."""

@@ -1,8 +1,9 @@
 """The in-process engine: samples from the policy being trained, with a KV cache, in plain PyTorch.
 
-A loop of our own rather than `model.generate` so that sampling draws from an explicit `torch.Generator` (the
-completions of a step are a pure function of its seed, which makes resumed runs exact) and so that the sampler's
-log-probs come out without a second pass.
+A loop of our own rather than `model.generate` so that sampling is a pure function of per-prompt seeds (resumed
+and sharded runs draw exactly what an uninterrupted single-process run draws) and so that the sampler's log-probs
+come out without a second pass. Each token is drawn by inverting the CDF at a counter-based uniform keyed by
+(prompt seed, sample index, position), so no generator state is shared between rows.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from lightning_logra.sketch.projection import counter_uniform, mix64
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,9 +33,10 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_next(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, sampling: SamplingParams, keys: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits (N, V); returns (tokens (N,), their log-probs at the temperature (N,)).
+    """One token per row from logits (N, V) and one int64 key per row (N,); returns (tokens (N,), their log-probs
+    at the temperature (N,)).
 
     The log-probs are those of the tempered distribution *before* top-p truncation: that is the distribution the
     trainer's loss evaluates, so the two stay comparable for importance-sampling corrections.
@@ -49,7 +52,10 @@ def sample_next(
         # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
         sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # multinomial renormalizes
+    cdf = probs.double().cumsum(-1)  # (N, V), unnormalized after top-p
+    target = counter_uniform(keys) * cdf[:, -1]  # (N,) uniform on [0, total mass)
+    # The first token whose cumulative mass exceeds the target; a zero-probability token never qualifies.
+    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -62,17 +68,20 @@ class HFEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seed: int) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Rollout:
         device = next(self.model.parameters()).device
-        generator = torch.Generator(device=device).manual_seed(seed)
         prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, device)  # (N, P)
+        # One random stream per (prompt, sample): the key of row j·n + i mixes seeds[j] with i.
+        seeds = torch.tensor(seeds, dtype=torch.int64, device=device).repeat_interleave(n)  # (N,)
+        samples = torch.arange(n, device=device).repeat(len(prompt_ids))  # (N,)
+        row_keys = mix64(seeds ^ mix64(samples))  # (N,)
         eos = self.eos_token_ids.to(device)
         rows = prompt.shape[0]
         tokens, logprobs = [], []
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         mask, position = prompt_mask, positions(prompt_mask)
         step_ids, cache = prompt, None
-        for _ in range(sampling.max_new_tokens):
+        for t in range(sampling.max_new_tokens):
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=mask,
@@ -82,7 +91,7 @@ class HFEngine(RolloutEngine):
                 logits_to_keep=1,  # only the last position's logits are needed
             )
             cache = out.past_key_values
-            token, logprob = sample_next(out.logits[:, -1], sampling, generator)  # (N,), (N,)
+            token, logprob = sample_next(out.logits[:, -1], sampling, mix64(row_keys + t))  # (N,), (N,)
             token = torch.where(finished, self.pad_token_id, token)
             tokens.append(token)
             logprobs.append(torch.where(finished, 0.0, logprob))

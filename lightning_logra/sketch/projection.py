@@ -36,15 +36,24 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _splitmix64(seed: int, count: int, device: torch.device | str | None) -> torch.Tensor:
-    """`count` pseudo-random 64-bit words (as int64) for stream `seed`; word i depends only on (seed, i)."""
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 words: a bijection that scatters nearby inputs across all 64 bits."""
     # int64 multiplication wraps modulo 2^64 on every torch backend, which is exactly the unsigned arithmetic
     # SplitMix64 needs.
-    index = torch.arange(1, count + 1, dtype=torch.int64, device=device)  # (count,)
-    z = index * _GOLDEN + _as_int64(seed)
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     return z ^ _shr(z, 31)
+
+
+def counter_uniform(keys: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) (float64) per int64 key, a pure function of the key on any device."""
+    return _shr(mix64(keys * _GOLDEN + _GOLDEN), 11).to(torch.float64) * 2.0**-53
+
+
+def _splitmix64(seed: int, count: int, device: torch.device | str | None) -> torch.Tensor:
+    """`count` pseudo-random 64-bit words (as int64) for stream `seed`; word i depends only on (seed, i)."""
+    index = torch.arange(1, count + 1, dtype=torch.int64, device=device)  # (count,)
+    return mix64(index * _GOLDEN + _as_int64(seed))
 
 
 def make_projection(

@@ -1,0 +1,156 @@
+"""MemoryProfiler: the average and peak memory of every training step, and the footprint by category."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_logra.sketch.memory import MemoryBreakdown, memory_breakdown
+
+GIB = 2**30
+_STATM = "/proc/self/statm"
+
+
+def process_rss_reader() -> Callable[[], int]:
+    """A function returning this process's resident set size in bytes: from /proc on Linux, else from psutil."""
+    if os.path.exists(_STATM):
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def read() -> int:
+            with open(_STATM) as statm:  # "size resident shared ...", counted in pages
+                return int(statm.read().split()[1]) * page
+
+        return read
+    try:
+        import psutil
+    except ImportError:
+        raise RuntimeError(
+            f"MemoryProfiler: CPU memory is read from {_STATM} (Linux) or with psutil; this system has neither. "
+            "Install psutil or remove callbacks.MemoryProfiler from trainer.callbacks"
+        ) from None
+    process = psutil.Process()
+    return lambda: process.memory_info().rss
+
+
+class StepSampler:
+    """Reads `read()` (bytes) every `interval_s` on a background thread between `start()` and `stop()`.
+
+    A thread, because a training step is one long call into the module: only something running beside it sees the
+    memory rise and fall inside the step. The samples are evenly spaced, so their mean is the time average.
+    """
+
+    def __init__(self, read: Callable[[], int], interval_s: float = 0.005) -> None:
+        self.read, self.interval_s = read, interval_s
+        self._samples: list[int] = []
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        # One sample at each end, so that a step shorter than the interval is still measured.
+        self._samples = [self.read()]
+        self._done.clear()
+        self._thread = threading.Thread(target=self._sample, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self._samples.append(self.read())
+
+    def stop(self) -> tuple[float, int]:
+        """(average, peak) bytes since `start()`."""
+        self._done.set()
+        self._thread.join()
+        self._thread = None
+        self._samples.append(self.read())
+        return sum(self._samples) / len(self._samples), max(self._samples)
+
+
+class MemoryProfiler(Callback):
+    """Log the memory of every training step of this device and, once, the footprint by category.
+
+    Every step: `memory/avg_gib` and `memory/peak_gib`, from the CUDA allocator on a GPU (memory_allocated sampled
+    for the average, max_memory_allocated for the peak, plus `memory/device_used_gib`: what the device has in use
+    by all processes and caches) and from the process's resident set size on the CPU. A step is the window from
+    `on_train_batch_start` to this callback's `on_train_batch_end`: rollout, backward and update (and the work of
+    callbacks listed before this one), without validation or checkpointing. A rollout engine in another process
+    is reported beside it as `memory/engine_gib` when the module's engine has `memory_bytes()`.
+
+    After the first step: `memory/<category>_gib` for each category of `memory_breakdown`. At the end of fit, rank
+    zero prints a table of both. Observation only: the run is the same without this callback.
+
+    Args:
+        interval_s: seconds between two samples of the step's memory.
+    """
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"MemoryProfiler: interval_s must be positive, got {interval_s}")
+        self.interval_s = interval_s
+        self.steps: list[tuple[float, float]] = []  # (average, peak) GiB of each training step of the last fit
+        self.breakdown: MemoryBreakdown | None = None
+        self._sampler: StepSampler | None = None
+        self._cuda: torch.device | None = None  # the device to ask the CUDA allocator about; None on the CPU
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.steps, self.breakdown = [], None
+        device = pl_module.device
+        if device.type == "cuda" and torch.cuda.is_available():
+            self._cuda = device
+            read = lambda: torch.cuda.memory_allocated(device)  # noqa: E731
+        else:
+            self._cuda = None
+            read = process_rss_reader()
+        self._sampler = StepSampler(read, self.interval_s)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+        self._sampler.start()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        average, peak = self._sampler.stop()
+        metrics: dict[str, float] = {}
+        if self._cuda is not None:
+            # The allocator's high-water mark is exact, where samples can miss a spike shorter than the interval.
+            peak = torch.cuda.max_memory_allocated(self._cuda)
+            free, total = torch.cuda.mem_get_info(self._cuda)
+            metrics["memory/device_used_gib"] = (total - free) / GIB
+        self.steps.append((average / GIB, peak / GIB))
+        metrics["memory/avg_gib"], metrics["memory/peak_gib"] = self.steps[-1]
+        memory_bytes = getattr(getattr(pl_module, "engine", None), "memory_bytes", None)
+        if callable(memory_bytes):
+            metrics["memory/engine_gib"] = memory_bytes() / GIB
+        if self.breakdown is None:
+            # Measured after the first step rather than at fit start: dense optimizers (AdamW) create their state
+            # in their first step. From then on it is static, so it is logged once.
+            self.breakdown = memory_breakdown(pl_module.policy, trainer.optimizers)
+            metrics.update({f"memory/{name}_gib": size / GIB for name, size in self.breakdown.as_dict().items()})
+        pl_module.log_dict(metrics)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # A step that raised never reaches on_train_batch_end: stop its sampling thread here.
+        if self._sampler is not None and self._sampler.running:
+            self._sampler.stop()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.steps:
+            return  # no training step ran (e.g. resumed at max_steps)
+        rows = [
+            ("step average (mean over steps)", sum(average for average, _ in self.steps) / len(self.steps)),
+            ("step peak (max over steps)", max(peak for _, peak in self.steps)),
+            *((name, size / GIB) for name, size in self.breakdown.as_dict().items()),
+        ]
+        lines = [f"| memory of this device, GiB ({len(self.steps)} steps) | |", "|---|---:|"]
+        lines += [f"| {name} | {value:.4f} |" for name, value in rows]
+        rank_zero_info("\n".join(lines))

@@ -1,0 +1,46 @@
+"""Two CPU processes (gloo) against one process on the same global batch, through the CLI."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).parents[1]
+
+
+def _without_kl_control(config: str, path: Path) -> str:
+    # The KL controller measures q on each rank's own subset of responses, so its α (rightly) differs from a
+    # single process's; equality of the update itself is checked without it.
+    data = yaml.safe_load((ROOT / "configs" / config).read_text())
+    data["trainer"]["callbacks"] = [c for c in data["trainer"]["callbacks"] if "KL" not in c["class_path"]]
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _fit(config: str, model: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:
+    command = [
+        sys.executable, "cli.py", "fit", "--config", config, "--model.model", model,
+        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+        "--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root),
+        "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "4",
+        "--data.init_args.eval_limit", "4", "--model.reward", "conftest.odd_first_digit",
+        "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(root / "export" / "model.safetensors")
+
+
+def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
+    single = _fit(_without_kl_control("tiny_arith.yaml", tmp_path / "single.yaml"), tiny_arith_model, tmp_path / "1")
+    double = _fit(_without_kl_control("tiny_arith_ddp.yaml", tmp_path / "ddp.yaml"), tiny_arith_model, tmp_path / "2")
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    moved = [name for name in single if not torch.equal(single[name], start[name])]
+    assert any("q_proj" in name for name in moved)  # the runs did train
+    for name in single:
+        torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)

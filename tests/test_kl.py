@@ -6,6 +6,7 @@ import torch
 
 from callbacks import PredictedKLBudget
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
+from lightning_logra.loss import completion_logits
 from lightning_logra.kl import (
     Responses,
     _completion_logprobs,
@@ -40,12 +41,14 @@ def test_low_rank_evaluation_equals_a_weight_copy_in_float64():
     copied = copy.deepcopy(model)
     for name, (u, a, lr) in proposal.items():
         apply_low_rank_update_(copied.get_submodule(name).weight, lr * u.double(), a.double())
+    args = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
     with torch.no_grad(), low_rank_perturbation(handles, proposal):
-        perturbed = _completion_logprobs(model, responses, 1.0, None)
+        perturbed = completion_logits(model, *args)  # float64 logits of θ + Δ, weights untouched
     with torch.no_grad():
-        merged = _completion_logprobs(copied, responses, 1.0, None)
-        original = _completion_logprobs(model, responses, 1.0, None)  # hooks are gone again
-    torch.testing.assert_close(perturbed, merged, rtol=0, atol=1e-6)  # logprobs are fp32 by design
+        merged = completion_logits(copied, *args)
+        original = completion_logits(model, *args)  # hooks are gone again
+    assert perturbed.dtype == torch.float64
+    torch.testing.assert_close(perturbed, merged, rtol=0, atol=1e-12)
     assert not torch.allclose(perturbed, original, atol=1e-3)
 
 

@@ -14,12 +14,14 @@ _CHUNK_ELEMENTS = 16 * 1024 * 1024
 
 @torch.no_grad()
 def apply_low_rank_update_(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> None:
-    """W (d, k) −= F (d, r) @ A (r, k), in place, computed in fp32 and rounded into W's dtype once."""
-    factor = factor.to(device=weight.device, dtype=torch.float32)
-    projection = projection.to(device=weight.device, dtype=torch.float32)
-    if weight.dtype == torch.float32:
+    """W (d, k) −= F (d, r) @ A (r, k), in place, computed in fp32 (or W's own fp64) and rounded into W once."""
+    if weight.dtype in (torch.float32, torch.float64):
+        factor = factor.to(device=weight.device, dtype=weight.dtype)
+        projection = projection.to(device=weight.device, dtype=weight.dtype)
         weight.addmm_(factor, projection, alpha=-1.0)  # no d×k temporary at all
         return
+    factor = factor.to(device=weight.device, dtype=torch.float32)
+    projection = projection.to(device=weight.device, dtype=torch.float32)
     # bf16/fp16 W: a product F·A rounded to bf16 and then subtracted would round twice and lose the small update
     # against the large weight; do the subtraction in fp32 a block of rows at a time instead.
     rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])

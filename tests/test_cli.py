@@ -125,3 +125,25 @@ def test_validate_and_test_report_pass_at_1(tiny_arith_model, tmp_path):
         cli = main([command, "--config", config, *_fast(tiny_arith_model, tmp_path, 2)])
         results = cli.trainer.callback_metrics
         assert key in results and 0.0 <= float(results[key]) <= 1.0
+
+
+# The published shapes of the models the GPU configs name (built on the meta device: no weights, no download).
+QWEN_SHAPES = {
+    "qwen1_5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_SHAPES))
+def test_gpu_configs_install_on_their_models_shapes(name):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cli = main(["--config", str(Path(CONFIGS[0]).parent / f"{name}.yaml"), "--trainer.accelerator", "cpu",
+                "--trainer.precision", "32-true", "--trainer.logger", "false"], run=False)
+    config = cli.trainer.strategy.config
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, **QWEN_SHAPES[name]))
+    handles = config.install(model)  # raises if the rank does not fit a target matrix
+    assert len(handles) == 28 * len(config.target_modules)

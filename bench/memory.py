@@ -1,0 +1,291 @@
+"""Memory and time of one RL update per method, side by side on the same model and the same rollouts.
+
+    python bench/memory.py                                   # Qwen2.5-0.5B shape, fp32, all six methods
+    python bench/memory.py --shape 1.5b --dtype bf16 --methods logra,lora --out bench/out/memory_1_5b.json
+
+Generation is left out: every method trains on the same fixed prompts, completions and advantages, built from
+`--seed`. The model is a `transformers` Qwen2 with random weights in the shape of the chosen Qwen2.5 size (the
+memory and the time of a step do not depend on the weights' values). Each method runs in its own subprocess
+(this script again, with `--worker`), so that memory one method held, or an allocator kept, never shows up in
+another's numbers, and so that one that runs out of memory fails alone.
+
+A step is the forward, loss, backward over all micro-batches, the optimizer step and zero_grad. Memory is the
+process's resident set size sampled during each step: the peak is the maximum over all steps (the first included,
+where the optimizers allocate their state), the average and the median step time leave the first step out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from callbacks.memory import GIB, StepSampler, process_rss_reader
+from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
+from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
+
+METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
+
+# Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
+SHAPES = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=SHAPES, default="0.5b")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
+    # A sketch's rank must stay below both sides of every target: k_proj and v_proj are only 128 rows in 0.5B
+    # (2 kv heads × 64) and 64 in tiny.
+    parser.add_argument("--rank", type=int, help="of LoRA, GaLore and the sketches; default 64, 16 for tiny")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt (advantages are group-normalized)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--completion-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5, help="the first one is warm-up")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
+    parser.add_argument("--plot", type=Path, default=Path("bench/out/memory.png"))
+    parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)  # set by the parent for a worker
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.rank = args.rank or (16 if args.shape == "tiny" else 64)
+    args.methods = args.methods.split(",")
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    if args.batch % args.group or args.batch % args.micro_batch:
+        parser.error("--batch must be a multiple of --group and of --micro-batch")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step is warm-up")
+    return args
+
+
+# ---------------------------------------------------------------- worker: one method in this process
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=args.prompt_len + args.completion_len)
+    return Qwen2ForCausalLM(config).to(DTYPES[args.dtype])
+
+
+def fixed_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Rollouts as the trainer sees them, a pure function of the seed, so every worker trains on the same ones."""
+    gen = torch.Generator().manual_seed(args.seed)
+    n, p, c = args.batch, args.prompt_len, args.completion_len
+    # Samples of one prompt are adjacent and share it, as in a GRPO batch.
+    prompts = torch.randint(vocab_size, (n // args.group, p), generator=gen)
+    prompt_ids = prompts.repeat_interleave(args.group, dim=0)  # (n, P)
+    completion_ids = torch.randint(vocab_size, (n, c), generator=gen)  # (n, C)
+    # Completions end at different lengths (right padding), so the dapo weights are not uniform.
+    lengths = torch.randint(c // 2, c + 1, (n,), generator=gen)
+    completion_mask = (torch.arange(c) < lengths[:, None]).long()  # (n, C)
+    rewards = torch.randint(2, (n,), generator=gen).float()
+    advantages = group_advantages(rewards, args.group)  # (n,)
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=torch.ones_like(prompt_ids),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        # Per-token weight times advantage (n, C): the loss of a micro-batch is −Σ coef·log π.
+        coef=token_weights(completion_mask, "dapo", c) * advantages[:, None],
+    )
+
+
+def is_target(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in DEFAULT_TARGETS
+
+
+def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
+    """Prepare `model` for `method`; returns (the module to run forward on, its optimizers)."""
+    if method == "dense_adamw":
+        return model, [torch.optim.AdamW(model.parameters(), lr=args.lr)]
+    if method in ("logra", "logra_adam"):
+        sketch = SketchConfig(rank=args.rank, optimizer="sgd" if method == "logra" else "adam", lr=args.lr)
+        return model, sketch.build_optimizers(model, sketch.install(model))
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        # get_peft_model freezes everything but the adapters.
+        lora = LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, target_modules=list(DEFAULT_TARGETS))
+        peft_model = get_peft_model(model, lora)
+        trainable = [p for p in peft_model.parameters() if p.requires_grad]
+        return peft_model, [torch.optim.AdamW(trainable, lr=args.lr)]
+    # dense_adamw_targets and galore: the target matrices only, everything else frozen.
+    targets = []
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_target(name))
+        if is_target(name):
+            targets.append(param)
+    if method == "dense_adamw_targets":
+        return model, [torch.optim.AdamW(targets, lr=args.lr)]
+    from galore_torch import GaLoreAdamW
+
+    # update_proj_gap and scale are GaLore's published defaults; the projection is recomputed (an SVD) only every
+    # 200 steps, so within this benchmark it is computed once, in the warm-up step.
+    group = dict(params=targets, rank=args.rank, update_proj_gap=200, scale=0.25, proj_type="std")
+    return model, [GaLoreAdamW([group], lr=args.lr)]
+
+
+def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int) -> None:
+    for start in range(0, batch["coef"].shape[0], micro_batch):
+        mb = {key: value[start:start + micro_batch] for key, value in batch.items()}
+        logits = completion_logits(
+            policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"]
+        )  # (m, C, V)
+        loss = -(mb["coef"] * token_logprobs(logits, mb["completion_ids"])).sum()
+        # Drop the logits before backward, as a trainer's micro-batch loop does when they go out of scope.
+        del logits
+        loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    model = build_model(args)
+    batch = fixed_batch(args, model.config.vocab_size)
+    policy, optimizers = set_up(args.method, model, args)
+    policy.train()
+    sampler = StepSampler(process_rss_reader())
+    averages, peaks, seconds = [], [], []
+    for _ in range(args.steps):
+        sampler.start()
+        start = time.perf_counter()
+        train_step(policy, optimizers, batch, args.micro_batch)
+        seconds.append(time.perf_counter() - start)
+        average, peak = sampler.stop()
+        averages.append(average)
+        peaks.append(peak)
+    return dict(
+        method=args.method,
+        peak_gib=max(peaks) / GIB,
+        avg_gib=statistics.mean(averages[1:]) / GIB,
+        step_s=statistics.median(seconds[1:]),
+    )
+
+
+# ---------------------------------------------------------------- parent: one subprocess per method, then report
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # glibc keeps freed heap memory for reuse instead of returning it, so RSS would stay at its high-water mark
+    # and the step average would be the peak. Serving every allocation above 64 KiB with its own mmap (and its
+    # free with munmap) makes RSS follow the live tensors, as the CUDA allocator's counters do on a GPU.
+    env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
+    return env
+
+
+def run_method(method: str, argv: list[str]) -> dict:
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--method", method, "--worker"]
+    print(f"running {method} ...", file=sys.stderr, flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, env=worker_env())
+    if result.returncode != 0:
+        # A MemoryError or an allocator error ends the worker with a traceback; the kernel's OOM killer with -9.
+        lines = result.stderr.strip().splitlines()
+        reason = lines[-1] if lines else ""
+        if result.returncode == -9:
+            reason = "killed (SIGKILL), most likely out of memory" + (f"; {reason}" if reason else "")
+        print(f"{method} failed ({result.returncode}): {reason}", file=sys.stderr, flush=True)
+        return dict(method=method, error=f"exit code {result.returncode}: {reason}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def ratio(value: float, reference: dict | None, key: str) -> str:
+    if reference is None or "error" in reference:
+        return "–"
+    return f"{value / reference[key]:.2f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    reference = next((row for row in rows if row["method"] == "dense_adamw"), None)
+    lines = [
+        "| method | peak GiB | avg GiB | median step s | peak vs dense_adamw | step time vs dense_adamw |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['method']} | error: {row['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {row['method']} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} | {row['step_s']:.2f} "
+            f"| {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    names = [row["method"] for row in rows]
+    x = range(len(rows))
+
+    def values(key: str) -> list[float]:
+        return [float("nan") if "error" in row else row[key] for row in rows]  # a failed method: no bar
+
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mem.bar([i - 0.2 for i in x], values("peak_gib"), width=0.4, label="peak")
+    mem.bar([i + 0.2 for i in x], values("avg_gib"), width=0.4, label="average")
+    mem.set_ylabel("process RSS during a step, GiB")
+    mem.legend()
+    speed.bar(x, values("step_s"), color="tab:green")
+    speed.set_ylabel("median step, s")
+    for axis in (mem, speed):
+        axis.set_xticks(list(x), names, rotation=30, ha="right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args)), flush=True)
+        return
+    settings = {key: getattr(args, key) for key in (
+        "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
+        "seed")}
+    settings["torch_threads"] = torch.get_num_threads()
+    rows = [run_method(method, argv) for method in args.methods]
+    print(markdown_table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "settings": settings}, indent=2) + "\n")
+    title = (f"Qwen2.5-{args.shape} shape, {args.dtype}, rank {args.rank}, {args.batch} × "
+             f"({args.prompt_len}+{args.completion_len}) tokens, micro-batch {args.micro_batch}")
+    plot(rows, title, args.plot)
+    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""bench/memory.py end to end on the tiny shape: one worker subprocess per method, a JSON report and a plot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "memory.py"
+
+
+def test_memory_bench_writes_rows_and_plot(tmp_path):
+    out, plot = tmp_path / "tmp.json", tmp_path / "tmp.png"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2", "--methods", "logra,dense_adamw",
+         "--out", str(out), "--plot", str(plot)],
+        check=True, capture_output=True, text=True, timeout=120,
+    )
+    report = json.loads(out.read_text())
+    assert set(report) == {"rows", "settings"}
+    assert report["settings"]["shape"] == "tiny"
+    rows = {row["method"]: row for row in report["rows"]}
+    assert list(rows) == ["logra", "dense_adamw"]
+    for row in rows.values():
+        assert set(row) == {"method", "peak_gib", "avg_gib", "step_s"}, row
+        assert row["peak_gib"] > 0 and row["avg_gib"] > 0 and row["step_s"] > 0
+        assert row["avg_gib"] <= row["peak_gib"]
+    assert plot.stat().st_size > 0

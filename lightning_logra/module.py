@@ -168,14 +168,15 @@ class RLVRModule(LightningModule):
         total_sequences = int(strategy.reduce(torch.tensor(float(len(rewards)), device=self.device), reduce_op="sum"))
         weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
                                 total_sequences)  # (N, C)
-        # A wrapper that averages gradients over ranks (plain DDP) divides by the world size; undo that.
-        grad_scale = 1.0 if hasattr(strategy, "sum_gradients") else float(self.trainer.world_size)
+        # A DDP wrapper (the dense baseline on several ranks) averages gradients inside every backward; the sketch
+        # strategies sum them once per step (`sum_gradients`), and one process needs neither.
+        wrapped = self.trainer.world_size > 1 and not hasattr(strategy, "sum_gradients")
+        grad_scale = float(self.trainer.world_size) if wrapped else 1.0  # undo the wrapper's averaging
 
         loss = torch.zeros((), device=self.device)
         # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
-        # unless a DDP wrapper syncs inside every backward, where all ranks must run the same number of them.
-        explicit_sync = hasattr(strategy, "sum_gradients") or self.trainer.world_size == 1
-        active = advantages.nonzero().squeeze(-1) if explicit_sync else torch.arange(len(rewards), device=self.device)
+        # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
+        active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
         for rows in active.split(hp.micro_batch_size) if active.numel() else ():
             width = int(rollout.completion_mask[rows].sum(-1).max())  # trim right padding of this micro-batch
             completion_ids = rollout.completion_ids[rows, :width]

@@ -22,45 +22,23 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from lightning_logra.data.arith import TINY_ARITH_DIR, build_tokenizer, make_examples
+from lightning_logra.data.arith import (
+    MAX_NEW_TOKENS,
+    TINY_ARITH_DIR,
+    build_tiny_model,
+    build_tokenizer,
+    make_examples,
+)
 
 PROMPT_LEN = 6  # "12+34=" — every prompt has this length, so prompts never need padding
-MAX_NEW_TOKENS = 4  # the longest answer, 3 digits, plus <eos>
 
 # The sampled train reward at which SFT stops. Evaluations are noisy (a subset, sampled completions) and the reward
 # rises by a few points between two evaluations, so the stop keeps a margin above the low end of the wanted range;
 # the final reward, measured on the whole train split, must land inside it or nothing is saved.
 STOP_REWARD = 0.28
 WANTED_RANGE = (0.25, 0.45)
-
-
-def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        # head_dim = 128 / 2 = 64: vLLM's CPU attention kernels reject small head sizes such as 16.
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        intermediate_size=384,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        # The task has no <bos>; like Qwen2's own configs, bos points at eos so that nothing reads an unset id.
-        bos_token_id=tokenizer.eos_token_id,
-        dtype="float32",
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        max_new_tokens=MAX_NEW_TOKENS,
-    )
-    return model
 
 
 def encode_sft(tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +99,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer)
+    model = build_tiny_model(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters")
 

@@ -35,25 +35,12 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
 @pytest.fixture(scope="session")
 def tiny_arith_model(tmp_path_factory) -> str:
     """A random-weight Qwen2 with the embedded task's tokenizer, saved with save_pretrained (head_dim 64)."""
-    from lightning_logra.data.arith import build_tokenizer
+    from lightning_logra.data.arith import build_tiny_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_arith_random")
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model = build_tiny_model(tokenizer, num_hidden_layers=2, intermediate_size=256)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from torch.utils.data import Dataset
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 # Token ids are the positions in this list; the special tokens come first so that their ids stay fixed (pad = 0,
 # eos = 1, unk = 2) whatever the task's characters are. There is no <bos>: every prompt has the same shape, so
@@ -26,6 +26,7 @@ ARITH_VOCAB: list[str] = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "="]
 TINY_ARITH_DIR: Path = Path(__file__).resolve().parent / "tiny_arith"
 
 EVAL_SIZE = 500
+MAX_NEW_TOKENS = 4  # the longest answer, 3 digits, plus <eos>
 _SPLIT_SEED = 0
 _OPERANDS = range(10, 100)
 
@@ -79,3 +80,33 @@ class ArithPrompts(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, str]:
         return self.examples[index]
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, intermediate_size: int = 384
+) -> Qwen2ForCausalLM:
+    """The shipped model's architecture with random weights (tests use a smaller depth and MLP)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        # head_dim = 128 / 2 = 64: vLLM's CPU attention kernels reject small head sizes such as 16.
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=num_hidden_layers,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        # The task has no <bos>; like Qwen2's own configs, bos points at eos so that nothing reads an unset id.
+        bos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    return model

@@ -2,5 +2,6 @@
 
 from callbacks.kl_budget import PredictedKLBudget
 from callbacks.memory import MemoryProfiler
+from callbacks.weight_sync import RolloutWeightSync
 
-__all__ = ["MemoryProfiler", "PredictedKLBudget"]
+__all__ = ["MemoryProfiler", "PredictedKLBudget", "RolloutWeightSync"]

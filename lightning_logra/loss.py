@@ -86,3 +86,27 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         row = row_logits.float() / temperature  # (C, V)
         rows.append(row.gather(-1, row_tokens[:, None]).squeeze(-1) - row.logsumexp(-1))
     return torch.stack(rows)  # (n, C)
+
+
+def importance_weights(
+    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling between the sampler (the rollout engine) and the trainer's policy.
+
+    With Δ = log π_θ − log π_sampler per token (both at the sampling temperature), each token's loss is weighted by
+    w = min(exp Δ, cap): the completions were drawn from the sampler, and w re-weights them towards π_θ; the cap
+    bounds the variance that a few tokens with tiny sampler probability would otherwise add. `cap=None` gives w = 1.
+
+    Args: logprobs, sampler_logprobs, mask: (m, w) — the trainer's (detached), the sampler's, 1 on real tokens.
+    Returns: w (m, w), 0 on padding; and the sums over real tokens of (|Δ|, exp Δ − 1 − Δ — the "k3" estimate of
+    KL(π_sampler ‖ π_θ) —, tokens clipped by the cap, tokens), for logging.
+    """
+    mask = mask.to(logprobs.dtype)
+    delta = (logprobs - sampler_logprobs) * mask  # (m, w)
+    ratio = delta.exp()
+    weight = ratio if cap is None else ratio.clamp(max=cap)
+    clipped = (ratio > cap).to(mask.dtype) if cap is not None else torch.zeros_like(mask)
+    stats = torch.stack([
+        delta.abs().sum(), ((ratio - 1.0 - delta) * mask).sum(), (clipped * mask).sum(), mask.sum()
+    ])
+    return weight * mask, stats

@@ -18,7 +18,14 @@ import torch
 from lightning.pytorch import LightningModule
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_logra.loss import LossType, completion_logits, group_advantages, token_logprobs, token_weights
+from lightning_logra.loss import (
+    LossType,
+    completion_logits,
+    group_advantages,
+    importance_weights,
+    token_logprobs,
+    token_weights,
+)
 from lightning_logra.rewards import RewardFn, get_reward
 from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, prompt_seeds
 from lightning_logra.sketch.optim import SketchOptimizer
@@ -59,6 +66,8 @@ class RLVRModule(LightningModule):
         gradient_checkpointing: bool = False,
         seed: int = 0,
         export_dir: str | None = None,
+        engine: RolloutEngine | None = None,
+        is_cap: float | None = 2.0,
     ) -> None:
         """
         Args:
@@ -71,6 +80,11 @@ class RLVRModule(LightningModule):
             chat_template: wrap each prompt as a user message with the tokenizer's chat template.
             seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
             export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained`.
+            engine: the rollout engine; None generates in this process with the policy itself. An engine with its
+                own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
+            is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
+                correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
+                bf16). None turns the correction off; the mismatch is logged either way.
         """
         super().__init__()
         for key, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
@@ -83,19 +97,22 @@ class RLVRModule(LightningModule):
             raise ValueError(f"model.temperature must be positive for sampling, got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"model.top_p must be in (0, 1], got {top_p}")
+        if is_cap is not None and is_cap <= 0:
+            raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {is_cap}")
         if loss_type not in ("dapo", "grpo", "dr_grpo"):
             raise ValueError(f"model.loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
         # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
         if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
             raise FileNotFoundError(f"model.model: no such model directory {model!r}")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["engine"])
         self.automatic_optimization = False
         self.reward_fn = resolve_reward(reward)
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
         self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
-        self.engine: RolloutEngine | None = None
+        self.engine: RolloutEngine | None = engine
+        self.last_update_applied = False  # whether the last training step changed the weights (for weight sync)
         # Set by a step-size controller callback (PredictedKLBudget); without one every update is taken at α = 1.
         self.step_controller = None
 
@@ -103,8 +120,12 @@ class RLVRModule(LightningModule):
 
     def configure_model(self) -> None:
         # Loaded here, not in __init__, so that configs can be parsed and checked without loading weights.
-        if self.policy is not None:
-            return
+        if self.policy is None:
+            self._load_policy()
+        if not isinstance(self.engine, HFEngine):
+            self.engine.start(self.hparams.model, self._pad_token_id(), self._stop_token_ids())
+
+    def _load_policy(self) -> None:
         path, hp = self.hparams.model, self.hparams
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
@@ -114,8 +135,12 @@ class RLVRModule(LightningModule):
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.engine = HFEngine(self.policy, self._stop_token_ids(), pad)
+        if self.engine is None:
+            self.engine = HFEngine(self.policy, self._stop_token_ids(), self._pad_token_id())
+
+    def _pad_token_id(self) -> int:
+        tokenizer = self.tokenizer
+        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def _stop_token_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -146,7 +171,7 @@ class RLVRModule(LightningModule):
         # one sharded over several processes, draws what the uninterrupted single-process run would have.
         count = len(batch["prompt"])
         seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
-        rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seeds)
+        rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seeds).to(self.device)
         completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         # Every column repeated per sample, so the reward sees row-aligned lists (TRL's convention).
         columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
@@ -174,6 +199,7 @@ class RLVRModule(LightningModule):
         grad_scale = float(self.trainer.world_size) if wrapped else 1.0  # undo the wrapper's averaging
 
         loss = torch.zeros((), device=self.device)
+        mismatch = torch.zeros(4, device=self.device)  # Σ over loss tokens: |Δ log-prob|, k3 KL, clipped, tokens
         # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
         # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
         active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
@@ -184,12 +210,18 @@ class RLVRModule(LightningModule):
             logits = completion_logits(self.policy, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
                                        completion_ids, completion_mask)  # (m, w, V)
             logprobs = token_logprobs(logits, completion_ids, hp.temperature)  # (m, w)
-            micro_loss = -(weights[rows, :width] * advantages[rows, None] * logprobs).sum()
+            is_weight, stats = importance_weights(logprobs.detach(), rollout.sampler_logprobs[rows, :width],
+                                                  completion_mask, hp.is_cap)  # (m, w), (4,)
+            mismatch += stats
+            micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
             self.manual_backward(micro_loss * grad_scale)
             loss += micro_loss.detach()
         loss = strategy.reduce(loss, reduce_op="sum")  # the global batch's loss
+        mismatch = strategy.reduce(mismatch, reduce_op="sum")
+        tokens = mismatch[3].clamp(min=1)
 
         grad_norm, skipped = self._update(rollout)
+        self.last_update_applied = not skipped
         elapsed = time.perf_counter() - start
         lengths = rollout.completion_lengths.float()
         groups = rewards.view(-1, hp.num_generations)
@@ -203,6 +235,10 @@ class RLVRModule(LightningModule):
             "train/tokens_per_s": lengths.sum() / elapsed,
             "train/rollout_s": generated - start,
             "train/step_s": elapsed,
+            # How far the sampler's log-probs are from the trainer's on the tokens trained on.
+            "rollout/logprob_abs_diff": mismatch[0] / tokens,
+            "rollout/sampler_kl": mismatch[1] / tokens,
+            "rollout/is_clipped_frac": mismatch[2] / tokens,
         }
         self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
         self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
@@ -266,3 +302,8 @@ class RLVRModule(LightningModule):
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is not None and self.trainer.is_global_zero:
             self.export(self.hparams.export_dir)
+
+    def teardown(self, stage: str) -> None:
+        # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.
+        if self.engine is not None and not isinstance(self.engine, HFEngine):
+            self.engine.close()

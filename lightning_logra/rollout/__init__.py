@@ -1,6 +1,18 @@
-"""Rollout engines: who generates the completions the policy is trained on."""
+"""Rollout engines: who generates the completions the policy is trained on, and how their weights follow."""
 
 from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams, prompt_seeds
 from lightning_logra.rollout.hf import HFEngine
+from lightning_logra.rollout.sync import LowRankDelta, SyncPayload, fingerprint
+from lightning_logra.rollout.vllm import VLLMEngine
 
-__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "prompt_seeds"]
+__all__ = [
+    "HFEngine",
+    "LowRankDelta",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "SyncPayload",
+    "VLLMEngine",
+    "fingerprint",
+    "prompt_seeds",
+]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from lightning_logra.rollout.sync import SyncPayload
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class Rollout:
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)  # (N,)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
+
 
 def prompt_seeds(seed: int, step: int, first_index: int, count: int) -> list[int]:
     """One sampling seed per prompt, a stable hash of (run seed, step, the prompt's index in the global batch).
@@ -45,6 +50,33 @@ def prompt_seeds(seed: int, step: int, first_index: int, count: int) -> list[int
 
 
 class RolloutEngine(ABC):
+    """Generates completions. An engine with its own copy of the weights (vLLM) is kept equal to the trainer's by
+    `RolloutWeightSync` through the four weight methods; all take and give the trainer's parameter names."""
+
+    restarts = 0  # how many times the engine was restarted after its process died
+
+    def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
+        """Load `model` (a local directory) if the engine keeps its own copy; a no-op when already running."""
+
     @abstractmethod
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Rollout:
         """Sample n completions for each tokenized prompt; prompt j's completions depend only on seeds[j]."""
+
+    @abstractmethod
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Overwrite the named tensors with full copies; returns the bytes sent."""
+
+    @abstractmethod
+    def apply_update(self, payload: SyncPayload) -> int:
+        """Merge low-rank deltas (W −= F·A, A regenerated from its seed) and dense tensors; returns the bytes sent."""
+
+    @abstractmethod
+    def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
+        """`sync.fingerprint(W, seed)` of each named tensor, as the engine holds it."""
+
+    @abstractmethod
+    def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full copies of the named tensors as the engine holds them (for checks and tests: moves d·k numbers)."""
+
+    def close(self) -> None:
+        """Release the engine's processes and memory."""

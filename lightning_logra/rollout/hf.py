@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from lightning_logra.rollout.sync import SyncPayload, fingerprint
 from lightning_logra.sketch.projection import counter_uniform, mix64
 
 
@@ -60,12 +61,43 @@ def sample_next(
 
 
 class HFEngine(RolloutEngine):
-    """Generates with a transformers causal LM in this process (the policy itself, sharing its weights)."""
+    """Generates with a transformers causal LM in this process.
+
+    The trainer builds it on the policy itself (the weights are shared: nothing to sync). Built on a separate copy
+    it is a rollout engine with weights of its own, synced like vLLM's, all in plain PyTorch.
+    """
 
     def __init__(self, model: nn.Module, eos_token_ids: list[int], pad_token_id: int) -> None:
         self.model = model
         self.eos_token_ids = torch.tensor(eos_token_ids)
         self.pad_token_id = pad_token_id
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict(keep_vars=True))
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        own = self._tensors()
+        for name, value in tensors.items():
+            own[name].copy_(value)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @torch.no_grad()
+    def apply_update(self, payload: SyncPayload) -> int:
+        own = self._tensors()
+        for name, delta in payload.low_rank.items():
+            delta.apply_(own[name].data)
+        for name, value in payload.dense.items():
+            own[name].copy_(value)
+        return len(payload.to_bytes())
+
+    def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
+        own = self._tensors()
+        return {name: fingerprint(own[name], seed).cpu() for name in names}
+
+    def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        own = self._tensors()
+        return {name: own[name].detach().cpu().clone() for name in names}
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Rollout:

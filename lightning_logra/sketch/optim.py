@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from lightning_logra.sketch.linear import SketchedLinear
-from lightning_logra.sketch.update import apply_low_rank_update_
+from lightning_logra.sketch.update import LowRankDelta, apply_low_rank_update_
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ class SketchOptimizer(torch.optim.Optimizer):
             raise ValueError(f"lr must be positive, got {defaults['lr']}")
         self.refresh_every = refresh_every
         self.skipped_steps = 0
-        self.last_factors: dict[str, torch.Tensor] = {}  # {name: α·η·U} of the last applied step (for weight sync)
+        # The last applied step per layer name: F = α·η·U and the seed of the A it was merged with (weight sync).
+        self.last_updates: dict[str, LowRankDelta] = {}
         self._layer_of = {layer.sketch_param: layer for layer in layers}
         self._proposal: dict[torch.Tensor, torch.Tensor] | None = None
         super().__init__([layer.sketch_param for layer in layers], defaults)
@@ -112,6 +113,8 @@ class SketchOptimizer(torch.optim.Optimizer):
                 layer.zero_sketch()
                 self.state[p]["step"] += 1
                 factors[layer.name] = factor
+                # recorded before a refresh below moves the layer to its next seed
+                self.last_updates[layer.name] = LowRankDelta(factor, layer.seed, layer.distribution, layer.in_features)
         self._proposal = None
         self._maybe_refresh()
         return factors
@@ -136,11 +139,11 @@ class SketchOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_factors = {}
+        self.last_updates = {}
         if skip:
             self.skip("non-finite gradient")
         elif self.propose():
-            self.last_factors = self.apply(alpha() if callable(alpha) else alpha)
+            self.apply(alpha() if callable(alpha) else alpha)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

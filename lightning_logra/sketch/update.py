@@ -1,4 +1,4 @@
-"""Merging a low-rank update into a weight in place: W ← W − F·A.
+"""Merging a low-rank update into a weight in place: W ← W − F·A, with A given or regenerated from its seed.
 
 The trainer and the rollout engine both call this, so the same factor F and seed give the same weights on both
 sides (up to kernel rounding on different hardware).
@@ -6,7 +6,11 @@ sides (up to kernel rounding on different hardware).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from lightning_logra.sketch.projection import make_projection
 
 # Rows per chunk are chosen so the fp32 transient of a low-precision merge stays near 64 MiB.
 _CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -29,3 +33,29 @@ def apply_low_rank_update_(weight: torch.Tensor, factor: torch.Tensor, projectio
         block = weight[start : start + rows]  # (rows, k) view into W
         merged = block.float().addmm_(factor[start : start + rows], projection, alpha=-1.0)  # (rows, k) fp32
         block.copy_(merged)
+
+
+@dataclass
+class LowRankDelta:
+    """W ← W − F·A for one matrix, with A = make_projection(seed, rank, in_features, distribution)."""
+
+    factor: torch.Tensor  # F = α·η·U (d, r)
+    seed: int
+    distribution: str
+    in_features: int  # k
+
+    @property
+    def rank(self) -> int:
+        return self.factor.shape[1]
+
+    def projection(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return make_projection(self.seed, self.rank, self.in_features, self.distribution, device=device)  # (r, k)
+
+    def apply_(self, weight: torch.Tensor) -> None:
+        """Merge into a full (d, k) weight in place (a tensor-parallel shard uses `apply_shard_`)."""
+        apply_low_rank_update_(weight, self.factor, self.projection(weight.device))
+
+    def apply_shard_(self, weight: torch.Tensor, rows: slice, cols: slice) -> None:
+        """Merge into `weight`, the block W[rows, cols] of the full matrix: F[rows]·A[:, cols] is that block's delta."""
+        projection = self.projection(weight.device)[:, cols]
+        apply_low_rank_update_(weight, self.factor[rows], projection)

@@ -1,0 +1,100 @@
+"""The weight-sync message between trainer and rollout engine, and the fingerprint both sides compare.
+
+After an update W ← W − F·A the engine does not need W: it needs F (d×r) and what regenerates A (the seed, the
+distribution, r, k). A `SyncPayload` carries those low-rank deltas plus, for any parameter trained densely, the new
+tensor itself. It travels as bytes (safetensors tensors + a JSON header), because that is what crosses vLLM's
+`collective_rpc` to its worker processes; the size of those bytes is what `sync/bytes` reports.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from lightning_logra.sketch.projection import mix64
+from lightning_logra.sketch.update import LowRankDelta
+
+
+@dataclass
+class SyncPayload:
+    """What one sync sends: low-rank deltas for sketched matrices, full tensors for densely trained parameters.
+
+    Keys are the trainer's (transformers) parameter names, e.g. "model.layers.0.self_attn.q_proj.weight".
+    """
+
+    low_rank: dict[str, LowRankDelta] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.low_rank or self.dense)
+
+    def to(self, dtype: torch.dtype) -> SyncPayload:
+        """The same payload with the factors in `dtype` (bf16 halves the bytes; dense tensors keep theirs)."""
+        low_rank = {
+            name: LowRankDelta(d.factor.to(dtype), d.seed, d.distribution, d.in_features)
+            for name, d in self.low_rank.items()
+        }
+        return SyncPayload(low_rank, dict(self.dense))
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Σ d·r·bytes(factor dtype) + the dense tensors' bytes: the numbers alone, without any header."""
+        tensors = [d.factor for d in self.low_rank.values()] + list(self.dense.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def to_bytes(self) -> bytes:
+        tensors = {f"lowrank/{name}": d.factor.detach().contiguous().cpu() for name, d in self.low_rank.items()}
+        tensors.update({f"dense/{name}": t.detach().contiguous().cpu() for name, t in self.dense.items()})
+        header = {name: [d.seed, d.distribution, d.in_features] for name, d in self.low_rank.items()}
+        return save_tensors(tensors, metadata={"low_rank": json.dumps(header)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SyncPayload:
+        tensors = load_tensors(data)
+        header = _metadata(data).get("low_rank", "{}")
+        low_rank = {
+            name: LowRankDelta(tensors[f"lowrank/{name}"], seed, distribution, in_features)
+            for name, (seed, distribution, in_features) in json.loads(header).items()
+        }
+        dense = {key.removeprefix("dense/"): t for key, t in tensors.items() if key.startswith("dense/")}
+        return cls(low_rank, dense)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    # safetensors: an 8-byte little-endian header length, then a JSON header whose "__metadata__" holds strings.
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + length]).get("__metadata__", {})
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Named tensors as bytes (for full loads and for answers that come back from the engine's workers)."""
+    return save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def unpack_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    return load_tensors(data)
+
+
+def fingerprint_vector(in_features: int, seed: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """v (k,) fp64 of seeded ±1 entries: W·v is a d-number fingerprint of a (d, k) matrix."""
+    index = torch.arange(in_features, dtype=torch.int64, device=device)
+    bits = mix64(index + (seed & ((1 << 62) - 1)))
+    return torch.where(bits < 0, -1.0, 1.0).to(torch.float64)
+
+
+def fingerprint(weight: torch.Tensor, seed: int, col_start: int = 0) -> torch.Tensor:
+    """W·v in float64 for a (d, k) weight — or the part W[:, cols]·v[cols] for a column block starting at col_start.
+
+    Comparing fingerprints instead of weights costs d numbers per matrix. Equal weights give equal fingerprints
+    (float64 sums of the same numbers); a change ε in one entry moves its row by exactly ε; a change spread over a
+    row can cancel only by a ±1 coincidence that a new `seed` each check makes vanishingly unlikely to persist.
+    A 1-D parameter (a bias, a norm) is its own fingerprint.
+    """
+    if weight.dim() == 1:
+        return weight.detach().to(torch.float64)
+    v = fingerprint_vector(col_start + weight.shape[1], seed, weight.device)[col_start:]
+    return weight.detach().to(torch.float64) @ v  # (d,)

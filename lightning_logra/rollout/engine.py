@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -54,6 +55,7 @@ class RolloutEngine(ABC):
     `RolloutWeightSync` through the four weight methods; all take and give the trainer's parameter names."""
 
     restarts = 0  # how many times the engine was restarted after its process died
+    on_restart: Callable[[], None] | None = None  # set by RolloutWeightSync: reload the trainer's weights
 
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         """Load `model` (a local directory) if the engine keeps its own copy; a no-op when already running."""

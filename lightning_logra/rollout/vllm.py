@@ -100,6 +100,8 @@ class VLLMEngine(RolloutEngine):
         self._launch()
 
     def _launch(self) -> None:
+        # vLLM logs every prefix-cache reset (one per sync) at INFO; the trainer's own logs are enough by default.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
             from vllm import LLM
         except ImportError as err:

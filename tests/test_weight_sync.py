@@ -1,0 +1,177 @@
+"""Seed-based weight sync without vLLM: the payload, its bytes, shards, fingerprints, importance weights, and a
+rollout engine with its own weight copy following the trainer through real training steps."""
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+
+from callbacks import PredictedKLBudget, RolloutWeightSync
+from lightning_logra.data.module import ArithDataModule
+from lightning_logra.loss import importance_weights
+from lightning_logra.module import RLVRModule
+from lightning_logra.rollout import HFEngine, LowRankDelta, SamplingParams, SyncPayload, fingerprint
+from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.strategy import SketchStrategy
+from conftest import SKETCH_TARGETS
+
+
+def _delta(d, k, r, seed):
+    return LowRankDelta(torch.randn(d, r, generator=torch.Generator().manual_seed(seed)), 1000 + seed, "rademacher", k)
+
+
+def test_payload_bytes_are_d_times_r_numbers_plus_a_small_header():
+    shapes = [(128, 128), (384, 128), (128, 384)] * 4
+    payload = SyncPayload({f"m{i}.weight": _delta(d, k, 16, i) for i, (d, k) in enumerate(shapes)})
+    expected = sum(d * 16 * 4 for d, _ in shapes)
+    assert payload.tensor_bytes == expected
+    data = payload.to_bytes()
+    assert 0 < len(data) - expected < 256 * len(shapes)  # names, seeds, dtypes, offsets
+    assert payload.to(torch.bfloat16).tensor_bytes == expected // 2
+
+    back = SyncPayload.from_bytes(data)
+    assert back.low_rank.keys() == payload.low_rank.keys()
+    for name, delta in payload.low_rank.items():
+        got = back.low_rank[name]
+        assert (got.seed, got.distribution, got.in_features) == (delta.seed, delta.distribution, delta.in_features)
+        assert torch.equal(got.factor, delta.factor)
+
+
+def test_dense_tensors_travel_whole():
+    payload = SyncPayload(dense={"model.norm.weight": torch.arange(6.0)})
+    back = SyncPayload.from_bytes(payload.to_bytes())
+    assert torch.equal(back.dense["model.norm.weight"], torch.arange(6.0)) and not back.low_rank
+    assert not SyncPayload()
+
+
+def test_shards_merge_to_the_full_update():
+    # Column-parallel ranks hold row blocks, row-parallel ranks column blocks: F[rows]·A and F·A[:, cols].
+    delta = _delta(12, 10, 3, 0)
+    weight = torch.randn(12, 10, dtype=torch.float64)
+    full = weight.clone()
+    delta.apply_(full)
+    torch.testing.assert_close(full, weight - delta.factor.double() @ delta.projection().double())
+    by_rows, by_cols = weight.clone(), weight.clone()
+    for rows in (slice(0, 5), slice(5, 12)):
+        delta.apply_shard_(by_rows[rows], rows, slice(0, 10))
+    for cols in (slice(0, 4), slice(4, 10)):
+        delta.apply_shard_(by_cols[:, cols], slice(0, 12), cols)
+    assert torch.equal(by_rows, full) and torch.equal(by_cols, full)
+
+
+def test_fingerprint_sees_a_single_entry_change_exactly():
+    weight = torch.randn(6, 9)
+    drifted = weight.clone()
+    drifted[4, 7] += 1e-3
+    change = fingerprint(drifted, seed=3) - fingerprint(weight, seed=3)
+    assert change[4].abs().item() == pytest.approx(1e-3, rel=1e-3)  # float32 entry, exact ±1 weight
+    assert torch.equal(change[[0, 1, 2, 3, 5]], torch.zeros(5, dtype=torch.float64))
+    # Column blocks add up to the whole (a row-parallel shard's fingerprint is a partial sum).
+    parts = fingerprint(weight[:, :4], 3, col_start=0) + fingerprint(weight[:, 4:], 3, col_start=4)
+    torch.testing.assert_close(parts, fingerprint(weight, 3), rtol=0, atol=1e-12)
+
+
+def test_importance_weights_truncate_and_measure_the_mismatch():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    sampler = torch.tensor([[-1.0, -3.0, -0.1, -9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    weight, stats = importance_weights(trainer, sampler, mask, cap=2.0)
+    delta = torch.tensor([0.0, 1.0, -0.4])
+    torch.testing.assert_close(weight[0], torch.tensor([1.0, 2.0, float(torch.exp(torch.tensor(-0.4))), 0.0]))
+    k3 = (delta.exp() - 1 - delta).sum()
+    torch.testing.assert_close(stats, torch.stack([delta.abs().sum(), k3, torch.tensor(1.0), torch.tensor(3.0)]))
+    uncapped, _ = importance_weights(trainer, sampler, mask, cap=None)
+    assert uncapped[0, 1] == pytest.approx(torch.e)
+
+
+def _module(model_path, engine=None, **kwargs):
+    return RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
+                      micro_batch_size=16, engine=engine, **kwargs)
+
+
+def _trainer(root, callbacks, steps=3):
+    return Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
+        strategy=SketchStrategy(SketchConfig(SKETCH_TARGETS, rank=8, optimizer="adam", lr=1e-2)),
+        callbacks=callbacks,
+    )
+
+
+class _Capture(Callback):
+    """Keeps what the engine and the trainer hold at the end of training."""
+
+    def on_train_end(self, trainer, pl_module):
+        params = {n: p for n, p in pl_module.policy.named_parameters() if not n.endswith(".sketch_param")}
+        self.engine_weights = pl_module.engine.weights(list(params))
+        self.trainer_weights = {n: p.detach().clone() for n, p in params.items()}
+        prompts = [[3, 4, 5, 13], [6, 7, 8, 9, 13]]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+        self.engine_greedy = pl_module.engine.generate(prompts, 1, greedy, [0, 1]).completion_ids
+        shared = HFEngine(pl_module.policy, pl_module._stop_token_ids(), pl_module._pad_token_id())
+        self.trainer_greedy = shared.generate(prompts, 1, greedy, [0, 1]).completion_ids
+
+
+def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path):
+    # The same 3 steps, once generating with the policy itself and once with a separate copy kept in step only
+    # by sync payloads: the copy must hold the trainer's weights, and the two runs must train identically.
+    torch.manual_seed(0)
+    shared = _module(tiny_arith_model)
+    _trainer(tmp_path / "a", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4)]).fit(
+        shared, ArithDataModule(batch_size=4))
+
+    separate = _module(tiny_arith_model)
+    separate.configure_model()
+    copy_model = copy.deepcopy(separate.policy)
+    separate.engine = HFEngine(copy_model, separate._stop_token_ids(), separate._pad_token_id())
+    sync, capture = RolloutWeightSync(check_every=1), _Capture()
+    _trainer(tmp_path / "b", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, capture]).fit(
+        separate, ArithDataModule(batch_size=4))
+
+    assert sync.syncs == 3 and sync.full_loads == 1  # fingerprints matched at every check: no repair needed
+    for name, ours in capture.trainer_weights.items():
+        torch.testing.assert_close(capture.engine_weights[name], ours, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(ours, shared.policy.state_dict()[name], rtol=0, atol=1e-6, msg=name)
+    assert torch.equal(capture.engine_greedy, capture.trainer_greedy)
+
+
+def test_drift_is_detected_and_repaired(tiny_arith_model, tmp_path):
+    module = _module(tiny_arith_model)
+    module.configure_model()
+    engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    module.engine = engine
+    sync = RolloutWeightSync(check_every=None, tolerance=1e-5)
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    class Drift(Callback):
+        def on_train_end(self, trainer, pl_module):
+            assert sync.check() == 0.0
+            engine.model.get_parameter(name).data[3, 5] += 1e-3  # e.g. a bit flip or a lost payload
+            self.found = sync.check()
+            self.after = sync.max_abs_diff()
+
+    drift = Drift()
+    _trainer(tmp_path, [sync, drift], steps=2).fit(module, ArithDataModule(batch_size=4))
+    assert drift.found == pytest.approx(1e-3, rel=1e-3)
+    assert drift.after == 0.0 and sync.full_loads == 2
+
+
+def test_sync_refuses_the_engine_that_shares_the_policy(tiny_arith_model, tmp_path):
+    with pytest.raises(ValueError, match="nothing to sync"):
+        _trainer(tmp_path, [RolloutWeightSync()]).fit(_module(tiny_arith_model), ArithDataModule(batch_size=4))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"factor_dtype": "float16"}, "factor_dtype"),
+    ({"check_every": 0}, "check_every"),
+    ({"tolerance": -1.0}, "tolerance"),
+])
+def test_bad_sync_settings_fail_fast(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutWeightSync(**kwargs)
+
+
+def test_bad_importance_cap_fails_fast(tiny_arith_model):
+    with pytest.raises(ValueError, match="model.is_cap"):
+        _module(tiny_arith_model, is_cap=0.0)

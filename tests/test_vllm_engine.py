@@ -5,7 +5,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from callbacks import PredictedKLBudget, RolloutWeightSync
+from callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from conftest import SKETCH_TARGETS
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.module import RLVRModule
@@ -67,7 +67,7 @@ def test_vllm_engine_follows_training_through_a_crash_and_drift(tiny_arith_model
         accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
         strategy=SketchStrategy(SketchConfig(SKETCH_TARGETS, rank=RANK, optimizer="adam", lr=1e-2)),
-        callbacks=[PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, scenario],
+        callbacks=[PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, scenario, MemoryProfiler()],
     )
     trainer.fit(module, ArithDataModule(batch_size=4))
 
@@ -89,3 +89,6 @@ def test_vllm_engine_follows_training_through_a_crash_and_drift(tiny_arith_model
         assert factors < sent < factors + 256 * len(scenario.sketched)  # a JSON header: ~200 bytes a matrix
     assert float(trainer.callback_metrics["sync/dense_bytes"]) == dense
     assert factors / dense == pytest.approx(RANK / 128, rel=0.3)  # d·r / d·k with k = 128 or 256
+
+    # The engine's processes are measured apart from the trainer's (their RSS: hundreds of MiB even for this model).
+    assert float(trainer.callback_metrics["memory/engine_gib"]) > 0.1

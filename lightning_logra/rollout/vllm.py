@@ -155,6 +155,21 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up()
             self._asleep = False
 
+    def memory_bytes(self) -> int:
+        """Host memory (RSS) of the engine's own processes — the engine core and its workers; 0 when it runs in
+        this process, whose memory already includes it. Device memory shows in `memory/device_used_gib`."""
+        import psutil  # a dependency of vLLM
+
+        processes = psutil.Process().children(recursive=True)
+        total = 0
+        for process in processes:
+            try:
+                if process.name().startswith("VLLM"):
+                    total += process.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
     def _rpc(self, method: str, *args) -> list:
         return self.llm.collective_rpc(method, args=args)
 

@@ -1,0 +1,268 @@
+"""Rank and projection design study: how well a rank-r sketch reconstructs the gradient, and what it does to reward.
+
+    python bench/rank_sweep.py                       # cosines on the Qwen2.5-0.5B shape + reward runs on the tiny task
+    python bench/rank_sweep.py --skip-training       # the cosines only (seconds)
+
+Part 1, gradient reconstruction. On a random-weight Qwen2 of the chosen Qwen2.5 shape (`--cos-layers` decoder
+layers: the cosine depends on each matrix's shape, not on the depth), one policy-gradient micro-batch gives the
+dense gradient G of every target matrix; the same micro-batch through sketched layers gives S = G·Aᵀ, and the
+cosine between G and the reconstruction S·A is averaged over the matrices. Theory for a random projection with
+E[AᵀA] = I: cos ≈ √(r/(r+k)) (k the matrix's input width), printed beside it. Both projections (Rademacher and
+Gaussian) over `--seeds` seeds. A matrix with min(d, k) ≤ r cannot be sketched at rank r and is left out of that
+rank's average (the table says how many matrices were measured).
+
+Part 2, reward. The embedded task (`configs/tiny_arith.yaml`, 600 steps by default) is trained through the CLI at
+each rank that fits its 128-wide matrices, with the paper's design choices at `--design-rank`: a fixed Rademacher
+projection, a Rademacher projection refreshed every `--refresh-every` updates, and a refreshed Gaussian one. The
+reward is the mean sampled reward over the last tenth of the steps; pass@1 is the final greedy evaluation.
+Each run is a subprocess with one thread, `--parallel` at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import SHAPES, fixed_batch  # bench/memory.py: Qwen2.5 shapes and the fixed RL batch  # noqa: E402
+
+from lightning_logra.loss import completion_logits, token_logprobs  # noqa: E402
+from lightning_logra.sketch import install_sketches  # noqa: E402
+from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--cos-shape", choices=SHAPES, default="0.5b")
+    parser.add_argument("--cos-layers", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=3, help="projection seeds per (rank, distribution)")
+    parser.add_argument("--steps", type=int, default=600, help="training steps of each reward run")
+    parser.add_argument("--design-rank", type=int, default=16)
+    parser.add_argument("--refresh-every", type=int, default=100)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "rank_sweep.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "rank_sweep.png")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "rank_sweep_runs")
+    return parser.parse_args(argv)
+
+
+# ---- part 1: reconstruction cosine ----------------------------------------------------------------------------------
+
+def cosine_model(shape: str, layers: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=128)
+    return Qwen2ForCausalLM(config).float()
+
+
+def policy_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = completion_logits(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                               batch["completion_mask"])
+    return -(batch["coef"] * token_logprobs(logits, batch["completion_ids"])).sum()
+
+
+def dense_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{module name: G (d, k) float64} of every target matrix."""
+    model.zero_grad()
+    policy_loss(model, batch).backward()
+    return {
+        name: module.weight.grad.double().clone()
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS
+    }
+
+
+def reconstruction_cosines(model, batch, gradients, rank: int, distribution: str, seed: int) -> dict[str, float]:
+    """{module name: cos(G, S·A)} for every target matrix that a rank-`rank` sketch fits."""
+    fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < min(g.shape)})
+    if not fits:
+        return {}
+    sketched = copy.deepcopy(model)
+    handles = install_sketches(sketched, fits, rank, seed, distribution)
+    policy_loss(sketched, batch).backward()
+    cosines = {}
+    for name, handle in handles.items():
+        g = gradients[name]
+        reconstruction = handle.sketch.double() @ handle.projection().double()  # S·A (d, k)
+        cosines[name] = float((g * reconstruction).sum() / (g.norm() * reconstruction.norm()))
+    return cosines
+
+
+def cosine_rows(args: argparse.Namespace) -> list[dict]:
+    model = cosine_model(args.cos_shape, args.cos_layers)
+    batch_args = argparse.Namespace(seed=0, batch=8, group=4, prompt_len=32, completion_len=32)
+    batch = fixed_batch(batch_args, model.config.vocab_size)
+    gradients = dense_gradients(model, batch)
+    rows = []
+    for rank in args.ranks:
+        for distribution in ("rademacher", "gaussian"):
+            per_seed = [reconstruction_cosines(model, batch, gradients, rank, distribution, seed)
+                        for seed in range(args.seeds)]
+            if not per_seed[0]:
+                rows.append(dict(rank=rank, distribution=distribution, matrices=0))
+                continue
+            names = list(per_seed[0])
+            measured = [sum(c.values()) / len(c) for c in per_seed]
+            theory = sum(math.sqrt(rank / (rank + gradients[n].shape[1])) for n in names) / len(names)
+            rows.append(dict(rank=rank, distribution=distribution, matrices=len(names),
+                             cosine=sum(measured) / len(measured), cosine_min_seed=min(measured),
+                             cosine_max_seed=max(measured), theory=theory))
+            print(f"rank {rank:4d} {distribution:10s} cos {rows[-1]['cosine']:.4f} vs √(r/(r+k)) {theory:.4f} "
+                  f"over {len(names)} matrices", file=sys.stderr, flush=True)
+    return rows
+
+
+# ---- part 2: reward on the embedded task ------------------------------------------------------------------------------
+
+def reward_runs(args: argparse.Namespace) -> list[dict]:
+    width = 128  # the embedded model's hidden size: every sketch there needs rank < 128
+    runs = [dict(name=f"rank {r}, fixed rademacher", rank=r, distribution="rademacher", refresh=None)
+            for r in args.ranks if r < width]
+    runs += [dict(name=f"rank {args.design_rank}, refreshed {d}", rank=args.design_rank, distribution=d,
+                  refresh=args.refresh_every) for d in ("rademacher", "gaussian")]
+    skipped = [r for r in args.ranks if r >= width]
+    if skipped:
+        print(f"reward runs: ranks {skipped} do not fit the embedded model's {width}-wide matrices",
+              file=sys.stderr)
+    return runs
+
+
+def run_command(run: dict, args: argparse.Namespace) -> list[str]:
+    sketch = "--trainer.strategy.init_args.sketch."
+    return [
+        sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs" / "tiny_arith.yaml"),
+        "--trainer.max_steps", str(args.steps),
+        "--trainer.val_check_interval", str(args.steps),
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.save_dir", str(args.runs_dir),
+        "--trainer.logger.init_args.name", run["name"].replace(" ", "_").replace(",", ""),
+        f"{sketch}rank", str(run["rank"]),
+        f"{sketch}distribution", run["distribution"],
+        f"{sketch}refresh_every", "null" if run["refresh"] is None else str(run["refresh"]),
+    ]
+
+
+def scalars(log_dir: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def train_all(runs: list[dict], args: argparse.Namespace) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pending, active, rows = list(runs), [], []
+    while pending or active:
+        while pending and len(active) < args.parallel:
+            run = pending.pop(0)
+            print(f"training {run['name']} ...", file=sys.stderr, flush=True)
+            process = subprocess.Popen(run_command(run, args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)
+            active.append((run, process, time.perf_counter()))
+        time.sleep(1.0)
+        for item in list(active):
+            run, process, start = item
+            if process.poll() is None:
+                continue
+            active.remove(item)
+            stderr = process.stderr.read()
+            if process.returncode != 0:
+                rows.append({**run, "error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"})
+                continue
+            name = run["name"].replace(" ", "_").replace(",", "")
+            log_dir = sorted(glob.glob(str(args.runs_dir / name / "version_*")))[-1]
+            values = scalars(Path(log_dir))
+            rewards = values["train/reward_mean"]
+            tenth = max(1, len(rewards) // 10)
+            rows.append({**run, "reward_first": sum(rewards[:tenth]) / tenth,
+                         "reward_last": sum(rewards[-tenth:]) / tenth, "pass_at_1": values["val/pass@1"][-1],
+                         "minutes": (time.perf_counter() - start) / 60, "log_dir": log_dir})
+    order = [r["name"] for r in runs]
+    return sorted(rows, key=lambda row: order.index(row["name"]))
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+
+def tables(cosines: list[dict], rewards: list[dict]) -> str:
+    lines = ["| rank | projection | matrices | mean cos(G, S·A) | √(r/(r+k)) | measured / theory |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for row in cosines:
+        if not row["matrices"]:
+            lines.append(f"| {row['rank']} | {row['distribution']} | 0 | – | – | – |")
+            continue
+        lines.append(f"| {row['rank']} | {row['distribution']} | {row['matrices']} | {row['cosine']:.4f} "
+                     f"| {row['theory']:.4f} | {row['cosine'] / row['theory']:.3f} |")
+    if rewards:
+        lines += ["", "| run | reward, first tenth | reward, last tenth | greedy pass@1 | minutes |",
+                  "|---|---:|---:|---:|---:|"]
+        for row in rewards:
+            if "error" in row:
+                lines.append(f"| {row['name']} | error: {row['error']} | | | |")
+                continue
+            lines.append(f"| {row['name']} | {row['reward_first']:.3f} | {row['reward_last']:.3f} "
+                         f"| {row['pass_at_1']:.3f} | {row['minutes']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(cosines: list[dict], rewards: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(12 if rewards else 6, 4.5), squeeze=False)
+    cos_axis = axes[0][0]
+    for distribution, marker in (("rademacher", "o"), ("gaussian", "s")):
+        rows = [r for r in cosines if r["distribution"] == distribution and r["matrices"]]
+        cos_axis.plot([r["rank"] for r in rows], [r["cosine"] for r in rows], marker=marker, label=distribution)
+    rows = [r for r in cosines if r["distribution"] == "rademacher" and r["matrices"]]
+    cos_axis.plot([r["rank"] for r in rows], [r["theory"] for r in rows], "k--", label="√(r/(r+k))")
+    cos_axis.set_xscale("log", base=2)
+    cos_axis.set_xlabel("rank r")
+    cos_axis.set_ylabel("mean cos(G, S·A)")
+    cos_axis.legend()
+    if rewards:
+        ok = [r for r in rewards if "error" not in r]
+        axis = axes[0][1]
+        axis.barh([r["name"] for r in ok], [r["reward_last"] for r in ok], label="reward, last tenth")
+        axis.barh([r["name"] for r in ok], [r["reward_first"] for r in ok], height=0.3, label="first tenth")
+        axis.set_xlabel("mean sampled reward (embedded task)")
+        axis.legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cosines = cosine_rows(args)
+    rewards = [] if args.skip_training else train_all(reward_runs(args), args)
+    print(tables(cosines, rewards))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cosines": cosines, "rewards": rewards, "settings": settings}, indent=2) + "\n")
+    title = f"cosines: Qwen2.5-{args.cos_shape} shape, {args.cos_layers} layers; reward: tiny task, {args.steps} steps"
+    plot(cosines, rewards, title, args.plot)
+    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

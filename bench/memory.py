@@ -32,6 +32,9 @@ from lightning_logra.loss import completion_logits, group_advantages, token_logp
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
+# Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
+# by callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the profiler.
+EXTRA_METHODS = ("logra_lightning",)
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
 SHAPES = {
@@ -53,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=SHAPES, default="0.5b")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from " + ", ".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated, from " + ", ".join(METHODS + EXTRA_METHODS))
     # A sketch's rank must stay below both sides of every target: k_proj and v_proj are only 128 rows in 0.5B
     # (2 kv heads × 64) and 64 in tiny.
     parser.add_argument("--rank", type=int, help="of LoRA, GaLore and the sketches; default 64, 16 for tiny")
@@ -67,14 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/out/memory.png"))
-    parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)  # set by the parent for a worker
+    parser.add_argument("--method", choices=METHODS + EXTRA_METHODS, help=argparse.SUPPRESS)  # set by the parent for a worker
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rank = args.rank or (16 if args.shape == "tiny" else 64)
     args.methods = args.methods.split(",")
-    unknown = sorted(set(args.methods) - set(METHODS))
+    unknown = sorted(set(args.methods) - set(METHODS + EXTRA_METHODS))
     if unknown:
-        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     if args.batch % args.group or args.batch % args.micro_batch:
         parser.error("--batch must be a multiple of --group and of --micro-batch")
     if args.steps < 2:
@@ -90,7 +94,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
     torch.manual_seed(args.seed)
     config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=args.prompt_len + args.completion_len)
-    return Qwen2ForCausalLM(config).to(DTYPES[args.dtype])
+    # Built in the target dtype: a 7B model built in fp32 first (30 GB) would not fit this machine.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[args.dtype])
+    try:
+        return Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def fixed_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -166,7 +176,71 @@ def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch
         optimizer.zero_grad(set_to_none=True)
 
 
+def run_lightning_worker(args: argparse.Namespace) -> dict:
+    """The `logra` steps inside a real Trainer (SketchStrategy, manual optimization), measured by MemoryProfiler."""
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from callbacks.memory import MemoryProfiler
+    from lightning_logra.strategy import SketchStrategy
+
+    class Replay(LightningModule):
+        """Trains `policy` on the fixed batch at every step, as `train_step` does."""
+
+        def __init__(self, policy: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+            super().__init__()
+            self.policy, self.batch = policy, batch
+            self.automatic_optimization = False
+
+        def training_step(self, _, batch_idx):
+            n = self.batch["coef"].shape[0]
+            for start in range(0, n, args.micro_batch):
+                mb = {key: value[start:start + args.micro_batch] for key, value in self.batch.items()}
+                logits = completion_logits(self.policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                           mb["completion_mask"])
+                loss = -(mb["coef"] * token_logprobs(logits, mb["completion_ids"])).sum()
+                del logits
+                self.manual_backward(loss)
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(range(args.steps), batch_size=1)
+
+        def configure_optimizers(self):
+            return None  # SketchStrategy builds the sketch optimizer instead
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def on_train_batch_start(self, *_):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, *_):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    model = build_model(args)
+    batch = fixed_batch(args, model.config.vocab_size)
+    profiler, timer = MemoryProfiler(), StepTimer()
+    trainer = Trainer(
+        accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer, profiler],
+        strategy=SketchStrategy(SketchConfig(rank=args.rank, optimizer="sgd", lr=args.lr), device="cpu"),
+    )
+    trainer.fit(Replay(model.train(), batch))
+    averages = [average for average, _ in profiler.steps]
+    return dict(
+        method=args.method,
+        peak_gib=max(peak for _, peak in profiler.steps),
+        avg_gib=statistics.mean(averages[1:]),
+        step_s=statistics.median(timer.seconds[1:]),
+    )
+
+
 def run_worker(args: argparse.Namespace) -> dict:
+    if args.method == "logra_lightning":
+        return run_lightning_worker(args)
     model = build_model(args)
     batch = fixed_batch(args, model.config.vocab_size)
     policy, optimizers = set_up(args.method, model, args)

@@ -17,11 +17,13 @@ Qwen2.5-1.5B config and random bfloat16 weights to a temporary directory and ser
 model is built: the factors are random (F ~ N(0, σ²), so that each entry of F·A has standard deviation σ =
 `--update-scale`) and the full tensors are read from the saved checkpoint.
 
-Each method first makes one checked, untimed call: the engine's copy of two matrices (a block of the fused qkv
-layer and one of the fused gate_up layer) must then equal the same update applied here to an fp32 copy (LowRankDelta
-.apply_), element by element within the rounding of the engine's dtype, or the loaded tensors exactly; the script
-stops otherwise. The very first seed sync also pays for recovering the CPU backend's prepacked weights (once per
-engine); it is reported apart as `first_sync_s`. Then `--repeats` timed calls; the median is reported.
+Each method first makes one checked, untimed call, after which the engine's copies of two matrices (a block of
+the first layer's fused qkv_proj and one of the last layer's fused gate_up_proj) must equal, element by element
+within the rounding of the engine's dtype, the same update merged here into an fp32 copy (`LowRankDelta.apply_`),
+or the loaded tensors exactly; the script stops otherwise (`max_abs_diff` in the JSON settings). Then `--repeats`
+timed calls; the median is reported. The very first seed sync also recovers the CPU backend's prepacked weights
+(once per engine) and is timed apart as `first_sync_s`; `local_merge_s` is what regenerating every A and merging
+F·A into a copy of every matrix takes in this process, the arithmetic of a seed sync without transport.
 """
 
 from __future__ import annotations
@@ -147,12 +149,13 @@ def bound(expected: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:
     return torch.finfo(engine_dtype).eps * expected.abs() + 16 * eps32 * float(expected.abs().max())
 
 
-def check_seed_sync(eng, payload, names: list[str], engine_dtype: torch.dtype) -> float:
-    """Apply `payload` to the engine once and compare `names` with the same update merged here in fp32."""
+def check_seed_sync(eng, payload, names: list[str], engine_dtype: torch.dtype) -> tuple[float, float]:
+    """Apply `payload` to the engine once and compare `names` with the same update merged here in fp32; returns the
+    largest difference to that merge and to that merge rounded to the engine's dtype."""
     before = {n: w.float() for n, w in eng.weights(names).items()}
     eng.apply_update(payload)
     after = eng.weights(names)
-    worst = 0.0
+    worst = rounded = 0.0
     for name in names:
         expected = before[name].clone()
         payload.low_rank[name].apply_(expected)
@@ -166,7 +169,10 @@ def check_seed_sync(eng, payload, names: list[str], engine_dtype: torch.dtype) -
             raise AssertionError(f"seed sync check is vacuous for {name}: the update is within rounding; raise "
                                  "--update-scale")
         worst = max(worst, float(diff.max()))
-    return worst
+        # The engine merges in fp32 as well and rounds into its dtype once; on the same kind of device its result
+        # should be bit-equal to the local merge rounded the same way (not asserted: kernels may sum differently).
+        rounded = max(rounded, float((got - expected.to(after[name].dtype).float()).abs().max()))
+    return worst, rounded
 
 
 def check_full_sync(eng, tensors: dict[str, torch.Tensor], names: list[str]) -> tuple[int, float]:
@@ -184,6 +190,18 @@ def check_full_sync(eng, tensors: dict[str, torch.Tensor], names: list[str]) -> 
                                  f"{tensors[name].dtype} tensor by {diff:.3g}")
         worst = max(worst, diff)
     return sent, worst
+
+
+def local_merge_seconds(full: dict[str, torch.Tensor], payload) -> float:
+    """Seconds this process takes to regenerate every A and merge F·A into a copy of every matrix (in the
+    checkpoint's dtype): the arithmetic of a seed sync without its transport and the engine's re-packing."""
+    total = 0.0
+    for name, weight in full.items():
+        weight = weight.clone()
+        start = time.perf_counter()
+        payload.low_rank[name].apply_(weight)
+        total += time.perf_counter() - start
+    return total
 
 
 def timed(call, repeats: int) -> tuple[list[float], list[int]]:
@@ -212,6 +230,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
     last = int(names[-1].split(".")[2])
     checked = [c.format(last=last) for c in CHECKED]
     original = {n: full[n].clone() for n in checked}
+    local_merge_s = local_merge_seconds(
+        full, make_payload(shapes, args.rank, args.update_scale, args.seed, torch.float32))
 
     eng = VLLMEngine(dtype=shape["dtype"], gpu_memory_utilization=shape["memory"], separate_process=True,
                      max_model_len=shape["max_model_len"])
@@ -226,7 +246,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
             if not torch.equal(w, original[name]):
                 raise AssertionError(f"engine's {name} differs from the checkpoint before any sync")
 
-        diffs = {}
+        diffs, diffs_rounded = {}, {}
         # Touching every layer once recovers the CPU backend's prepacked weights; time it apart from the rest.
         warm = make_payload(shapes, args.rank, args.update_scale, args.seed + 1, torch.float32)
         start = time.perf_counter()
@@ -235,9 +255,10 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
         del warm
         for label, dtype in FACTOR_DTYPES.items():
             payload = make_payload(shapes, args.rank, args.update_scale, args.seed, dtype)
-            diffs[f"seed_{label}"] = check_seed_sync(eng, payload, checked, engine_dtype)
+            diffs[f"seed_{label}"], diffs_rounded[f"seed_{label}"] = check_seed_sync(
+                eng, payload, checked, engine_dtype)
             seconds, sent = timed(lambda payload=payload: eng.apply_update(payload), args.repeats)
-            rows.append(dict(method=f"seed_{label}", factor_dtype=label, bytes_sent=sent[0],
+            rows.append(dict(method=f"seed_{label}", dtype=label, bytes_sent=sent[0],
                              tensor_bytes=payload.tensor_bytes, seconds=statistics.median(seconds),
                              min_seconds=min(seconds), seconds_all=seconds))
             assert len(set(sent)) == 1, sent
@@ -245,7 +266,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
         sent_once, diffs["full"] = check_full_sync(eng, full, checked)
         seconds, sent = timed(lambda: eng.load_weights(full), args.repeats)
         assert set(sent) == {sent_once}, (sent_once, sent)
-        rows.append(dict(method="full", factor_dtype=str(next(iter(full.values())).dtype).removeprefix("torch."),
+        rows.append(dict(method="full", dtype=str(next(iter(full.values())).dtype).removeprefix("torch."),
                          bytes_sent=sent[0], tensor_bytes=sum(t.numel() * t.element_size() for t in full.values()),
                          seconds=statistics.median(seconds), min_seconds=min(seconds), seconds_all=seconds))
     finally:
@@ -258,7 +279,9 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
         matrices=len(names),
         checked=checked,
         max_abs_diff=diffs,
+        max_abs_diff_rounded=diffs_rounded,
         full_params=sum(t.numel() for t in full.values()),
+        local_merge_s=local_merge_s,
     )
     return rows, settings
 
@@ -270,8 +293,9 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['method']} | {row['factor_dtype']} | {row['bytes_sent']:,} | {row['tensor_bytes']:,} "
-            f"| {row['seconds']:.3f} | {row['min_seconds']:.3f} | {row['bytes_vs_full']:.3f} | {row['seconds_vs_full']:.3f} |"
+            f"| {row['method']} | {row['dtype']} | {row['bytes_sent']:,} | {row['tensor_bytes']:,} "
+            f"| {row['seconds']:.3f} | {row['min_seconds']:.3f} | {row['bytes_vs_full']:.3f} "
+            f"| {row['seconds_vs_full']:.3f} |"
         )
     return "\n".join(lines)
 

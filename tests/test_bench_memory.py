@@ -11,7 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "memory.py"
 def test_memory_bench_writes_rows_and_plot(tmp_path):
     out, plot = tmp_path / "tmp.json", tmp_path / "tmp.png"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2", "--methods", "logra,dense_adamw",
+        [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2", "--methods", "logra,dense_adamw,logra_lightning",
          "--out", str(out), "--plot", str(plot)],
         check=True, capture_output=True, text=True, timeout=120,
     )
@@ -19,7 +19,7 @@ def test_memory_bench_writes_rows_and_plot(tmp_path):
     assert set(report) == {"rows", "settings"}
     assert report["settings"]["shape"] == "tiny"
     rows = {row["method"]: row for row in report["rows"]}
-    assert list(rows) == ["logra", "dense_adamw"]
+    assert list(rows) == ["logra", "dense_adamw", "logra_lightning"]  # the last: a Trainer + MemoryProfiler
     for row in rows.values():
         assert set(row) == {"method", "peak_gib", "avg_gib", "step_s"}, row
         assert row["peak_gib"] > 0 and row["avg_gib"] > 0 and row["step_s"] > 0

@@ -13,7 +13,7 @@ def test_memory_bench_writes_rows_and_plot(tmp_path):
     subprocess.run(
         [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2", "--methods", "logra,dense_adamw,logra_lightning",
          "--out", str(out), "--plot", str(plot)],
-        check=True, capture_output=True, text=True, timeout=120,
+        check=True, capture_output=True, text=True, timeout=600,
     )
     report = json.loads(out.read_text())
     assert set(report) == {"rows", "settings"}

@@ -123,6 +123,11 @@ class RLVRModule(LightningModule):
         if self.policy is None:
             self._load_policy()
         if not isinstance(self.engine, HFEngine):
+            if self._trainer is not None and self.trainer.world_size > 1:
+                # Each rank would start its own engine on the default device; pinning one engine per rank's device
+                # (or one shared engine) is not built yet.
+                raise ValueError("model.engine: an engine with its own weights runs on a single device for now; "
+                                 "use trainer.devices 1, or the in-process engine (model.engine: null) with DDP")
             self.engine.start(self.hparams.model, self._pad_token_id(), self._stop_token_ids())
 
     def _load_policy(self) -> None:

@@ -138,12 +138,14 @@ class RolloutWeightSync(Callback):
         params = dict(pl_module.policy.named_parameters())
         dense_bytes = sum(params[n].numel() * params[n].element_size() for n in payload.low_rank)
         dense_bytes += sum(t.numel() * t.element_size() for t in payload.dense.values())
-        metrics = {"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes), "sync/seconds": seconds,
-                   "sync/restarts": float(pl_module.engine.restarts)}
         if self.check_every is not None and self.syncs % self.check_every == 0:
-            metrics["sync/max_abs_diff"] = self.check()
-        metrics["sync/full_loads"] = float(self.full_loads)
-        pl_module.log_dict(metrics)
+            diff = self.check()
+            # Straight to the loggers: through self.log, Lightning would repeat the last value at every later step.
+            for logger in trainer.loggers:
+                logger.log_metrics({"sync/max_abs_diff": diff}, step=trainer.global_step)
+        pl_module.log_dict({"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes),
+                            "sync/seconds": seconds, "sync/restarts": float(pl_module.engine.restarts),
+                            "sync/full_loads": float(self.full_loads)})
 
     def max_abs_diff(self) -> float:
         """max |fingerprint(engine W) − fingerprint(trainer W)| over every trained tensor."""

@@ -144,6 +144,8 @@ def reward_runs(args: argparse.Namespace) -> list[dict]:
 
 def run_command(run: dict, args: argparse.Namespace) -> list[str]:
     sketch = "--trainer.strategy.init_args.sketch."
+    # A fixed projection is the config's own setting (refresh_every: null), which the command line cannot restate.
+    refresh = [] if run["refresh"] is None else [f"{sketch}refresh_every", str(run["refresh"])]
     return [
         sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs" / "tiny_arith.yaml"),
         "--trainer.max_steps", str(args.steps),
@@ -153,7 +155,7 @@ def run_command(run: dict, args: argparse.Namespace) -> list[str]:
         "--trainer.logger.init_args.name", run["name"].replace(" ", "_").replace(",", ""),
         f"{sketch}rank", str(run["rank"]),
         f"{sketch}distribution", run["distribution"],
-        f"{sketch}refresh_every", "null" if run["refresh"] is None else str(run["refresh"]),
+        *refresh,
     ]
 
 

@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/out/memory.png"))
-    parser.add_argument("--method", choices=METHODS + EXTRA_METHODS, help=argparse.SUPPRESS)  # set by the parent for a worker
+    # set by the parent for a worker
+    parser.add_argument("--method", choices=METHODS + EXTRA_METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rank = args.rank or (16 if args.shape == "tiny" else 64)

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# ---- part 1: reconstruction cosine ----------------------------------------------------------------------------------
+# ---- part 1: reconstruction cosine ----------------------------------------------------------------------------
 
 def cosine_model(shape: str, layers: int) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -127,7 +127,7 @@ def cosine_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-# ---- part 2: reward on the embedded task ------------------------------------------------------------------------------
+# ---- part 2: reward on the embedded task ----------------------------------------------------------------------
 
 def reward_runs(args: argparse.Namespace) -> list[dict]:
     width = 128  # the embedded model's hidden size: every sketch there needs rank < 128

@@ -11,7 +11,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "memory.py"
 def test_memory_bench_writes_rows_and_plot(tmp_path):
     out, plot = tmp_path / "tmp.json", tmp_path / "tmp.png"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2", "--methods", "logra,dense_adamw,logra_lightning",
+        [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2",
+         "--methods", "logra,dense_adamw,logra_lightning",
          "--out", str(out), "--plot", str(plot)],
         check=True, capture_output=True, text=True, timeout=600,
     )

@@ -155,11 +155,11 @@ class RolloutWeightSync(Callback):
         seed = self.seed * 1_000_003 + self.syncs
         theirs = pl_module.engine.fingerprints(names, seed)
         params = dict(pl_module.policy.named_parameters())
-        diff = 0.0
+        diffs = [torch.zeros((), dtype=torch.float64)]
         for name in names:
             ours = fingerprint(params[name], seed).cpu()
-            diff = max(diff, float((theirs[name][: ours.shape[0]] - ours).abs().max()))
-        return diff
+            diffs.append((theirs[name][: ours.shape[0]] - ours).abs().max())
+        return float(torch.stack(diffs).max())  # NaN anywhere stays NaN
 
     def check(self) -> float:
         """Compare fingerprints; past the tolerance, load the full weights. Returns the difference found."""

@@ -47,7 +47,8 @@ class VLLMEngine(RolloutEngine):
             the engine restarts. False runs it inside the trainer's process (faster start, no restart).
         sleep_between_rollouts: free the engine's device memory (level-1 sleep: weights to host memory, KV cache
             dropped) while the trainer runs its backward passes; GPU only.
-        max_restarts: how many times a dead engine is restarted before the error is raised.
+        max_restarts: how many times in a row a dead engine is restarted before the error is raised.
+        load_chunk_mib: a full load is sent in chunks of this size (each is one serialized message).
         engine_kwargs: anything else for `vllm.LLM`.
     """
 
@@ -69,6 +70,9 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if tensor_parallel_size < 1:
             raise ValueError(f"engine.tensor_parallel_size must be positive, got {tensor_parallel_size}")
+        if max_restarts < 0 or load_chunk_mib < 1:
+            raise ValueError(f"engine.max_restarts must be >= 0 and engine.load_chunk_mib >= 1, got {max_restarts} "
+                             f"and {load_chunk_mib}")
         self.options = dict(
             dtype=dtype,
             max_model_len=max_model_len,

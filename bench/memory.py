@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
 from callbacks.memory import GIB, StepSampler, process_rss_reader
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
@@ -315,10 +316,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: write the file only
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [row["method"] for row in rows]
     x = range(len(rows))
@@ -335,11 +333,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     speed.set_ylabel("median step, s")
     for axis in (mem, speed):
         axis.set_xticks(list(x), names, rotation=30, ha="right")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, title, path)
 
 
 def main(argv: list[str] | None = None) -> None:

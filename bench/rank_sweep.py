@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import SHAPES, fixed_batch  # bench/memory.py: Qwen2.5 shapes and the fixed RL batch  # noqa: E402
+from plotting import pyplot, save_figure  # noqa: E402
 
 from lightning_logra.loss import completion_logits, token_logprobs  # noqa: E402
 from lightning_logra.sketch import install_sketches  # noqa: E402
@@ -223,10 +224,7 @@ def tables(cosines: list[dict], rewards: list[dict]) -> str:
 
 
 def plot(cosines: list[dict], rewards: list[dict], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(12 if rewards else 6, 4.5), squeeze=False)
     cos_axis = axes[0][0]
@@ -246,11 +244,7 @@ def plot(cosines: list[dict], rewards: list[dict], title: str, path: Path) -> No
         axis.barh([r["name"] for r in ok], [r["reward_first"] for r in ok], height=0.3, label="first tenth")
         axis.set_xlabel("mean sampled reward (embedded task)")
         axis.legend(loc="lower right")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, title, path)
 
 
 def main(argv: list[str] | None = None) -> None:

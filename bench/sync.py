@@ -44,6 +44,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py, beside this script)
 from safetensors import safe_open  # noqa: E402
 
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
@@ -301,10 +302,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: write the file only
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [row["method"] for row in rows]
     colors = ["tab:blue", "tab:cyan", "tab:gray"][: len(rows)]
@@ -317,11 +315,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     for axis, key in ((size, "bytes_vs_full"), (speed, "seconds_vs_full")):
         for i, row in enumerate(rows):
             axis.annotate(f"×{row[key]:.3f}", (i, axis.patches[i].get_height()), ha="center", va="bottom")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, title, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,11 +90,12 @@ def _module(model_path, engine=None, **kwargs):
                       micro_batch_size=16, engine=engine, **kwargs)
 
 
-def _trainer(root, callbacks, steps=3):
+def _trainer(root, callbacks, steps=3, refresh_every=None):
+    sketch = SketchConfig(SKETCH_TARGETS, rank=8, optimizer="adam", lr=1e-2, refresh_every=refresh_every)
     return Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
-        strategy=SketchStrategy(SketchConfig(SKETCH_TARGETS, rank=8, optimizer="adam", lr=1e-2)),
+        strategy=SketchStrategy(sketch),
         callbacks=callbacks,
     )
 
@@ -113,12 +114,14 @@ class _Capture(Callback):
         self.trainer_greedy = shared.generate(prompts, 1, greedy, [0, 1]).completion_ids
 
 
-def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path):
+@pytest.mark.parametrize("refresh_every", [None, 1], ids=["fixed", "refreshed every step"])
+def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path, refresh_every):
     # The same 3 steps, once generating with the policy itself and once with a separate copy kept in step only
     # by sync payloads: the copy must hold the trainer's weights, and the two runs must train identically.
+    # Refreshed every step, each payload must carry the seed of the projection it was merged with, not the next.
     torch.manual_seed(0)
     shared = _module(tiny_arith_model)
-    _trainer(tmp_path / "a", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4)]).fit(
+    _trainer(tmp_path / "a", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4)], 3, refresh_every).fit(
         shared, ArithDataModule(batch_size=4))
 
     separate = _module(tiny_arith_model)
@@ -126,8 +129,8 @@ def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_mode
     copy_model = copy.deepcopy(separate.policy)
     separate.engine = HFEngine(copy_model, separate._stop_token_ids(), separate._pad_token_id())
     sync, capture = RolloutWeightSync(check_every=1), _Capture()
-    _trainer(tmp_path / "b", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, capture]).fit(
-        separate, ArithDataModule(batch_size=4))
+    _trainer(tmp_path / "b", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, capture], 3,
+             refresh_every).fit(separate, ArithDataModule(batch_size=4))
 
     assert sync.syncs == 3 and sync.full_loads == 1  # fingerprints matched at every check: no repair needed
     for name, ours in capture.trainer_weights.items():

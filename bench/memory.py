@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,18 +92,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- worker: one method in this process
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
+def qwen2_model(shape: str, dtype: torch.dtype, max_positions: int, **overrides) -> torch.nn.Module:
+    """A Qwen2 with random weights in the shape of a Qwen2.5 size (`SHAPES`), built directly in `dtype`: a 7B model
+    built in fp32 first (30 GB) would not fit this machine. `overrides` change config fields (fewer layers, say)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(args.seed)
-    config = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=args.prompt_len + args.completion_len)
-    # Built in the target dtype: a 7B model built in fp32 first (30 GB) would not fit this machine.
+    config = Qwen2Config(**{**SHAPES[shape], **overrides}, max_position_embeddings=max_positions)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[args.dtype])
+    torch.set_default_dtype(dtype)
     try:
         return Qwen2ForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    torch.manual_seed(args.seed)
+    return qwen2_model(args.shape, DTYPES[args.dtype], args.prompt_len + args.completion_len)
 
 
 def fixed_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -163,16 +169,19 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     return model, [GaLoreAdamW([group], lr=args.lr)]
 
 
-def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int) -> None:
+def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """−Σ coef·log π over the batch's completion tokens (the logits are dropped before the caller's backward, as a
+    trainer's micro-batch loop drops them when they go out of scope)."""
+    logits = completion_logits(
+        policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+    )  # (m, C, V)
+    return -(batch["coef"] * token_logprobs(logits, batch["completion_ids"])).sum()
+
+
+def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int,
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
     for start in range(0, batch["coef"].shape[0], micro_batch):
-        mb = {key: value[start:start + micro_batch] for key, value in batch.items()}
-        logits = completion_logits(
-            policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"]
-        )  # (m, C, V)
-        loss = -(mb["coef"] * token_logprobs(logits, mb["completion_ids"])).sum()
-        # Drop the logits before backward, as a trainer's micro-batch loop does when they go out of scope.
-        del logits
-        loss.backward()
+        backward(policy_loss(policy, {key: value[start:start + micro_batch] for key, value in batch.items()}))
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -194,17 +203,7 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
             self.automatic_optimization = False
 
         def training_step(self, _, batch_idx):
-            n = self.batch["coef"].shape[0]
-            for start in range(0, n, args.micro_batch):
-                mb = {key: value[start:start + args.micro_batch] for key, value in self.batch.items()}
-                logits = completion_logits(self.policy, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                           mb["completion_mask"])
-                loss = -(mb["coef"] * token_logprobs(logits, mb["completion_ids"])).sum()
-                del logits
-                self.manual_backward(loss)
-            optimizer = self.optimizers()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(self.policy, [self.optimizers()], self.batch, args.micro_batch, self.manual_backward)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(range(args.steps), batch_size=1)

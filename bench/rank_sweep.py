@@ -34,10 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import SHAPES, fixed_batch  # bench/memory.py: Qwen2.5 shapes and the fixed RL batch  # noqa: E402
+from memory import SHAPES, fixed_batch, policy_loss, qwen2_model  # bench/memory.py: shapes, RL batch, loss  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
 
-from lightning_logra.loss import completion_logits, token_logprobs  # noqa: E402
 from lightning_logra.sketch import install_sketches  # noqa: E402
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 
@@ -64,17 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---- part 1: reconstruction cosine ----------------------------------------------------------------------------
 
 def cosine_model(shape: str, layers: int) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(0)
-    config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=128)
-    return Qwen2ForCausalLM(config).float()
-
-
-def policy_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logits = completion_logits(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                               batch["completion_mask"])
-    return -(batch["coef"] * token_logprobs(logits, batch["completion_ids"])).sum()
+    return qwen2_model(shape, torch.float32, 128, num_hidden_layers=layers)
 
 
 def dense_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

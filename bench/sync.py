@@ -44,6 +44,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from memory import qwen2_model  # noqa: E402 (bench/memory.py, beside this script: the Qwen2.5 shapes)
 from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py, beside this script)
 from safetensors import safe_open  # noqa: E402
 
@@ -51,9 +52,6 @@ from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 from lightning_logra.sketch.update import LowRankDelta  # noqa: E402
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
-# Qwen2.5-1.5B's config.json (tie_word_embeddings as it ships); positions cut to what the engine is started with.
-QWEN_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=256)
 # Per shape: the engine's dtype, its share of (host) memory, its longest sequence, the default rank.
 SHAPES = {
     "tiny": dict(dtype="float32", memory=0.1, max_model_len=32, rank=16),
@@ -90,16 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def save_random_1_5b(directory: Path, seed: int) -> None:
     """A Qwen2 in Qwen2.5-1.5B's shape with random bfloat16 weights, saved with the tiny model's tokenizer (the engine
     runs on token ids, but vLLM loads a tokenizer at start-up)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(seed)
-    config = Qwen2Config(**QWEN_1_5B)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: no 6 GiB fp32 copy on the way
-    try:
-        model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = qwen2_model("1.5b", torch.bfloat16, SHAPES["1.5b"]["max_model_len"])
     model.save_pretrained(directory)
     del model
     for name in ("tokenizer.json", "tokenizer_config.json"):

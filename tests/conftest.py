@@ -58,3 +58,20 @@ class NoDenseSketchGradients(Callback):
         for name, layer in sketched_layers(pl_module.policy).items():
             assert layer.weight.grad is None, f"rank {trainer.global_rank}: {name} has a dense gradient"
             assert layer.sketch.shape == (layer.out_features, layer.rank)
+
+
+class EngineSnapshot(Callback):
+    """At the end of training, keeps what a rollout engine with its own weights holds beside the trainer's: every
+    policy weight (sketch carriers aside) and greedy completions of a few prompts from each."""
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_logra.rollout import HFEngine, SamplingParams
+
+        params = {n: p for n, p in pl_module.policy.named_parameters() if not n.endswith(".sketch_param")}
+        self.engine_weights = pl_module.engine.weights(list(params))
+        self.trainer_weights = {n: p.detach().clone() for n, p in params.items()}
+        prompts, seeds = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 11, 13]], [0, 1, 2]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        self.engine_greedy = pl_module.engine.generate(prompts, 1, greedy, seeds).completion_ids
+        policy = HFEngine(pl_module.policy, pl_module._stop_token_ids(), pl_module._pad_token_id())
+        self.trainer_greedy = policy.generate(prompts, 1, greedy, seeds).completion_ids

@@ -3,13 +3,13 @@ greedy text, payload bytes by the formula, drift repaired, a killed engine resta
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 
 from callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
-from conftest import SKETCH_TARGETS
+from conftest import SKETCH_TARGETS, EngineSnapshot
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.module import RLVRModule
-from lightning_logra.rollout import HFEngine, SamplingParams, VLLMEngine
+from lightning_logra.rollout import VLLMEngine
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.strategy import SketchStrategy
 
@@ -22,7 +22,7 @@ KILL_AFTER, DRIFT_AFTER = 1, 3  # batch indices
 DRIFTED = "model.layers.1.self_attn.o_proj.weight"
 
 
-class Scenario(Callback):
+class Scenario(EngineSnapshot):
     """Kills the engine's processes after one step, corrupts one of its weights after another, and records what
     the engine and the trainer hold at the end. Listed after RolloutWeightSync, so it acts after each step's sync."""
 
@@ -45,14 +45,7 @@ class Scenario(Callback):
             pl_module.engine.load_weights({DRIFTED: weight})
 
     def on_train_end(self, trainer, pl_module):
-        params = {n: p for n, p in pl_module.policy.named_parameters() if not n.endswith(".sketch_param")}
-        self.engine_weights = pl_module.engine.weights(list(params))
-        self.trainer_weights = {n: p.detach().clone() for n, p in params.items()}
-        prompts = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 11, 13]]
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-        self.engine_greedy = pl_module.engine.generate(prompts, 1, greedy, [0, 1, 2]).completion_ids
-        policy = HFEngine(pl_module.policy, pl_module._stop_token_ids(), pl_module._pad_token_id())
-        self.trainer_greedy = policy.generate(prompts, 1, greedy, [0, 1, 2]).completion_ids
+        super().on_train_end(trainer, pl_module)
         self.restarts = pl_module.engine.restarts
         self.sketched = {f"{n}.weight": h for n, h in trainer.strategy.handles.items()}
 

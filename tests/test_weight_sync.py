@@ -11,10 +11,10 @@ from callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.loss import importance_weights
 from lightning_logra.module import RLVRModule
-from lightning_logra.rollout import HFEngine, LowRankDelta, SamplingParams, SyncPayload, fingerprint
+from lightning_logra.rollout import HFEngine, LowRankDelta, SyncPayload, fingerprint
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.strategy import SketchStrategy
-from conftest import SKETCH_TARGETS
+from conftest import SKETCH_TARGETS, EngineSnapshot
 
 
 def _delta(d, k, r, seed):
@@ -100,20 +100,6 @@ def _trainer(root, callbacks, steps=3, refresh_every=None):
     )
 
 
-class _Capture(Callback):
-    """Keeps what the engine and the trainer hold at the end of training."""
-
-    def on_train_end(self, trainer, pl_module):
-        params = {n: p for n, p in pl_module.policy.named_parameters() if not n.endswith(".sketch_param")}
-        self.engine_weights = pl_module.engine.weights(list(params))
-        self.trainer_weights = {n: p.detach().clone() for n, p in params.items()}
-        prompts = [[3, 4, 5, 13], [6, 7, 8, 9, 13]]
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-        self.engine_greedy = pl_module.engine.generate(prompts, 1, greedy, [0, 1]).completion_ids
-        shared = HFEngine(pl_module.policy, pl_module._stop_token_ids(), pl_module._pad_token_id())
-        self.trainer_greedy = shared.generate(prompts, 1, greedy, [0, 1]).completion_ids
-
-
 @pytest.mark.parametrize("refresh_every", [None, 1], ids=["fixed", "refreshed every step"])
 def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path, refresh_every):
     # The same 3 steps, once generating with the policy itself and once with a separate copy kept in step only
@@ -128,7 +114,7 @@ def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_mode
     separate.configure_model()
     copy_model = copy.deepcopy(separate.policy)
     separate.engine = HFEngine(copy_model, separate._stop_token_ids(), separate._pad_token_id())
-    sync, capture = RolloutWeightSync(check_every=1), _Capture()
+    sync, capture = RolloutWeightSync(check_every=1), EngineSnapshot()
     _trainer(tmp_path / "b", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, capture], 3,
              refresh_every).fit(separate, ArithDataModule(batch_size=4))
 

@@ -113,9 +113,6 @@ class LogRAWorkerExtension:
         dtype = layer.params_dtype if hasattr(layer, "params_dtype") else torch.float32
         eye = torch.eye(k, dtype=dtype)
         layer.weight.data = layer.cpu_linear(eye, None, None).t().contiguous()  # (n, k): linear(I) = Wᵀ exactly
-        if not hasattr(self, "_logra_unpacked"):
-            self._logra_unpacked = set()
-        self._logra_unpacked.add(layer)
 
     def _logra_repack(self, layers: set[nn.Module]) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm

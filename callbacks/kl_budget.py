@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_logra.kl import Responses, predicted_kl, realized_kl, step_scale
-from lightning_logra.rollout import Rollout
+from lightning_logra.batch import Rollout
 from lightning_logra.sketch.optim import SketchOptimizer
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]

@@ -27,7 +27,9 @@ from lightning_logra.loss import (
     token_weights,
 )
 from lightning_logra.rewards import RewardFn, get_reward
-from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, prompt_seeds
+from lightning_logra.batch import Rollout
+from lightning_logra.hashing import prompt_seeds
+from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.sketch.optim import SketchOptimizer
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from lightning_logra.sketch.projection import mix64
+from lightning_logra.hashing import mix64
 from lightning_logra.sketch.update import LowRankDelta
 
 

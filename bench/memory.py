@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated, from " + ", ".join(METHODS + EXTRA_METHODS))
-    # A sketch's rank must stay below both sides of every target: k_proj and v_proj are only 128 rows in 0.5B
-    # (2 kv heads × 64) and 64 in tiny.
+    # A sketch's rank must stay below every target's in_features (LoRA and GaLore need it below both sides:
+    # k_proj and v_proj are only 128 rows in 0.5B, 2 kv heads × 64, and 64 in tiny).
     parser.add_argument("--rank", type=int, help="of LoRA, GaLore and the sketches; default 64, 16 for tiny")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (advantages are group-normalized)")

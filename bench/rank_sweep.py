@@ -8,7 +8,7 @@ layers: the cosine depends on each matrix's shape, not on the depth), one policy
 dense gradient G of every target matrix; the same micro-batch through sketched layers gives S = G·Aᵀ, and the
 cosine between G and the reconstruction S·A is averaged over the matrices. Theory for a random projection with
 E[AᵀA] = I: cos ≈ √(r/(r+k)) (k the matrix's input width), printed beside it. Both projections (Rademacher and
-Gaussian) over `--seeds` seeds. A matrix with min(d, k) ≤ r cannot be sketched at rank r and is left out of that
+Gaussian) over `--seeds` seeds. A matrix with k ≤ r (in_features) cannot be sketched at rank r and is left out of that
 rank's average (the table says how many matrices were measured).
 
 Part 2, reward. The embedded task (`configs/tiny_arith.yaml`, 600 steps by default) is trained through the CLI at
@@ -80,7 +80,7 @@ def dense_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
 
 def reconstruction_cosines(model, batch, gradients, rank: int, distribution: str, seed: int) -> dict[str, float]:
     """{module name: cos(G, S·A)} for every target matrix that a rank-`rank` sketch fits."""
-    fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < min(g.shape)})
+    fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < g.shape[1]})
     if not fits:
         return {}
     sketched = copy.deepcopy(model)

@@ -9,7 +9,7 @@ the trainer's and a drift past `tolerance` is repaired by a full load, as is a r
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -17,14 +17,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_logra.rollout import HFEngine, SyncPayload, fingerprint
 from lightning_logra.sketch.optim import SketchOptimizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 class RolloutWeightSync(Callback):
     """
+    F travels in the dtype the sketch optimizer merged it in (`sketch.factor_dtype`), with the key of its stochastic
+    rounding into low-precision weights, so the engine's merge reproduces the trainer's bit for bit.
+
     Args:
-        factor_dtype: the dtype F travels in. bfloat16 halves the bytes; the engine then merges a rounded F, so its
-            weights drift from the trainer's by that rounding, which the periodic check bounds.
         check_every: compare fingerprints every this many syncs (None: never, except on demand with `check`).
         tolerance: the largest |fingerprint difference| accepted before a full resync (fingerprints are W·v for a
             seeded ±1 vector v, so one entry off by ε shows as ε).
@@ -33,19 +32,15 @@ class RolloutWeightSync(Callback):
 
     def __init__(
         self,
-        factor_dtype: Literal["float32", "bfloat16"] = "float32",
         check_every: int | None = 50,
         tolerance: float = 1e-4,
         seed: int = 0,
     ) -> None:
-        if factor_dtype not in _DTYPES:
-            raise ValueError(f"RolloutWeightSync: factor_dtype must be 'float32' or 'bfloat16', got {factor_dtype!r}")
         if check_every is not None and check_every < 1:
             raise ValueError(f"RolloutWeightSync: check_every must be a positive number of syncs or None, "
                              f"got {check_every}")
         if tolerance < 0:
             raise ValueError(f"RolloutWeightSync: tolerance must be >= 0, got {tolerance}")
-        self.factor_dtype = _DTYPES[factor_dtype]
         self.check_every, self.tolerance, self.seed = check_every, tolerance, seed
         self.syncs = 0  # compact syncs sent (its checkpointed state, so checks keep their rhythm across resumes)
         self.full_loads = 0
@@ -112,7 +107,7 @@ class RolloutWeightSync(Callback):
                 payload.low_rank.update({f"{name}.weight": delta for name, delta in opt.last_updates.items()})
         params = dict(pl_module.policy.named_parameters())
         payload.dense.update({name: params[name].detach() for name in self._trained_names(pl_module)[1]})
-        return payload.to(self.factor_dtype)
+        return payload
 
     # ---- sync, check, repair ----------------------------------------------------------------------------------------
 

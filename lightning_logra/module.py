@@ -185,7 +185,9 @@ class RLVRModule(LightningModule):
         prompts = columns.pop("prompt")
         rewards = self.reward_fn(prompts, completions, **columns)
         # None means "not applicable to this sample" in TRL's signature; it earns nothing here.
-        rewards = torch.tensor([0.0 if r is None else float(r) for r in rewards], device=self.device)  # (N,)
+        # fp32 explicitly: under `bf16-true` Lightning makes bf16 the default dtype inside the training step.
+        rewards = torch.tensor([0.0 if r is None else float(r) for r in rewards], dtype=torch.float32,
+                               device=self.device)  # (N,)
         return rollout, rewards
 
     def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> torch.Tensor:
@@ -205,8 +207,8 @@ class RLVRModule(LightningModule):
         wrapped = self.trainer.world_size > 1 and not hasattr(strategy, "sum_gradients")
         grad_scale = float(self.trainer.world_size) if wrapped else 1.0  # undo the wrapper's averaging
 
-        loss = torch.zeros((), device=self.device)
-        mismatch = torch.zeros(4, device=self.device)  # Σ over loss tokens: |Δ log-prob|, k3 KL, clipped, tokens
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)  # Σ over loss tokens: |Δ log-prob|, k3 KL, clipped, tokens
         # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
         # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
         active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
@@ -280,6 +282,10 @@ class RLVRModule(LightningModule):
                     controller = self.step_controller
                     alpha = lambda: controller.choose_alpha(self, inner, rollout)  # noqa: E731
                 step(alpha=alpha, skip=skipped)
+                if inner.last_updates:
+                    # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to
+                    # nearest at RL learning rates).
+                    self.log("update/landed_fraction", inner.landed_fraction)
             else:
                 if skipped:
                     inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -284,10 +285,10 @@ class RLVRModule(LightningModule):
                     controller = self.step_controller
                     alpha = lambda: controller.choose_alpha(self, inner, rollout)  # noqa: E731
                 step(alpha=alpha, skip=skipped)
-                if inner.last_updates:
-                    # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to
-                    # nearest at RL learning rates).
-                    self.log("update/landed_fraction", inner.landed_fraction)
+                skipped = skipped or not inner.last_updates  # the optimizer itself may refuse a step (α not finite)
+                # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest
+                # at RL learning rates). NaN on a skipped step: Lightning would repeat the last value.
+                self.log("update/landed_fraction", math.nan if skipped else inner.landed_fraction)
             else:
                 if skipped:
                     inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW

@@ -106,7 +106,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         return True
 
     def skip(self, reason: str) -> None:
-        """Drop this step's sketches without touching weights or state; count and report it."""
+        """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in
+        apply(), the d×r state has already taken this step's finite sketch, as propose() computed it.)"""
         self.skipped_steps += 1
         log.warning("%s: update skipped (%d skipped so far)", reason, self.skipped_steps)
         for layer in self.layers:
@@ -128,13 +129,23 @@ class SketchOptimizer(torch.optim.Optimizer):
         """Merge W ← W − α·η·U·A for the pending proposal; zero the sketches; return {name: F = α·η·U (d, r)}."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first (or it was skipped)")
+        # The last line of defence: whatever chose α, a non-finite step never reaches the weights.
+        if not (math.isfinite(alpha) and alpha >= 0):
+            self.skip(f"non-finite or negative step scale α={alpha}")
+            return {}
+        # F in the dtype it travels in: the engine merges exactly this, so the trainer does too.
+        pending = {p: ((alpha * group["lr"]) * self._proposal[p]).to(self.factor_dtype)  # (d, r)
+                   for group in self.param_groups for p in group["params"]}
+        finite = torch.stack([torch.isfinite(f).all() for f in pending.values()])  # one sync, not one per layer
+        if not bool(finite.all()):
+            self.skip(f"non-finite update factor α·η·U (α={alpha})")
+            return {}
         factors = {}
         landed, intended = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for group in self.param_groups:
             for p in group["params"]:
                 layer = self._layer_of[p]
-                # F in the dtype it travels in: the engine merges exactly this, so the trainer does too.
-                factor = ((alpha * group["lr"]) * self._proposal[p]).to(self.factor_dtype)  # (d, r)
+                factor = pending[p]
                 stochastic = self.rounding == "stochastic" and layer.weight.dtype in LOW_PRECISION
                 key = rounding_key(layer.seed, self.updates) if stochastic else None
                 projection = layer.projection()

@@ -51,6 +51,9 @@ def test_qwen1_5b_is_the_papers_design_choice_setting():
     config = cli.trainer.strategy.config
     assert cli.model.hparams.model == "Qwen/Qwen2.5-Math-1.5B"
     assert (config.rank, config.distribution, config.refresh_every) == (256, "rademacher", None)
+    # all seven matrices, as in the paper: k_proj/v_proj are 256×1536, and rank 256 < k = 1536 is all a sketch needs
+    assert config.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert config.rounding == "stochastic"  # bf16 weights at lr 1e-6
     assert cli.datamodule.preset == "dapo_math"
 
 
@@ -124,8 +127,9 @@ def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp
         (["--trainer.strategy.init_args.sketch.rank", "500"], ValueError, "rank=500 must be smaller"),
         (["--trainer.strategy.init_args.sketch.target_modules", "[qq_proj]"], ValueError, "target_modules: 'qq_proj'"),
         (["--model.model", "./no/such/model"], FileNotFoundError, "model.model"),
+        (["--trainer.strategy.init_args.sketch.rounding", "up"], SystemExit, "sketch.rounding"),
     ],
-    ids=["wrong key", "rank too large", "no target match", "missing model"],
+    ids=["wrong key", "rank too large", "no target match", "missing model", "unknown rounding"],
 )
 def test_bad_input_fails_before_training(tiny_arith_model, tmp_path, capsys, override, error, message):
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")

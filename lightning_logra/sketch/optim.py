@@ -141,7 +141,7 @@ class SketchOptimizer(torch.optim.Optimizer):
             self.skip(f"non-finite update factor α·η·U (α={alpha})")
             return {}
         factors = {}
-        landed, intended = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        landed, intended = [], []  # per layer, on the weights' device: summed once at the end (one sync)
         for group in self.param_groups:
             for p in group["params"]:
                 layer = self._layer_of[p]
@@ -153,8 +153,8 @@ class SketchOptimizer(torch.optim.Optimizer):
                 before = layer.weight[rows, cols].double()
                 apply_low_rank_update_(layer.weight, factor, projection, key)
                 change = (factor[rows].double() * projection[:, cols].T.double()).sum(-1)  # (F·A) at the probe
-                landed -= ((layer.weight[rows, cols].double() - before) * change).sum()
-                intended += (change**2).sum()
+                landed.append(-((layer.weight[rows, cols].double() - before) * change).sum())  # W moves by −F·A
+                intended.append((change**2).sum())
                 layer.zero_sketch()
                 self.state[p]["step"] += 1
                 factors[layer.name] = factor
@@ -162,7 +162,8 @@ class SketchOptimizer(torch.optim.Optimizer):
                 self.last_updates[layer.name] = LowRankDelta(factor, layer.seed, layer.distribution,
                                                              layer.in_features, key)
         self.updates += 1
-        self._record_landed(float(landed / intended) if intended > 0 else math.nan)
+        landed, intended = float(torch.stack(landed).sum()), float(torch.stack(intended).sum())
+        self._record_landed(landed / intended if intended > 0 else math.nan)
         self._proposal = None
         self._maybe_refresh()
         return factors

@@ -80,10 +80,9 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
                     table[name] = nn.Parameter(fp32, requires_grad=False) if table is module._parameters else fp32
         module._float32_saved = saved
 
-    def restore(module: nn.Module, _inputs, _output) -> None:
-        for (_, name), (table, tensor) in module._float32_saved.items():
+    def restore(module: nn.Module, *_) -> None:
+        for (_, name), (table, tensor) in module.__dict__.pop("_float32_saved", {}).items():
             table[name] = tensor
-        del module._float32_saved
 
     low = [m for m in model.modules()
            if any(t.dtype in LOW_PRECISION for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
@@ -93,6 +92,8 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+        for module in low:  # a forward that raised skipped its restore hooks
+            restore(module)
 
 
 def _completion_logprobs(

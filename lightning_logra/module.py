@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import torch
 from lightning.pytorch import LightningModule
@@ -42,6 +45,29 @@ def resolve_reward(name: str) -> RewardFn:
         except (ImportError, AttributeError) as err:
             raise ValueError(f"model.reward: cannot import {name!r} ({err})") from err
     return get_reward(name)
+
+
+def check_hub_model(model: str) -> None:
+    """For a `model` that is not a local directory (a hub id): fail at once, naming the key, when it is not in the hub
+    cache and the hub cannot be reached. Without this a mistyped name (`tiny_arth`) is retried for about a minute,
+    then fails with an error that does not say which setting is wrong."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return  # downloaded before: loads without the network
+    except ValueError:
+        pass  # not a valid hub id either; the message below says what to give
+    where = (f"model.model: {model!r} is not a directory here ({Path.cwd()}) nor in the hub cache, and the hub "
+             "cannot be reached")
+    fix = "give the path of a save_pretrained folder, or a hub id with the network on"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise FileNotFoundError(f"{where} (HF_HUB_OFFLINE is set): {fix}")
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        raise FileNotFoundError(f"{where} ({host}: {err}): {fix}") from None
 
 
 class RLVRModule(LightningModule):
@@ -132,7 +158,9 @@ class RLVRModule(LightningModule):
 
     def _load_policy(self) -> None:
         path, hp = self.hparams.model, self.hparams
-        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+        if not Path(path).exists():
+            check_hub_model(path)
+        elif not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         dtype = getattr(torch, hp.dtype)

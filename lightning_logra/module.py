@@ -8,7 +8,6 @@ The same module trains densely (any plain strategy: AdamW from `configure_optimi
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
@@ -29,22 +28,46 @@ from lightning_logra.loss import (
     token_logprobs,
     token_weights,
 )
-from lightning_logra.rewards import RewardFn, get_reward
+from lightning_logra.rewards import RewardFn, TimedReward, get_reward, import_reward
 from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, prompt_seeds
 from lightning_logra.sketch.optim import SketchOptimizer
 
 log = logging.getLogger(__name__)
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """A built-in reward by name ("exact_match", "math_answer") or any function by dotted path ("pkg.mod.fn")."""
-    if "." in name:
-        module, _, attr = name.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"model.reward: cannot import {name!r} ({err})") from err
-    return get_reward(name)
+def resolve_reward(name: str, timeout_s: float | None) -> RewardFn:
+    """A built-in reward by name ("exact_match", "math_answer"), called here, or any function by dotted path
+    ("pkg.mod.fn"), called in its own process with a deadline of `timeout_s` per batch (None: here, no deadline).
+    The built-ins need no deadline: exact_match is a string comparison and math_answer bounds each check itself."""
+    if "." not in name:
+        return get_reward(name)
+    return import_reward(name) if timeout_s is None else TimedReward(name, timeout_s)
+
+
+def reward_tensor(rewards: Any, name: str, prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A reward function's output checked and made a tensor: (rewards (prompts·n,), which samples had no usable
+    reward (None or not finite) (prompts·n,), which groups were dropped (prompts,)).
+
+    None means "not applicable to this sample" in TRL's signature and earns 0.0. A NaN or infinite reward drops its
+    whole group: the group's rewards are all set to 0.0, so that its advantages are 0 and it adds nothing to the
+    gradient, while the other groups still train."""
+    count = prompts * n
+    try:
+        rewards = list(rewards)
+        values = [float("nan") if r is None else float(r) for r in rewards]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
+                         f"completion; got {type(rewards).__name__} ({err})") from None
+    if len(values) != count:
+        raise ValueError(f"model.reward {name!r} returned {len(values)} rewards for {count} completions ({prompts} "
+                         f"prompts × {n} samples): it must return one per completion, in order")
+    nones = torch.tensor([r is None for r in rewards])
+    groups = torch.tensor(values, dtype=torch.float32).view(prompts, n)
+    missing = ~groups.isfinite()
+    dropped = (missing & ~nones.view(prompts, n)).any(1)  # a NaN or inf, not a None
+    groups[missing] = 0.0
+    groups[dropped] = 0.0
+    return groups.view(-1), missing.view(-1), dropped
 
 
 def check_hub_model(model: str) -> None:
@@ -94,6 +117,8 @@ class RLVRModule(LightningModule):
         export_dir: str | None = None,
         engine: RolloutEngine | None = None,
         is_cap: float | None = 2.0,
+        reward_timeout_s: float | None = 600.0,
+        max_unlearnable_steps: int | None = None,
     ) -> None:
         """
         Args:
@@ -111,6 +136,12 @@ class RLVRModule(LightningModule):
             is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
                 correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
                 bf16). None turns the correction off; the mismatch is logged either way.
+            reward_timeout_s: a reward given by dotted path runs in its own process, and a batch it has not scored
+                within this many seconds scores None (nothing learned from it) while the process is replaced.
+                None calls it in this process without a deadline.
+            max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
+                (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
+                about when no completion got a usable reward at all.
         """
         super().__init__()
         for key, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
@@ -125,6 +156,12 @@ class RLVRModule(LightningModule):
             raise ValueError(f"model.top_p must be in (0, 1], got {top_p}")
         if is_cap is not None and is_cap <= 0:
             raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {is_cap}")
+        if reward_timeout_s is not None and not reward_timeout_s > 0:
+            raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
+                             f"got {reward_timeout_s}")
+        if max_unlearnable_steps is not None and max_unlearnable_steps < 1:
+            raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
+                             f"got {max_unlearnable_steps}")
         if loss_type not in ("dapo", "grpo", "dr_grpo"):
             raise ValueError(f"model.loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
         # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
@@ -132,7 +169,8 @@ class RLVRModule(LightningModule):
             raise FileNotFoundError(f"model.model: no such model directory {model!r}")
         self.save_hyperparameters(ignore=["engine"])
         self.automatic_optimization = False
-        self.reward_fn = resolve_reward(reward)
+        self.reward_fn = resolve_reward(reward, reward_timeout_s)
+        self.unlearnable_steps = 0  # training steps in a row with nothing to learn (max_unlearnable_steps)
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
         self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)
         self.policy: torch.nn.Module | None = None
@@ -209,10 +247,31 @@ class RLVRModule(LightningModule):
         # Every column repeated per sample, so the reward sees row-aligned lists (TRL's convention).
         columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
         prompts = columns.pop("prompt")
-        rewards = self.reward_fn(prompts, completions, **columns)
-        # None means "not applicable to this sample" in TRL's signature; it earns nothing here.
-        rewards = torch.tensor([0.0 if r is None else float(r) for r in rewards], device=self.device)  # (N,)
-        return rollout, rewards
+        name = self.hparams.reward
+        rewards, missing, dropped = reward_tensor(self.reward_fn(prompts, completions, **columns), name, count, n)
+        if missing.all():
+            log.warning("model.reward %r gave no usable reward (all None or NaN) for any of the %d completions at "
+                        "step %d: nothing is learned from this batch. Check the reward function", name,
+                        len(rewards), self.global_step)
+        elif dropped.any():
+            log.warning("model.reward %r gave NaN or infinite rewards in %d of %d groups at step %d: those groups "
+                        "are left out of the update", name, int(dropped.sum()), count, self.global_step)
+        if step >= 0:  # a training step
+            self._count_unlearnable(rewards.view(count, n))
+        return rollout, rewards.to(self.device)
+
+    def _count_unlearnable(self, groups: torch.Tensor) -> None:
+        """Count training steps in a row where no group's rewards differ (every advantage is 0: nothing to learn),
+        and stop the run after `max_unlearnable_steps` of them."""
+        learnable = (groups.max(1).values > groups.min(1).values).any().float().to(self.device)
+        learnable = self.trainer.strategy.reduce(learnable, reduce_op="sum")  # the ranks must stop together
+        self.unlearnable_steps = 0 if learnable > 0 else self.unlearnable_steps + 1
+        limit = self.hparams.max_unlearnable_steps
+        if limit is not None and self.unlearnable_steps >= limit:
+            raise RuntimeError(
+                f"model.max_unlearnable_steps={limit}: {self.unlearnable_steps} training steps in a row had nothing "
+                f"to learn (in every group the rewards were equal, None or NaN). Check model.reward "
+                f"{self.hparams.reward!r} and the data, or set model.max_unlearnable_steps higher or to null")
 
     def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> torch.Tensor:
         hp = self.hparams

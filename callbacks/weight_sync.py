@@ -10,6 +10,7 @@ is a restarted engine. A sampler whose log-probs stay far from the trainer's (`r
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -18,6 +19,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_logra.rollout import HFEngine, SyncPayload, fingerprint
 from lightning_logra.sketch.optim import SketchOptimizer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -199,6 +202,8 @@ class RolloutWeightSync(Callback):
         """Compare fingerprints; past the tolerance, load the full weights. Returns the difference found."""
         diff = self.max_abs_diff()
         if not diff <= self.tolerance:  # NaN counts as drift too
+            log.warning("RolloutWeightSync: the engine's weights drifted from the trainer's by %.3g (tolerance %.3g); "
+                        "loading the full weights", diff, self.tolerance)
             self.full_sync()
         return diff
 

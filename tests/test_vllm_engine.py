@@ -28,7 +28,7 @@ import psutil  # noqa: E402 (a dependency of vLLM)
 RANK = 8
 STEPS = 5
 KILL_AT, STOP_AT, DRIFT_AT = 1, 2, 3  # batch indices
-CALL_TIMEOUT_S = 20.0  # the engine's calls take under 2 s here, on a loaded machine too
+CALL_TIMEOUT_S = 20.0  # for the stalled step only: the engine's calls take under 2 s here, on a loaded machine too
 DRIFTED = {"model.layers.1.self_attn.o_proj.weight": (5, 7), "model.norm.weight": (11,)}  # trained, untrained
 
 
@@ -38,16 +38,20 @@ def _engine_processes(root: psutil.Process) -> list[psutil.Process]:
 
 class Disturb(Callback):
     """Listed before RolloutWeightSync, so it acts inside a step, before the step's sync: kills the engine's processes
-    (the sync then meets a dead engine), stops them with SIGSTOP before a step (its generation stalls), and shifts
-    a trained and an untrained weight of the engine (the check right after this step's sync must repair both
+    (the sync then meets a dead engine), stops them with SIGSTOP before a step (its generation stalls; the deadline
+    is short for that step only, so that a slow call elsewhere on a busy machine cannot count as a stall), and
+    shifts a trained and an untrained weight of the engine (the check right after this step's sync must repair both
     before the next generation)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == STOP_AT:
+            self.default_timeout_s, pl_module.engine.call_timeout_s = pl_module.engine.call_timeout_s, CALL_TIMEOUT_S
             for process in _engine_processes(psutil.Process()):
                 process.send_signal(signal.SIGSTOP)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == STOP_AT:
+            pl_module.engine.call_timeout_s = self.default_timeout_s
         if batch_idx == KILL_AT:
             processes = _engine_processes(psutil.Process())
             assert processes, "the engine core should run in its own process"
@@ -79,8 +83,7 @@ class Record(EngineSnapshot):
 
 
 def _run(model_path, root, disturb: bool):
-    engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=True,
-                        call_timeout_s=CALL_TIMEOUT_S)
+    engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=True)
     module = RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
                         micro_batch_size=16, engine=engine)
     sync = RolloutWeightSync(check_every=1, tolerance=1e-5)

@@ -9,6 +9,12 @@ memory and the time of a step do not depend on the weights' values). Each method
 (this script again, with `--worker`), so that memory one method held, or an allocator kept, never shows up in
 another's numbers, and so that one that runs out of memory fails alone.
 
+With `--dtype bf16` the methods that update weights with AdamW (dense AdamW on everything or on the targets, GaLore)
+keep fp32 master weights and run the forward under bf16 autocast, as `precision: bf16-mixed` does: AdamW stepping
+bf16 weights rounds each update to nearest and loses most of it at RL learning rates, so that would not be a fair
+baseline. LoRA keeps the base weights in bf16 (peft holds its adapters in fp32) and LoGRA trains the bf16 weights
+themselves (its merge rounds stochastically). The table's "weights" column says which.
+
 A step is the forward, loss, backward over all micro-batches, the optimizer step and zero_grad. Memory is the
 process's resident set size sampled during each step: the peak is the maximum over all steps (the first included,
 where the optimizers allocate their state), the average and the median step time leave the first step out.
@@ -60,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated, from " + ", ".join(METHODS + EXTRA_METHODS))
-    # A sketch's rank must stay below both sides of every target: k_proj and v_proj are only 128 rows in 0.5B
-    # (2 kv heads × 64) and 64 in tiny.
+    # A sketch's rank must stay below every target's in_features (LoRA and GaLore need it below both sides:
+    # k_proj and v_proj are only 128 rows in 0.5B, 2 kv heads × 64, and 64 in tiny).
     parser.add_argument("--rank", type=int, help="of LoRA, GaLore and the sketches; default 64, 16 for tiny")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (advantages are group-normalized)")
@@ -106,9 +112,21 @@ def qwen2_model(shape: str, dtype: torch.dtype, max_positions: int, **overrides)
         torch.set_default_dtype(default)
 
 
+# Methods whose optimizer steps the weights themselves with AdamW: in bf16 they keep fp32 master weights.
+FP32_MASTER = ("dense_adamw", "dense_adamw_targets", "galore")
+
+
+def weights_kind(method: str, dtype: str) -> str:
+    """How a method holds its weights: 'fp32', 'bf16', or 'fp32 master + bf16 autocast' (bf16-mixed)."""
+    if dtype == "bf16" and method in FP32_MASTER:
+        return "fp32 master + bf16 autocast"
+    return dtype
+
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(args.seed)
-    return qwen2_model(args.shape, DTYPES[args.dtype], args.prompt_len + args.completion_len)
+    dtype = torch.float32 if weights_kind(args.method or "", args.dtype).startswith("fp32") else DTYPES[args.dtype]
+    return qwen2_model(args.shape, dtype, args.prompt_len + args.completion_len)
 
 
 def fixed_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -233,6 +251,7 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
     averages = [average for average, _ in profiler.steps]
     return dict(
         method=args.method,
+        weights=weights_kind(args.method, args.dtype),
         peak_gib=max(peak for _, peak in profiler.steps),
         avg_gib=statistics.mean(averages[1:]),
         step_s=statistics.median(timer.seconds[1:]),
@@ -246,18 +265,21 @@ def run_worker(args: argparse.Namespace) -> dict:
     batch = fixed_batch(args, model.config.vocab_size)
     policy, optimizers = set_up(args.method, model, args)
     policy.train()
+    mixed = weights_kind(args.method, args.dtype).startswith("fp32 master")
     sampler = StepSampler(process_rss_reader())
     averages, peaks, seconds = [], [], []
     for _ in range(args.steps):
         sampler.start()
         start = time.perf_counter()
-        train_step(policy, optimizers, batch, args.micro_batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            train_step(policy, optimizers, batch, args.micro_batch)
         seconds.append(time.perf_counter() - start)
         average, peak = sampler.stop()
         averages.append(average)
         peaks.append(peak)
     return dict(
         method=args.method,
+        weights=weights_kind(args.method, args.dtype),
         peak_gib=max(peaks) / GIB,
         avg_gib=statistics.mean(averages[1:]) / GIB,
         step_s=statistics.median(seconds[1:]),
@@ -300,15 +322,16 @@ def ratio(value: float, reference: dict | None, key: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     reference = next((row for row in rows if row["method"] == "dense_adamw"), None)
     lines = [
-        "| method | peak GiB | avg GiB | median step s | peak vs dense_adamw | step time vs dense_adamw |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | weights | peak GiB | avg GiB | median step s | peak vs dense_adamw | step time vs dense_adamw |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['method']} | error: {row['error']} | | | | |")
+            lines.append(f"| {row['method']} | | error: {row['error']} | | | | |")
             continue
         lines.append(
-            f"| {row['method']} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} | {row['step_s']:.2f} "
+            f"| {row['method']} | {row.get('weights', '')} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} "
+            f"| {row['step_s']:.2f} "
             f"| {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
         )
     return "\n".join(lines)

@@ -8,7 +8,7 @@ layers: the cosine depends on each matrix's shape, not on the depth), one policy
 dense gradient G of every target matrix; the same micro-batch through sketched layers gives S = G·Aᵀ, and the
 cosine between G and the reconstruction S·A is averaged over the matrices. Theory for a random projection with
 E[AᵀA] = I: cos ≈ √(r/(r+k)) (k the matrix's input width), printed beside it. Both projections (Rademacher and
-Gaussian) over `--seeds` seeds. A matrix with min(d, k) ≤ r cannot be sketched at rank r and is left out of that
+Gaussian) over `--seeds` seeds. A matrix with k ≤ r (in_features) cannot be sketched at rank r and is left out of that
 rank's average (the table says how many matrices were measured).
 
 Part 2, reward. The embedded task (`configs/tiny_arith.yaml`, 600 steps by default) is trained through the CLI at
@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import json
 import math
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import SHAPES, fixed_batch, policy_loss, qwen2_model  # bench/memory.py: shapes, RL batch, loss  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
+from runs import cli_command, latest_run, run_all, scalars  # bench/runs.py: CLI runs and their scalars  # noqa: E402
 
 from lightning_logra.sketch import install_sketches  # noqa: E402
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
@@ -80,7 +77,7 @@ def dense_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
 
 def reconstruction_cosines(model, batch, gradients, rank: int, distribution: str, seed: int) -> dict[str, float]:
     """{module name: cos(G, S·A)} for every target matrix that a rank-`rank` sketch fits."""
-    fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < min(g.shape)})
+    fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < g.shape[1]})
     if not fits:
         return {}
     sketched = copy.deepcopy(model)
@@ -137,57 +134,26 @@ def run_command(run: dict, args: argparse.Namespace) -> list[str]:
     sketch = "--trainer.strategy.init_args.sketch."
     # A fixed projection is the config's own setting (refresh_every: null), which the command line cannot restate.
     refresh = [] if run["refresh"] is None else [f"{sketch}refresh_every", str(run["refresh"])]
-    return [
-        sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs" / "tiny_arith.yaml"),
-        "--trainer.max_steps", str(args.steps),
-        "--trainer.val_check_interval", str(args.steps),
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.logger.init_args.save_dir", str(args.runs_dir),
-        "--trainer.logger.init_args.name", run["name"].replace(" ", "_").replace(",", ""),
-        f"{sketch}rank", str(run["rank"]),
-        f"{sketch}distribution", run["distribution"],
-        *refresh,
-    ]
+    return cli_command("tiny_arith.yaml", args.steps, args.runs_dir, _log_name(run), f"{sketch}rank", str(run["rank"]),
+                       f"{sketch}distribution", run["distribution"], *refresh)
 
 
-def scalars(log_dir: Path) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+def _log_name(run: dict) -> str:
+    return run["name"].replace(" ", "_").replace(",", "")
 
 
 def train_all(runs: list[dict], args: argparse.Namespace) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    pending, active, rows = list(runs), [], []
-    while pending or active:
-        while pending and len(active) < args.parallel:
-            run = pending.pop(0)
-            print(f"training {run['name']} ...", file=sys.stderr, flush=True)
-            process = subprocess.Popen(run_command(run, args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
-            active.append((run, process, time.perf_counter()))
-        time.sleep(1.0)
-        for item in list(active):
-            run, process, start = item
-            if process.poll() is None:
-                continue
-            active.remove(item)
-            stderr = process.stderr.read()
-            if process.returncode != 0:
-                rows.append({**run, "error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"})
-                continue
-            name = run["name"].replace(" ", "_").replace(",", "")
-            log_dir = sorted(glob.glob(str(args.runs_dir / name / "version_*")))[-1]
-            values = scalars(Path(log_dir))
+    rows = []
+    for row in run_all(runs, lambda run: run_command(run, args), args.parallel):
+        if "error" not in row:
+            log_dir = latest_run(args.runs_dir, _log_name(row))
+            values = scalars(log_dir)
             rewards = values["train/reward_mean"]
             tenth = max(1, len(rewards) // 10)
-            rows.append({**run, "reward_first": sum(rewards[:tenth]) / tenth,
-                         "reward_last": sum(rewards[-tenth:]) / tenth, "pass_at_1": values["val/pass@1"][-1],
-                         "minutes": (time.perf_counter() - start) / 60, "log_dir": log_dir})
-    order = [r["name"] for r in runs]
-    return sorted(rows, key=lambda row: order.index(row["name"]))
+            row.update(reward_first=sum(rewards[:tenth]) / tenth, reward_last=sum(rewards[-tenth:]) / tenth,
+                       pass_at_1=values["val/pass@1"][-1], log_dir=str(log_dir))
+        rows.append(row)
+    return rows
 
 
 # ---- report -------------------------------------------------------------------------------------------------------

@@ -215,9 +215,9 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
     names = target_names(model_dir)
     full = read_tensors(model_dir, names)  # the trainer side of a full sync: the checkpoint's own tensors
     shapes = {n: t.shape for n, t in full.items()}
-    too_big = [n for n, (d, k) in shapes.items() if args.rank >= min(d, k)]
+    too_big = [n for n, (d, k) in shapes.items() if args.rank >= k]
     if too_big:
-        raise SystemExit(f"--rank {args.rank} is not below min(d, k) of {too_big[0]} {tuple(shapes[too_big[0]])}")
+        raise SystemExit(f"--rank {args.rank} is not below in_features k of {too_big[0]} {tuple(shapes[too_big[0]])}")
     last = int(names[-1].split(".")[2])
     checked = [c.format(last=last) for c in CHECKED]
     original = {n: full[n].clone() for n in checked}

@@ -9,9 +9,10 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_logra.kl import Responses, predicted_kl, realized_kl, step_scale
-from lightning_logra.rollout import Rollout
+from lightning_logra.kl import Responses, intended_kl, predicted_kl, realized_kl, step_scale
+from lightning_logra.batch import Rollout
 from lightning_logra.sketch.optim import SketchOptimizer
+from lightning_logra.sketch.rounding import LOW_PRECISION
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]
 
@@ -19,6 +20,11 @@ Schedule = Literal["constant", "linear", "cosine", "exponential"]
 class PredictedKLBudget(Callback):
     """Before each update, measure q = KL(π_θ ‖ π_{θ+Δ}) of the proposal on a few responses and take the step
     α = min(α_max, √(δ/q)); after it, log the realized KL on the same responses beside the prediction.
+
+    The budget governs the KL of the intended update, α·Δ. With bf16/fp16 weights the merge rounds stochastically,
+    and the realized KL (`kl/realized`) also holds that rounding noise; `kl/intended` is then logged beside it: the
+    exact KL of α·Δ without any rounding (one more forward pass of the subset). `kl/acting` is 1 on steps where the
+    budget bound the step (α < α_max), 0 where α_max did: a run whose control never acts is not controlled.
 
     Args:
         budget: δ₀, the budget at step 0.
@@ -98,8 +104,13 @@ class PredictedKLBudget(Callback):
         alpha = step_scale(q, budget, self.alpha_max)
         self._pending = (responses, current, temperature)
         self.controlled_steps += 1
-        pl_module.log_dict({"kl/q": q, "kl/alpha": alpha, "kl/budget": budget, "kl/predicted": alpha**2 * q,
-                            "kl/control_s": time.perf_counter() - start})
+        metrics = {"kl/q": q, "kl/alpha": alpha, "kl/budget": budget, "kl/predicted": alpha**2 * q,
+                   "kl/acting": float(alpha < self.alpha_max)}
+        if any(layer.weight.dtype in LOW_PRECISION for layer in optimizer.layers):
+            intended = intended_kl(pl_module.policy, layers, optimizer.proposal(), responses, current, alpha,
+                                   temperature)
+            metrics["kl/intended"] = float(pl_module.trainer.strategy.reduce(intended, reduce_op="mean"))
+        pl_module.log_dict({**metrics, "kl/control_s": time.perf_counter() - start})
         return alpha
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,

@@ -9,10 +9,15 @@ a subset D of the batch's responses:
 
 The proposed model is evaluated without copying or modifying any sketched weight: a sketched layer's output
 under Δ is y − η·(x·Aᵀ)·Uᵀ, added by a forward hook.
+
+With bf16/fp16 weights both forward passes run in fp32 end to end (`float32_compute`): a perturbation of relative
+size 1e-6 added into a bf16 residual stream (8 significant bits) would be lost in its rounding, and q would measure
+rounding noise instead of the proposal (it read 14× the true value at η = 1e-6 on the tiny model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -24,6 +29,7 @@ from torch.func import functional_call
 
 from lightning_logra.loss import completion_logits
 from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.rounding import LOW_PRECISION
 
 # {layer name: (U (d, r), A (r, k), η)}: the proposal a SketchOptimizer hands out, Δ = −η·U·A at α = 1.
 Proposal = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
@@ -58,6 +64,37 @@ def low_rank_perturbation(layers: Mapping[str, SketchedLinear], proposal: Propos
             handle.remove()
 
 
+@contextmanager
+def float32_compute(model: nn.Module) -> Iterator[None]:
+    """Within the block, every module computes from fp32 copies of its own bf16/fp16 parameters and buffers, made
+    just before it runs and dropped just after: the forward pass is fp32 end to end (from the embedding on, every
+    activation is fp32), while at most one module's weights exist in fp32 at a time — no fp32 copy of the model."""
+
+    def cast(module: nn.Module, _inputs) -> None:
+        saved = {}
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.dtype in LOW_PRECISION:
+                    saved[(id(table), name)] = (table, tensor)
+                    fp32 = tensor.detach().float()
+                    table[name] = nn.Parameter(fp32, requires_grad=False) if table is module._parameters else fp32
+        module._float32_saved = saved
+
+    def restore(module: nn.Module, _inputs, _output) -> None:
+        for (_, name), (table, tensor) in module._float32_saved.items():
+            table[name] = tensor
+        del module._float32_saved
+
+    low = [m for m in model.modules()
+           if any(t.dtype in LOW_PRECISION for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+    handles = [h for m in low for h in (m.register_forward_pre_hook(cast), m.register_forward_hook(restore))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _completion_logprobs(
     policy: nn.Module, responses: Responses, temperature: float, dense_deltas: Mapping[str, torch.Tensor] | None
 ) -> torch.Tensor:
@@ -68,8 +105,10 @@ def _completion_logprobs(
         # Only the densely trained parameters are replaced (θ + Δ); functional_call leaves the rest in place.
         shifted = {name: params[name] + delta for name, delta in dense_deltas.items()}
         model = lambda **kw: functional_call(policy, shifted, args=(), kwargs=kw)  # noqa: E731
-    logits = completion_logits(model, responses.prompt_ids, responses.prompt_mask, responses.completion_ids,
-                               responses.completion_mask)
+    low_precision = any(p.dtype in LOW_PRECISION for p in policy.parameters())
+    with float32_compute(policy) if low_precision else contextlib.nullcontext():
+        logits = completion_logits(model, responses.prompt_ids, responses.prompt_mask, responses.completion_ids,
+                                   responses.completion_mask)
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
@@ -98,6 +137,23 @@ def predicted_kl(
     with low_rank_perturbation(layers, proposal):
         proposed = _completion_logprobs(policy, responses, temperature, dense_deltas)
     return mean_token_kl(current, proposed, responses.completion_mask), current
+
+
+@torch.no_grad()
+def intended_kl(
+    policy: nn.Module,
+    layers: Mapping[str, SketchedLinear],
+    proposal: Proposal,
+    responses: Responses,
+    before: torch.Tensor,
+    alpha: float,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The exact KL of the step α·Δ, before it is merged: what the realized KL would be without any rounding of
+    the merge (with stochastic rounding into bf16 the realized KL adds the rounding noise on top)."""
+    with low_rank_perturbation(layers, proposal, alpha):
+        stepped = _completion_logprobs(policy, responses, temperature, None)
+    return mean_token_kl(before, stepped, responses.completion_mask)
 
 
 @torch.no_grad()

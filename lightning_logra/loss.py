@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_logra.rollout.hf import positions
+from lightning_logra.batch import positions
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 

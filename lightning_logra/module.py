@@ -29,7 +29,9 @@ from lightning_logra.loss import (
     token_weights,
 )
 from lightning_logra.rewards import RewardFn, TimedReward, get_reward, import_reward
-from lightning_logra.rollout import HFEngine, Rollout, RolloutEngine, SamplingParams, prompt_seeds
+from lightning_logra.batch import Rollout
+from lightning_logra.hashing import prompt_seeds
+from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.sketch.optim import SketchOptimizer
 
 log = logging.getLogger(__name__)
@@ -290,8 +292,8 @@ class RLVRModule(LightningModule):
         wrapped = self.trainer.world_size > 1 and not hasattr(strategy, "sum_gradients")
         grad_scale = float(self.trainer.world_size) if wrapped else 1.0  # undo the wrapper's averaging
 
-        loss = torch.zeros((), device=self.device)
-        mismatch = torch.zeros(4, device=self.device)  # Σ over loss tokens: |Δ log-prob|, k3 KL, clipped, tokens
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)  # Σ over loss tokens: |Δ log-prob|, k3 KL, clipped, tokens
         # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
         # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
         active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
@@ -365,6 +367,10 @@ class RLVRModule(LightningModule):
                     controller = self.step_controller
                     alpha = lambda: controller.choose_alpha(self, inner, rollout)  # noqa: E731
                 step(alpha=alpha, skip=skipped)
+                if inner.last_updates:
+                    # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to
+                    # nearest at RL learning rates).
+                    self.log("update/landed_fraction", inner.landed_fraction)
             else:
                 if skipped:
                     inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW

@@ -1,4 +1,5 @@
-"""bench/memory.py end to end on the tiny shape: one worker subprocess per method, a JSON report and a plot."""
+"""bench/memory.py end to end on the tiny shape in bf16: one worker subprocess per method, a JSON report and a plot;
+the dense baseline keeps fp32 master weights (bf16-mixed), LoGRA trains the bf16 weights."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "memory.py"
 def test_memory_bench_writes_rows_and_plot(tmp_path):
     out, plot = tmp_path / "tmp.json", tmp_path / "tmp.png"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--steps", "2",
+        [sys.executable, str(SCRIPT), "--shape", "tiny", "--dtype", "bf16", "--steps", "2",
          "--methods", "logra,dense_adamw,logra_lightning",
          "--out", str(out), "--plot", str(plot)],
         check=True, capture_output=True, text=True, timeout=600,
@@ -22,7 +23,9 @@ def test_memory_bench_writes_rows_and_plot(tmp_path):
     rows = {row["method"]: row for row in report["rows"]}
     assert list(rows) == ["logra", "dense_adamw", "logra_lightning"]  # the last: a Trainer + MemoryProfiler
     for row in rows.values():
-        assert set(row) == {"method", "peak_gib", "avg_gib", "step_s"}, row
+        assert set(row) == {"method", "weights", "peak_gib", "avg_gib", "step_s"}, row
         assert row["peak_gib"] > 0 and row["avg_gib"] > 0 and row["step_s"] > 0
         assert row["avg_gib"] <= row["peak_gib"]
+    assert rows["dense_adamw"]["weights"] == "fp32 master + bf16 autocast"
+    assert rows["logra"]["weights"] == rows["logra_lightning"]["weights"] == "bf16"
     assert plot.stat().st_size > 0

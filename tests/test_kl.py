@@ -132,3 +132,39 @@ def test_bad_budget_settings_fail_fast():
         PredictedKLBudget(2e-4, 2e-5, "linear")
     with pytest.raises(ValueError, match="subset"):
         PredictedKLBudget(subset=1.5)
+
+
+def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
+    # At η = 1e-6 a bf16 forward pass cannot hold the perturbation (8 significant bits); the estimate must be the
+    # one an fp32 evaluation of the same bf16 weights gives (it read 14× too high when evaluated in bf16).
+    model = make_tiny_qwen2(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float()  # the same (bf16-valued) weights, held in fp32
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    reference_handles = install_sketches(reference, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 2e-6)  # η·U·A entries of about 1e-6, as at lr 1e-6
+    responses = _responses()
+    q, current = predicted_kl(model, handles, proposal, responses)
+    q_ref, current_ref = predicted_kl(reference, reference_handles, proposal, responses)
+    assert current.dtype == torch.float32 and 0 < float(q_ref) < 1e-8
+    assert float(q) == pytest.approx(float(q_ref), rel=1e-3)
+    torch.testing.assert_close(current, current_ref, rtol=0, atol=1e-5)
+    # the parameters are bf16 again afterwards, and nothing else was left behind
+    assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "sketch_param" not in n)
+    assert not any(hasattr(m, "_float32_saved") for m in model.modules())
+
+
+def test_intended_kl_is_the_exact_kl_of_the_scaled_step():
+    from lightning_logra.kl import intended_kl
+
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.01, torch.float64)
+    responses = _responses()
+    q, current = predicted_kl(model, handles, proposal, responses)
+    copied = copy.deepcopy(model)
+    for name, (u, a, lr) in proposal.items():
+        apply_low_rank_update_(copied.get_submodule(name).weight, 0.3 * lr * u, a.double())
+    exact = realized_kl(copied, responses, current)
+    assert float(intended_kl(model, handles, proposal, responses, current, 0.3)) == pytest.approx(float(exact),
+                                                                                                  rel=1e-9)
+    assert float(exact) == pytest.approx(0.09 * float(q), rel=0.05)  # ≈ α²·q

@@ -28,13 +28,17 @@ def test_payload_bytes_are_d_times_r_numbers_plus_a_small_header():
     assert payload.tensor_bytes == expected
     data = payload.to_bytes()
     assert 0 < len(data) - expected < 256 * len(shapes)  # names, seeds, dtypes, offsets
-    assert payload.to(torch.bfloat16).tensor_bytes == expected // 2
+    halved = SyncPayload({n: LowRankDelta(d.factor.bfloat16(), d.seed, d.distribution, d.in_features, 7)
+                          for n, d in payload.low_rank.items()})
+    assert halved.tensor_bytes == expected // 2
 
-    back = SyncPayload.from_bytes(data)
+    back = SyncPayload.from_bytes(halved.to_bytes())
+    payload = halved
     assert back.low_rank.keys() == payload.low_rank.keys()
     for name, delta in payload.low_rank.items():
         got = back.low_rank[name]
-        assert (got.seed, got.distribution, got.in_features) == (delta.seed, delta.distribution, delta.in_features)
+        assert (got.seed, got.distribution, got.in_features, got.rounding_key) == (
+            delta.seed, delta.distribution, delta.in_features, delta.rounding_key)
         assert torch.equal(got.factor, delta.factor)
 
 
@@ -100,17 +104,19 @@ def _trainer(root, callbacks, steps=3, refresh_every=None):
     )
 
 
-@pytest.mark.parametrize("refresh_every", [None, 1], ids=["fixed", "refreshed every step"])
-def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path, refresh_every):
+@pytest.mark.parametrize(("refresh_every", "dtype"), [(None, "float32"), (1, "float32"), (None, "bfloat16")],
+                         ids=["fixed", "refreshed every step", "bf16 stochastic rounding"])
+def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path, refresh_every, dtype):
     # The same 3 steps, once generating with the policy itself and once with a separate copy kept in step only
     # by sync payloads: the copy must hold the trainer's weights, and the two runs must train identically.
     # Refreshed every step, each payload must carry the seed of the projection it was merged with, not the next.
+    # In bf16 the engine must draw the trainer's rounding bits: its weights are then equal bit for bit.
     torch.manual_seed(0)
-    shared = _module(tiny_arith_model)
+    shared = _module(tiny_arith_model, dtype=dtype)
     _trainer(tmp_path / "a", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4)], 3, refresh_every).fit(
         shared, ArithDataModule(batch_size=4))
 
-    separate = _module(tiny_arith_model)
+    separate = _module(tiny_arith_model, dtype=dtype)
     separate.configure_model()
     copy_model = copy.deepcopy(separate.policy)
     separate.engine = HFEngine(copy_model, separate._stop_token_ids(), separate._pad_token_id())
@@ -119,9 +125,11 @@ def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_mode
              refresh_every).fit(separate, ArithDataModule(batch_size=4))
 
     assert sync.syncs == 3 and sync.full_loads == 1  # fingerprints matched at every check: no repair needed
+    atol = 0.0 if dtype == "bfloat16" else 1e-6
     for name, ours in capture.trainer_weights.items():
-        torch.testing.assert_close(capture.engine_weights[name], ours, rtol=0, atol=1e-6, msg=name)
-        torch.testing.assert_close(ours, shared.policy.state_dict()[name], rtol=0, atol=1e-6, msg=name)
+        assert ours.dtype == getattr(torch, dtype)
+        torch.testing.assert_close(capture.engine_weights[name], ours, rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(ours, shared.policy.state_dict()[name], rtol=0, atol=atol, msg=name)
     assert torch.equal(capture.engine_greedy, capture.trainer_greedy)
 
 
@@ -181,7 +189,6 @@ def test_sync_refuses_the_engine_that_shares_the_policy(tiny_arith_model, tmp_pa
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"factor_dtype": "float16"}, "factor_dtype"),
     ({"check_every": 0}, "check_every"),
     ({"tolerance": -1.0}, "tolerance"),
     ({"logprob_diff_threshold": 0.0}, "logprob_diff_threshold"),

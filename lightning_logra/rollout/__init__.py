@@ -1,6 +1,7 @@
 """Rollout engines: who generates the completions the policy is trained on, and how their weights follow."""
 
-from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams, prompt_seeds
+from lightning_logra.batch import Rollout
+from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.hf import HFEngine
 from lightning_logra.rollout.sync import LowRankDelta, SyncPayload, fingerprint
 from lightning_logra.rollout.vllm import VLLMEngine
@@ -14,5 +15,4 @@ __all__ = [
     "SyncPayload",
     "VLLMEngine",
     "fingerprint",
-    "prompt_seeds",
 ]

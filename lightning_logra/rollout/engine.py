@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from lightning_logra.batch import Rollout
 from lightning_logra.rollout.sync import SyncPayload
 
 
@@ -17,37 +17,6 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     max_new_tokens: int = 256
-
-
-@dataclass
-class Rollout:
-    """n completions per prompt, sample i of prompt j in row j·n + i. Shapes: N = prompts·n, P, C token columns."""
-
-    prompt_ids: torch.Tensor  # (N, P) prompts, left-padded
-    prompt_mask: torch.Tensor  # (N, P) 1 on prompt tokens
-    completion_ids: torch.Tensor  # (N, C) right-padded after the stop token
-    completion_mask: torch.Tensor  # (N, C) 1 on generated tokens, the stop token included
-    sampler_logprobs: torch.Tensor  # (N, C) log π_sampler(token | context) at the sampling temperature, 0 on padding
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(-1)  # (N,)
-
-    def to(self, device: torch.device | str) -> Rollout:
-        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-def prompt_seeds(seed: int, step: int, first_index: int, count: int) -> list[int]:
-    """One sampling seed per prompt, a stable hash of (run seed, step, the prompt's index in the global batch).
-
-    Seeding each prompt, not the batch, makes a prompt's completions independent of which other prompts share
-    its batch or its process: a run sharded over 2 ranks samples what the same run on 1 process samples.
-    """
-    def one(index: int) -> int:
-        digest = hashlib.blake2b(f"{seed}:{step}:{index}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-    return [one(first_index + i) for i in range(count)]
 
 
 class RolloutEngine(ABC):

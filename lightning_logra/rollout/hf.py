@@ -11,26 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams
+from lightning_logra.batch import Rollout, left_pad, positions
+from lightning_logra.hashing import counter_uniform, mix64
+from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.sync import SyncPayload, fingerprint
-from lightning_logra.sketch.projection import counter_uniform, mix64
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask), each (len(sequences), longest): sequences right-aligned so that generation appends on the right."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, width - len(seq) :] = torch.tensor(seq)
-            mask[row, width - len(seq) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that ignore left padding: 0 at each row's first real token."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def sample_next(

@@ -1,7 +1,7 @@
 """The weight-sync message between trainer and rollout engine, and the fingerprint both sides compare.
 
-After an update W ← W − F·A the engine does not need W: it needs F (d×r) and what regenerates A (the seed, the
-distribution, r, k). A `SyncPayload` carries those low-rank deltas plus, for any parameter trained densely, the new
+After an update W ← W − F·A the engine does not need W: it needs F (d×r), what regenerates A (the seed, the
+distribution, r, k) and, for bf16/fp16 weights, the key of the merge's stochastic rounding. A `SyncPayload` carries those low-rank deltas plus, for any parameter trained densely, the new
 tensor itself. It travels as bytes (safetensors tensors + a JSON header), because that is what crosses vLLM's
 `collective_rpc` to its worker processes; the size of those bytes is what `sync/bytes` reports.
 """
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from lightning_logra.sketch.projection import mix64
+from lightning_logra.hashing import mix64
 from lightning_logra.sketch.update import LowRankDelta
 
 
@@ -32,14 +32,6 @@ class SyncPayload:
     def __bool__(self) -> bool:
         return bool(self.low_rank or self.dense)
 
-    def to(self, dtype: torch.dtype) -> SyncPayload:
-        """The same payload with the factors in `dtype` (bf16 halves the bytes; dense tensors keep theirs)."""
-        low_rank = {
-            name: LowRankDelta(d.factor.to(dtype), d.seed, d.distribution, d.in_features)
-            for name, d in self.low_rank.items()
-        }
-        return SyncPayload(low_rank, dict(self.dense))
-
     @property
     def tensor_bytes(self) -> int:
         """Σ d·r·bytes(factor dtype) + the dense tensors' bytes: the numbers alone, without any header."""
@@ -49,7 +41,7 @@ class SyncPayload:
     def to_bytes(self) -> bytes:
         tensors = {f"lowrank/{name}": d.factor.detach().contiguous().cpu() for name, d in self.low_rank.items()}
         tensors.update({f"dense/{name}": t.detach().contiguous().cpu() for name, t in self.dense.items()})
-        header = {name: [d.seed, d.distribution, d.in_features] for name, d in self.low_rank.items()}
+        header = {name: [d.seed, d.distribution, d.in_features, d.rounding_key] for name, d in self.low_rank.items()}
         return save_tensors(tensors, metadata={"low_rank": json.dumps(header)})
 
     @classmethod
@@ -57,8 +49,8 @@ class SyncPayload:
         tensors = load_tensors(data)
         header = _metadata(data).get("low_rank", "{}")
         low_rank = {
-            name: LowRankDelta(tensors[f"lowrank/{name}"], seed, distribution, in_features)
-            for name, (seed, distribution, in_features) in json.loads(header).items()
+            name: LowRankDelta(tensors[f"lowrank/{name}"], seed, distribution, in_features, rounding_key)
+            for name, (seed, distribution, in_features, rounding_key) in json.loads(header).items()
         }
         dense = {key.removeprefix("dense/"): t for key, t in tensors.items() if key.startswith("dense/")}
         return cls(low_rank, dense)

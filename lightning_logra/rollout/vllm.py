@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from lightning_logra.rollout.engine import Rollout, RolloutEngine, SamplingParams
-from lightning_logra.rollout.hf import left_pad
+from lightning_logra.batch import Rollout, left_pad
+from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.sync import SyncPayload, pack_tensors, unpack_tensors
 
 log = logging.getLogger(__name__)

@@ -64,10 +64,12 @@ def install_sketches(
                     "use a more specific pattern"
                 )
             d, k = module.out_features, module.in_features
-            if rank >= min(d, k):
+            if rank >= k:
+                # The sketch (d×r) replaces the gradient (d×k): it saves memory exactly when r < k. r ≥ d is fine
+                # (k/v projections with few KV heads have small d), since A still compresses the k inputs.
                 raise ValueError(
-                    f"rank={rank} must be smaller than min(out_features, in_features) = min({d}, {k}) of {name!r}: "
-                    "a sketch that large saves nothing; lower the rank or drop this target"
+                    f"rank={rank} must be smaller than in_features={k} of {name!r}: the d×r sketch replaces the "
+                    f"d×k gradient, so it saves memory only when r < k; lower the rank or drop this target"
                 )
             tied = owners.get(id(module.weight), [])
             if len(tied) > 1:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_logra.sketch.projection import make_projection, matrix_seed
+from lightning_logra.hashing import matrix_seed
+from lightning_logra.sketch.projection import make_projection
 
 
 class _SketchedLinearFn(torch.autograd.Function):

@@ -12,19 +12,33 @@ projection of the next refresh index (a new seed). The state (momentum, Adam mom
 for bias correction) is *reset* at a refresh: it lives in the coordinates of the old A, and while a first
 moment could be carried over through A_old·A_newᵀ, Adam's elementwise second moment has no such linear map.
 The paper's default is a fixed projection (`refresh_every=None`).
+
+Low-precision weights: the merge rounds W − F·A into bf16/fp16 stochastically (`rounding="stochastic"`), keyed by
+the layer's seed and `updates`, the count of applied updates, which is checkpointed and sent with every sync so
+the engine rounds the same way. `factor_dtype` is the dtype F is rounded to before it is merged *and* sent, so the
+trainer merges exactly what the engine receives. Every apply measures on a sample of entries how much of the
+intended change reached the weights (`landed_fraction`, ≈ 1 when updates land; rounding to nearest at RL
+learning rates gives a few percent) and warns when it stays low.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from lightning_logra.hashing import counter_uniform
 from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.rounding import LOW_PRECISION, check_rounding, rounding_key
 from lightning_logra.sketch.update import LowRankDelta, apply_low_rank_update_
 
 log = logging.getLogger(__name__)
+
+FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_PROBE_ENTRIES = 1024  # entries per matrix sampled to measure the landed fraction
+_LANDED_WARNING = (20, 0.5)  # warn when the mean landed fraction over this many updates is below this
 
 
 class SketchOptimizer(torch.optim.Optimizer):
@@ -35,6 +49,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         layers: Mapping[str, SketchedLinear] | Iterable[SketchedLinear],
         defaults: dict,
         refresh_every: int | None = None,
+        rounding: str = "stochastic",
+        factor_dtype: str = "float32",
     ) -> None:
         layers = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
         if not layers:
@@ -43,7 +59,15 @@ class SketchOptimizer(torch.optim.Optimizer):
             raise ValueError(f"refresh_every must be a positive number of updates or None, got {refresh_every}")
         if defaults["lr"] <= 0:
             raise ValueError(f"lr must be positive, got {defaults['lr']}")
+        check_rounding(rounding)
+        if factor_dtype not in FACTOR_DTYPES:
+            raise ValueError(f"factor_dtype must be one of {list(FACTOR_DTYPES)}, got {factor_dtype!r}")
         self.refresh_every = refresh_every
+        self.rounding, self.factor_dtype = rounding, FACTOR_DTYPES[factor_dtype]
+        self.updates = 0  # applied updates since training began: keys the stochastic rounding (checkpointed)
+        self.landed_fraction = math.nan  # of the last applied update, measured on a sample of entries
+        self._landed_history: list[float] = []
+        self._warned_landed = False
         self.skipped_steps = 0
         # The last applied step per layer name: F = α·η·U and the seed of the A it was merged with (weight sync).
         self.last_updates: dict[str, LowRankDelta] = {}
@@ -105,19 +129,54 @@ class SketchOptimizer(torch.optim.Optimizer):
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first (or it was skipped)")
         factors = {}
+        landed, intended = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for group in self.param_groups:
             for p in group["params"]:
                 layer = self._layer_of[p]
-                factor = (alpha * group["lr"]) * self._proposal[p]  # (d, r) fp32
-                apply_low_rank_update_(layer.weight, factor, layer.projection())
+                # F in the dtype it travels in: the engine merges exactly this, so the trainer does too.
+                factor = ((alpha * group["lr"]) * self._proposal[p]).to(self.factor_dtype)  # (d, r)
+                stochastic = self.rounding == "stochastic" and layer.weight.dtype in LOW_PRECISION
+                key = rounding_key(layer.seed, self.updates) if stochastic else None
+                projection = layer.projection()
+                rows, cols = self._probe(layer)
+                before = layer.weight[rows, cols].double()
+                apply_low_rank_update_(layer.weight, factor, projection, key)
+                change = (factor[rows].double() * projection[:, cols].T.double()).sum(-1)  # (F·A) at the probe
+                landed -= ((layer.weight[rows, cols].double() - before) * change).sum()
+                intended += (change**2).sum()
                 layer.zero_sketch()
                 self.state[p]["step"] += 1
                 factors[layer.name] = factor
                 # recorded before a refresh below moves the layer to its next seed
-                self.last_updates[layer.name] = LowRankDelta(factor, layer.seed, layer.distribution, layer.in_features)
+                self.last_updates[layer.name] = LowRankDelta(factor, layer.seed, layer.distribution,
+                                                             layer.in_features, key)
+        self.updates += 1
+        self._record_landed(float(landed / intended) if intended > 0 else math.nan)
         self._proposal = None
         self._maybe_refresh()
         return factors
+
+    def _probe(self, layer: SketchedLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """A few entries of the layer's W, new at each update: where the landed fraction is measured."""
+        d, k = layer.out_features, layer.in_features
+        keys = torch.arange(_PROBE_ENTRIES, dtype=torch.int64) + rounding_key(layer.seed ^ 1, self.updates)
+        flat = (counter_uniform(keys) * (d * k)).long().clamp(max=d * k - 1).to(layer.weight.device)
+        return flat // k, flat % k
+
+    def _record_landed(self, fraction: float) -> None:
+        """Keep the last measurements; warn once when updates have stopped landing in the weights."""
+        self.landed_fraction = fraction
+        count, threshold = _LANDED_WARNING
+        self._landed_history = (self._landed_history + [fraction])[-count:]
+        mean = sum(self._landed_history) / len(self._landed_history)
+        if len(self._landed_history) == count and mean < threshold and not self._warned_landed:
+            self._warned_landed = True
+            log.warning(
+                "only %.0f%% of each sketch update reached the weights on average over the last %d updates "
+                "(landed fraction %.3f): %s weights round the small updates away. Use sketch.rounding: stochastic, "
+                "or fp32 weights (precision bf16-mixed / 32-true), or a larger learning rate.",
+                100 * mean, count, mean, str(self.layers[0].weight.dtype).removeprefix("torch."),
+            )
 
     def _maybe_refresh(self) -> None:
         if self.refresh_every is None:
@@ -146,7 +205,12 @@ class SketchOptimizer(torch.optim.Optimizer):
             self.apply(alpha() if callable(alpha) else alpha)
         return loss
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "updates": self.updates}
+
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.updates = state_dict.pop("updates", 0)
         super().load_state_dict(state_dict)
         # The refresh index is part of the optimizer's state; the layers must use the matching projection.
         for p, state in self.state.items():
@@ -157,10 +221,11 @@ class SketchOptimizer(torch.optim.Optimizer):
 class SketchSGD(SketchOptimizer):
     """U = S, or heavy-ball momentum M ← β·M + S, U = M (as torch.optim.SGD with dampening 0)."""
 
-    def __init__(self, layers, lr: float, momentum: float = 0.0, refresh_every: int | None = None) -> None:
+    def __init__(self, layers, lr: float, momentum: float = 0.0, refresh_every: int | None = None,
+                 rounding: str = "stochastic", factor_dtype: str = "float32") -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        super().__init__(layers, dict(lr=lr, momentum=momentum), refresh_every)
+        super().__init__(layers, dict(lr=lr, momentum=momentum), refresh_every, rounding, factor_dtype)
 
     def _direction(self, sketch, state, group):
         # No copies: apply() drops the sketch by setting .grad to None (never zeroes it in place), and the
@@ -187,12 +252,14 @@ class SketchAdam(SketchOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         refresh_every: int | None = None,
+        rounding: str = "stochastic",
+        factor_dtype: str = "float32",
     ) -> None:
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if eps <= 0:
             raise ValueError(f"eps must be positive, got {eps}")
-        super().__init__(layers, dict(lr=lr, betas=tuple(betas), eps=eps), refresh_every)
+        super().__init__(layers, dict(lr=lr, betas=tuple(betas), eps=eps), refresh_every, rounding, factor_dtype)
 
     def _direction(self, sketch, state, group):
         beta1, beta2 = group["betas"]

@@ -1,7 +1,8 @@
 """Merging a low-rank update into a weight in place: W ← W − F·A, with A given or regenerated from its seed.
 
-The trainer and the rollout engine both call this, so the same factor F and seed give the same weights on both
-sides (up to kernel rounding on different hardware).
+The trainer and the rollout engine both call this, so the same factor F, seed and rounding key give the same
+weights on both sides: bit for bit on the same kind of device (a GPU's GEMM kernels may differ from the trainer's
+in the last bit of the fp32 product, which a stochastic rounding can then resolve differently).
 """
 
 from __future__ import annotations
@@ -11,14 +12,27 @@ from dataclasses import dataclass
 import torch
 
 from lightning_logra.sketch.projection import make_projection
+from lightning_logra.sketch.rounding import rounding_bits, stochastic_round_
 
 # Rows per chunk are chosen so the fp32 transient of a low-precision merge stays near 64 MiB.
 _CHUNK_ELEMENTS = 16 * 1024 * 1024
 
 
 @torch.no_grad()
-def apply_low_rank_update_(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> None:
-    """W (d, k) −= F (d, r) @ A (r, k), in place, computed in fp32 (or W's own fp64) and rounded into W once."""
+def apply_low_rank_update_(
+    weight: torch.Tensor,
+    factor: torch.Tensor,
+    projection: torch.Tensor,
+    rounding_key: int | None = None,
+    first_row: int = 0,
+    first_col: int = 0,
+) -> None:
+    """W (d, k) −= F (d, r) @ A (r, k), in place, computed in fp32 (or W's own fp64) and rounded into W once.
+
+    A bf16/fp16 W is rounded stochastically with the bits of `rounding_key` when one is given, to nearest otherwise
+    (fp32/fp64 weights need neither). `first_row`/`first_col` place W inside a larger matrix (a tensor-parallel
+    shard or a fused slice), so that its elements draw the bits the whole matrix would give them.
+    """
     if weight.dtype in (torch.float32, torch.float64):
         factor = factor.to(device=weight.device, dtype=weight.dtype)
         projection = projection.to(device=weight.device, dtype=weight.dtype)
@@ -29,10 +43,15 @@ def apply_low_rank_update_(weight: torch.Tensor, factor: torch.Tensor, projectio
     # bf16/fp16 W: a product F·A rounded to bf16 and then subtracted would round twice and lose the small update
     # against the large weight; do the subtraction in fp32 a block of rows at a time instead.
     rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
+    cols = range(first_col, first_col + weight.shape[1])
     for start in range(0, weight.shape[0], rows):
         block = weight[start : start + rows]  # (rows, k) view into W
         merged = block.float().addmm_(factor[start : start + rows], projection, alpha=-1.0)  # (rows, k) fp32
-        block.copy_(merged)
+        if rounding_key is None:
+            block.copy_(merged)
+        else:
+            global_rows = range(first_row + start, first_row + start + block.shape[0])
+            stochastic_round_(block, merged, rounding_bits(rounding_key, global_rows, cols, weight.device))
 
 
 @dataclass
@@ -43,6 +62,7 @@ class LowRankDelta:
     seed: int
     distribution: str
     in_features: int  # k
+    rounding_key: int | None = None  # the bits of a stochastic rounding into bf16/fp16 weights; None: nearest
 
     @property
     def rank(self) -> int:
@@ -53,9 +73,10 @@ class LowRankDelta:
 
     def apply_(self, weight: torch.Tensor) -> None:
         """Merge into a full (d, k) weight in place (a tensor-parallel shard uses `apply_shard_`)."""
-        apply_low_rank_update_(weight, self.factor, self.projection(weight.device))
+        apply_low_rank_update_(weight, self.factor, self.projection(weight.device), self.rounding_key)
 
     def apply_shard_(self, weight: torch.Tensor, rows: slice, cols: slice) -> None:
         """Merge into `weight`, the block W[rows, cols] of the full matrix: F[rows]·A[:, cols] is that block's delta."""
         projection = self.projection(weight.device)[:, cols]
-        apply_low_rank_update_(weight, self.factor[rows], projection)
+        apply_low_rank_update_(weight, self.factor[rows], projection, self.rounding_key, rows.start or 0,
+                               cols.start or 0)

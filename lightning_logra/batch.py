@@ -1,0 +1,46 @@
+"""What one batch of rollouts is, as tensors, and the padding helpers that build and read it.
+
+Shared by the engines (which produce rollouts), the loss and the KL estimate (which read them); it imports nothing
+from the project, so the math never depends on the engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """n completions per prompt, sample i of prompt j in row j·n + i. Shapes: N = prompts·n, P, C token columns."""
+
+    prompt_ids: torch.Tensor  # (N, P) prompts, left-padded
+    prompt_mask: torch.Tensor  # (N, P) 1 on prompt tokens
+    completion_ids: torch.Tensor  # (N, C) right-padded after the stop token
+    completion_mask: torch.Tensor  # (N, C) 1 on generated tokens, the stop token included
+    sampler_logprobs: torch.Tensor  # (N, C) log π_sampler(token | context) at the sampling temperature, 0 on padding
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)  # (N,)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (len(sequences), longest): sequences right-aligned so that generation appends on the right."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq) :] = torch.tensor(seq)
+            mask[row, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding: 0 at each row's first real token."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)

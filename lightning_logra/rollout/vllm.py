@@ -159,11 +159,15 @@ class VLLMEngine(RolloutEngine):
             self.on_restart()
 
     def _with_restart(self, call: Callable[[], object], retry: bool = True):
-        """Run `call`; if the engine died or stalled, restart it (weights reloaded) and run it again when `retry`."""
-        self._wake()
+        """Run `call` (waking the engine first); if the engine died or stalled, restart it (weights reloaded) and
+        run it again when `retry`."""
+        def awake_call():
+            self._wake()
+            return call()
+
         for attempt in range(self.max_restarts + 1):
             try:
-                return self._within_deadline(call)
+                return self._within_deadline(awake_call)
             except _dead_engine_errors():
                 if attempt == self.max_restarts:
                     raise
@@ -265,10 +269,15 @@ class VLLMEngine(RolloutEngine):
             for seed in seeds
         ]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outputs = self._with_restart(lambda: self.llm.generate(requests, params, use_tqdm=False))
-        if self.sleep_between_rollouts:
-            self.llm.sleep(level=1)
-            self._asleep = True
+
+        def generate_then_sleep():  # one call, so that a stall while falling asleep is caught too
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            if self.sleep_between_rollouts:
+                self.llm.sleep(level=1)
+                self._asleep = True
+            return outputs
+
+        outputs = self._with_restart(generate_then_sleep)
         completions, logprobs = [], []
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda o: o.index):

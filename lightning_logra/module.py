@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 
 
 def resolve_reward(name: str, timeout_s: float | None) -> RewardFn:
-    """A built-in reward by name ("exact_match", "math_answer"), called here, or any function by dotted path
-    ("pkg.mod.fn"), called in its own process with a deadline of `timeout_s` per batch (None: here, no deadline).
-    The built-ins need no deadline: exact_match is a string comparison and math_answer bounds each check itself."""
-    if "." not in name:
-        return get_reward(name)
-    return import_reward(name) if timeout_s is None else TimedReward(name, timeout_s)
+    """A built-in reward by name ("exact_match", "math_answer") or any function by dotted path ("pkg.mod.fn"),
+    called in a process of its own with a deadline of `timeout_s` per batch (None: in this process, no deadline)."""
+    if "." in name:
+        path = name
+    else:
+        builtin = get_reward(name)
+        path = f"{builtin.__module__}.{builtin.__name__}"
+    return import_reward(path) if timeout_s is None else TimedReward(path, timeout_s)
 
 
 def reward_tensor(rewards: Any, name: str, prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,9 +140,9 @@ class RLVRModule(LightningModule):
             is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
                 correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
                 bf16). None turns the correction off; the mismatch is logged either way.
-            reward_timeout_s: a reward given by dotted path runs in its own process, and a batch it has not scored
-                within this many seconds scores None (nothing learned from it) while the process is replaced.
-                None calls it in this process without a deadline.
+            reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
+                many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
+                this process without a deadline.
             max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
                 (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
                 about when no completion got a usable reward at all.

@@ -5,8 +5,8 @@ dataset's extra columns, each a list aligned with ``completions`` (``answer=[...
 so the same function works in this trainer and as a TRL reward function. TRL lets a reward return None for "does
 not apply to this sample"; the rewards here judge every sample and never do.
 
-A reward named by import path (a custom one) runs in a process of its own (`TimedReward`), so that a batch it
-cannot score in time can be cut off: the trainer sets the deadline (`model.reward_timeout_s`).
+The trainer calls every reward in a process of its own (`TimedReward`), so that a batch it cannot score in time
+can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in its own verifier process.
 """
 
 import atexit

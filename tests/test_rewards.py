@@ -126,6 +126,13 @@ def test_a_custom_reward_past_its_deadline_is_stopped_and_the_batch_scores_none(
     assert int(reward(["p"], ["ok"])[0]) not in (pid, os.getpid())  # a fresh process takes the next batch
 
 
+def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
+    module = RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=60.0)
+    assert isinstance(module.reward_fn, TimedReward)
+    assert module.reward_fn(["p", "p"], ["12", "3"], answer=["12", "4"]) == [1.0, 0.0]
+    assert RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=None).reward_fn is exact_match
+
+
 def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
     with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError"):
         TimedReward("bad_rewards.broken_reward", timeout_s=60.0)(["p"], ["c"], answer=["1"])

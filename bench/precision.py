@@ -2,6 +2,7 @@
 
     python bench/precision.py               # 600 steps × 3 variants × 2 seeds of configs/tiny_arith_bf16.yaml
     python bench/precision.py --quick       # a few steps each: checks that it runs
+    python bench/precision.py --merge-only  # the merge's cost per step at the Qwen2.5-1.5B shape, nothing else
 
 Every run is `configs/tiny_arith_bf16.yaml` through the CLI (sketch Adam at lr 1e-5, predicted-KL control), with
 paired seeds: for each seed the three variants see the same prompts and, while their weights agree, the same
@@ -10,6 +11,9 @@ relative to fp32 on the same seed, greedy pass@1 at the end, the mean landed fra
 update reached the weights), the mean predicted / intended / realized KL per step, and the median step time.
 The variants run one at a time by default, so that the step times compare (`--parallel 2` halves the wall time and
 spoils the times).
+
+Before the runs, the merge itself is timed at the shape of `--merge-shape` (default Qwen2.5-1.5B: its 196 target
+matrices, 1.31 B weights, bf16, rank 256): W −= F·A for every matrix once, rounded to nearest and stochastically.
 """
 
 from __future__ import annotations
@@ -18,11 +22,18 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plotting import pyplot, save_figure  # noqa: E402
+from memory import SHAPES  # noqa: E402
 from runs import ROOT, cli_command, latest_run, run_all, scalars  # noqa: E402
+
+from lightning_logra.sketch import apply_low_rank_update_, make_projection  # noqa: E402
+from lightning_logra.sketch.rounding import rounding_key  # noqa: E402
 
 VARIANTS = {
     "fp32": ["--trainer.precision", "32-true", "--model.dtype", "float32"],
@@ -39,13 +50,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads per run")
     parser.add_argument("--quick", action="store_true", help="6 steps, one seed: a check that it runs")
+    parser.add_argument("--merge-shape", choices=SHAPES, default="1.5b")
+    parser.add_argument("--merge-rank", type=int, default=256)
+    parser.add_argument("--merge-only", action="store_true", help="time the merge, train nothing")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "precision.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "precision.png")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "precision_runs")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds = 6, args.seeds[:1]
+        args.steps, args.seeds, args.merge_shape, args.merge_rank = 6, args.seeds[:1], "tiny", 16
     return args
+
+
+def merge_seconds(shape: str, rank: int) -> dict:
+    """Seconds for one update of every target matrix of a Qwen2.5 shape in bf16, by rounding mode.
+
+    Each distinct matrix shape is timed once and counted as often as the model has it (the cost is per element).
+    """
+    config = SHAPES[shape]
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = h // config["num_attention_heads"] * config["num_key_value_heads"]
+    # (d, k) → matrices per layer: q and o; k and v; gate and up; down.
+    shapes = {(h, h): 2, (kv, h): 2, (i, h): 2, (h, i): 1}
+    seconds = {"nearest": 0.0, "stochastic": 0.0}
+    elements = 0
+    for (d, k), count in shapes.items():
+        generator = torch.Generator().manual_seed(d * k)
+        weight = (torch.randn(d, k, generator=generator) * 0.02).bfloat16()
+        factor = torch.randn(d, rank, generator=generator) * 1e-6
+        projection = make_projection(0, rank, k)
+        for mode, key in (("nearest", None), ("stochastic", rounding_key(0, 0))):
+            apply_low_rank_update_(weight, factor, projection, key)  # warm-up
+            start = time.perf_counter()
+            apply_low_rank_update_(weight, factor, projection, key)
+            seconds[mode] += (time.perf_counter() - start) * count * layers
+        elements += d * k * count * layers
+    return {"shape": shape, "rank": rank, "elements": elements, "matrices": sum(shapes.values()) * layers,
+            "threads": torch.get_num_threads(), **{f"{m}_s": v for m, v in seconds.items()}}
 
 
 def _log_name(run: dict) -> str:
@@ -123,6 +164,12 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    merge = merge_seconds(args.merge_shape, args.merge_rank)
+    print(f"merge of {merge['matrices']} matrices ({merge['elements'] / 1e9:.2f} B bf16 weights, Qwen2.5-"
+          f"{merge['shape']} shape, rank {merge['rank']}, {merge['threads']} threads): rounded to nearest "
+          f"{merge['nearest_s']:.2f} s, stochastically {merge['stochastic_s']:.2f} s per update")
+    if args.merge_only:
+        return
     runs = [dict(name=f"{variant}, seed {seed}", variant=variant, seed=seed) for seed in args.seeds
             for variant in VARIANTS]
     rows = [row if "error" in row else summarize(row, args)
@@ -130,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"runs": rows, "settings": settings}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"merge": merge, "runs": rows, "settings": settings}, indent=2) + "\n")
     plot(rows, f"configs/tiny_arith_bf16.yaml, {args.steps} steps, seeds {args.seeds}", args.plot)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 

@@ -46,20 +46,22 @@ class PredictedKLBudget(Callback):
         subset: int | float = 8,
         seed: int = 0,
     ) -> None:
-        if budget <= 0 or (final_budget is not None and final_budget <= 0):
-            raise ValueError(f"PredictedKLBudget: budget and final_budget must be positive, got {budget}, {final_budget}")
+        for key, value in (("budget", budget), ("final_budget", final_budget), ("alpha_max", alpha_max)):
+            # NaN passes a `<= 0` check and inf turns the control off: both would reach the weights.
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"PredictedKLBudget: {key} must be a positive finite number, got {value}")
         if schedule not in ("constant", "linear", "cosine", "exponential"):
             raise ValueError(f"PredictedKLBudget: schedule must be constant/linear/cosine/exponential, got {schedule!r}")
         if schedule != "constant" and (final_budget is None or not anneal_steps or anneal_steps < 1):
             raise ValueError(f"PredictedKLBudget: schedule={schedule!r} needs final_budget and anneal_steps >= 1")
-        if alpha_max <= 0:
-            raise ValueError(f"PredictedKLBudget: alpha_max must be positive, got {alpha_max}")
         if subset <= 0 or (isinstance(subset, float) and subset > 1):
             raise ValueError(f"PredictedKLBudget: subset is a count >= 1 or a fraction in (0, 1], got {subset}")
         self.budget, self.final_budget, self.schedule = budget, final_budget, schedule
         self.anneal_steps, self.alpha_max, self.subset, self.seed = anneal_steps, alpha_max, subset, seed
         self.controlled_steps = 0  # updates this callback has scaled (its checkpointed state)
         self._pending: tuple[Responses, torch.Tensor, float] | None = None
+        self._metrics: dict[str, float] = {}  # this step's, logged at its end
+        self._logged: set[str] = set()  # the per-step metrics this callback has logged (NaN on skipped steps)
 
     def budget_at(self, step: int) -> float:
         """δ at a step: δ₀ → δ₁ over anneal_steps by the schedule, δ₁ afterwards."""
@@ -110,19 +112,25 @@ class PredictedKLBudget(Callback):
             intended = intended_kl(pl_module.policy, layers, optimizer.proposal(), responses, current, alpha,
                                    temperature)
             metrics["kl/intended"] = float(pl_module.trainer.strategy.reduce(intended, reduce_op="mean"))
-        pl_module.log_dict({**metrics, "kl/control_s": time.perf_counter() - start})
+        self._metrics = {**metrics, "kl/control_s": time.perf_counter() - start}
         return alpha
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # Every metric is logged here, at every step: Lightning repeats a metric that a hook logged once and then
+        # not, so a step whose update was skipped (nothing proposed) logs NaN rather than the last step's values.
         if self._pending is None:
-            return  # nothing was proposed this step (the update was skipped)
+            if self._logged:
+                pl_module.log_dict({key: math.nan for key in sorted(self._logged)})
+            return
         start = time.perf_counter()
         responses, before, temperature = self._pending
         self._pending = None
         realized = pl_module.trainer.strategy.reduce(realized_kl(pl_module.policy, responses, before, temperature),
                                                      reduce_op="mean")
-        pl_module.log_dict({"kl/realized": float(realized), "kl/realized_s": time.perf_counter() - start})
+        metrics = {**self._metrics, "kl/realized": float(realized), "kl/realized_s": time.perf_counter() - start}
+        self._logged.update(metrics)
+        pl_module.log_dict(metrics)
 
     def state_dict(self) -> dict[str, Any]:
         return {"controlled_steps": self.controlled_steps}

@@ -165,8 +165,8 @@ def realized_kl(policy: nn.Module, responses: Responses, before: torch.Tensor, t
 
 def step_scale(q: float, budget: float, alpha_max: float) -> float:
     """α = min(α_max, √(δ/q)): the largest step whose predicted KL α²·q stays within the budget δ."""
-    if budget <= 0:
-        raise ValueError(f"the KL budget must be positive, got {budget}")
+    if not (math.isfinite(budget) and budget > 0) or not (math.isfinite(alpha_max) and alpha_max > 0):
+        raise ValueError(f"the KL budget and alpha_max must be positive finite numbers, got {budget}, {alpha_max}")
     if not math.isfinite(q):
         return 0.0  # a proposal whose effect cannot be measured is not taken
     if q <= 0:

@@ -9,6 +9,7 @@ The same module trains densely (any plain strategy: AdamW from `configure_optimi
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -351,11 +352,13 @@ class RLVRModule(LightningModule):
             strategy = self.trainer.strategy
             self.log_dict({"ddp/allreduce_bytes": float(strategy.last_allreduce_bytes),
                            "ddp/dense_allreduce_bytes": float(strategy.dense_allreduce_bytes)})
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads)  # sketches included: E‖G·Aᵀ‖² = ‖G‖²
+        with_grad = [p for p in params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])  # sketches too: E‖G·Aᵀ‖² = ‖G‖²
         skipped = not bool(torch.isfinite(grad_norm))
         if not skipped and self.hparams.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(grads, self.hparams.max_grad_norm, grad_norm)
+            # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
+            # layer's carrier B, so sketches are scaled with the dense gradients).
+            torch.nn.utils.clip_grads_with_norm_(with_grad, self.hparams.max_grad_norm, grad_norm)
         if skipped:
             log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
         for index, opt in enumerate(optimizers):
@@ -369,10 +372,10 @@ class RLVRModule(LightningModule):
                     controller = self.step_controller
                     alpha = lambda: controller.choose_alpha(self, inner, rollout)  # noqa: E731
                 step(alpha=alpha, skip=skipped)
-                if inner.last_updates:
-                    # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to
-                    # nearest at RL learning rates).
-                    self.log("update/landed_fraction", inner.landed_fraction)
+                skipped = skipped or not inner.last_updates  # the optimizer itself may refuse a step (α not finite)
+                # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest
+                # at RL learning rates). NaN on a skipped step: Lightning would repeat the last value.
+                self.log("update/landed_fraction", math.nan if skipped else inner.landed_fraction)
             else:
                 if skipped:
                     inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW

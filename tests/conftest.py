@@ -60,6 +60,18 @@ class NoDenseSketchGradients(Callback):
             assert layer.sketch.shape == (layer.out_features, layer.rank)
 
 
+class GradNormAtMost(Callback):
+    """Fails the run if the gradients an optimizer is about to use (sketches included) have a norm above the
+    module's `max_grad_norm`: what clipping promises."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads))
+        limit = pl_module.hparams.max_grad_norm
+        assert norm <= limit * (1 + 1e-4), f"rank {trainer.global_rank}: the optimizer got norm {norm} > {limit}"
+        self.seen = getattr(self, "seen", 0) + 1
+
+
 class EngineSnapshot(Callback):
     """At the end of training, keeps what a rollout engine with its own weights holds beside the trainer's: every
     policy weight (sketch carriers aside) and greedy completions of a few prompts from each."""

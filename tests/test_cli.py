@@ -85,6 +85,24 @@ def test_resume_continues_exactly(tiny_arith_model, tmp_path, precision):
         assert torch.equal(opt_a.state[pa]["exp_avg"], opt_b.state[pb]["exp_avg"])
 
 
+@pytest.mark.parametrize("override, message", [
+    (["--trainer.strategy.init_args.sketch.seed", "1"], "sketch.seed: checkpoint 0, this run 1"),
+    (["--trainer.strategy.init_args.sketch.distribution", "gaussian"], "sketch.distribution: checkpoint rademacher"),
+    (["--trainer.strategy.init_args.sketch.rank", "8"], "sketch.rank: checkpoint 16, this run 8"),
+    (["--trainer.strategy.init_args.sketch.optimizer", "sgd"], "sketch.optimizer: checkpoint SketchAdam"),
+], ids=["seed", "distribution", "rank", "optimizer"])
+def test_resume_refuses_other_sketch_settings(tiny_arith_model, tmp_path, override, message):
+    # Adam moments taken in one projection's coordinates mean nothing in another's: a changed seed or
+    # distribution used to continue silently, a changed rank or optimizer to crash inside Adam.
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 1)])
+    checkpoint = glob.glob(str(tmp_path / "a" / "**" / "last.ckpt"), recursive=True)[0]
+    with pytest.raises(ValueError, match="cannot resume") as info:
+        main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2), *override,
+              "--ckpt_path", checkpoint])
+    assert message in str(info.value)
+
+
 def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp_path):
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
     export = tmp_path / "export"

@@ -1,8 +1,10 @@
 """The embedded default, run exactly as a user runs it: it must learn (timings go in the issue note, not here)."""
 
 import glob
+import math
 from pathlib import Path
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main
@@ -25,10 +27,18 @@ def test_tiny_arith_learns(tmp_path):
     for name in ("train/loss", "train/grad_norm", "train/tokens_per_s", "val/pass@1", "kl/q", "kl/alpha",
                  "kl/realized"):
         assert events.Scalars(name), name
-    # the predicted-KL controller kept every update inside its (annealed) budget
-    predicted, budget = events.Scalars("kl/predicted"), events.Scalars("kl/budget")
-    assert len(predicted) == steps
-    assert all(p.value <= b.value * (1 + 1e-6) for p, b in zip(predicted, budget))
+    # Every applied update was controlled, and the control bound the steps: the KL the updates really caused stayed
+    # near the (annealed) budget. (predicted ≤ budget holds by construction, since α is derived from q: it proves
+    # nothing about the policy.)
+    skipped = sum(e.value for e in events.Scalars("train/update_skipped"))
+    alphas = [e.value for e in events.Scalars("kl/alpha") if math.isfinite(e.value)]
+    assert len(alphas) == steps - skipped
+    realized, budget = events.Scalars("kl/realized"), events.Scalars("kl/budget")
+    ratios = sorted(r.value / b.value for r, b in zip(realized, budget) if math.isfinite(r.value))
+    median = ratios[len(ratios) // 2]
+    print(f"realized KL / budget: median {median:.3f}; control acting on "
+          f"{sum(e.value for e in events.Scalars('kl/acting')) / steps:.0%} of the steps")
+    assert 0.5 <= median <= 2.0
     assert budget[0].value > budget[-1].value
 
 
@@ -61,3 +71,30 @@ def test_tiny_arith_learns_with_vllm_rollouts(tmp_path):
     assert values("sync/full_loads")[-1] == 1 and values("sync/restarts")[-1] == 0
     # vLLM's fp32 log-probs match the trainer's closely: the importance weights are ~1
     assert max(values("rollout/logprob_abs_diff")) < 1e-3
+
+
+def test_tiny_arith_learns_in_bf16(tmp_path):
+    # configs/tiny_arith_bf16.yaml, 300 of its 1,200 steps: bf16 weights at a learning rate whose steps are far
+    # below half an ulp. With stochastic rounding every update lands in expectation and the run learns as fp32 does
+    # (the full comparison, with rounding to nearest, is bench/precision.py; numbers in the README).
+    cli = main(["fit", "--config", str(ROOT / "configs" / "tiny_arith_bf16.yaml"),
+                "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+                "--trainer.max_steps", "300", "--trainer.val_check_interval", "300"])
+    assert cli.trainer.global_step == 300
+    assert all(p.dtype == torch.bfloat16 for n, p in cli.model.policy.named_parameters() if "sketch_param" not in n)
+    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+
+    def values(name: str) -> list[float]:
+        return [e.value for e in events.Scalars(name)]
+
+    rewards = values("train/reward_mean")
+    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
+    landed = values("update/landed_fraction")
+    intended, realized = sum(values("kl/intended")), sum(values("kl/realized"))
+    print(f"bf16: reward {first:.3f} → {last:.3f}; landed fraction {sum(landed) / len(landed):.3f}; "
+          f"KL realized / intended {realized / intended:.3f}")
+    assert last - first >= 0.05  # measured: +0.10 (fp32: +0.10; rounding to nearest: +0.05)
+    assert abs(sum(landed) / len(landed) - 1.0) < 0.05
+    # the budget governs the intended step; the rounding noise adds only a little KL on top
+    assert 0.9 <= realized / intended <= 1.5

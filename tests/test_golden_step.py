@@ -44,24 +44,24 @@ class Recorder(Callback):
 GOLDEN = {
     "tiny_arith": {
         "steps": [
-            {"kl/q": 0.24068625271320343, "kl/alpha": 0.1441316455602646, "train/reward_mean": 0.484375,
+            {"kl/q": 0.24068357050418854, "kl/alpha": 0.14413245022296906, "train/reward_mean": 0.484375,
              "train/loss": -0.1712203025817871, "train/grad_norm": 2.8450350761413574},
-            {"kl/q": 0.0860910713672638, "kl/alpha": 0.2408331334590912, "train/reward_mean": 0.3125,
-             "train/loss": -0.18735390901565552, "train/grad_norm": 1.6494370698928833},
-            {"kl/q": 0.07919370383024216, "kl/alpha": 0.2509341835975647, "train/reward_mean": 0.25,
-             "train/loss": -0.1372179388999939, "train/grad_norm": 2.072599172592163},
+            {"kl/q": 0.10316690057516098, "kl/alpha": 0.220001220703125, "train/reward_mean": 0.3125,
+             "train/loss": -0.18735381960868835, "train/grad_norm": 1.6494375467300415},
+            {"kl/q": 0.06202193722128868, "kl/alpha": 0.2835518717765808, "train/reward_mean": 0.265625,
+             "train/loss": -0.09054061025381088, "train/grad_norm": 2.308978319168091},
         ],
-        "delta_weighted_sum": -0.10600780263972033,
-        "delta_norm": 0.3772814889759997,
+        "delta_weighted_sum": -0.012594099370838004,
+        "delta_norm": 0.35988452561642587,
     },
     "tiny_arith_dense": {
         "steps": [
             {"train/reward_mean": 0.484375, "train/loss": -0.1712203025817871, "train/grad_norm": 3.911797046661377},
-            {"train/reward_mean": 0.296875, "train/loss": -0.18954353034496307, "train/grad_norm": 2.1808760166168213},
-            {"train/reward_mean": 0.171875, "train/loss": -0.060672055929899216, "train/grad_norm": 3.922102212905884},
+            {"train/reward_mean": 0.296875, "train/loss": -0.1895434707403183, "train/grad_norm": 2.1808769702911377},
+            {"train/reward_mean": 0.1875, "train/loss": -0.066836878657341, "train/grad_norm": 3.863445520401001},
         ],
-        "delta_weighted_sum": 0.11982330292310503,
-        "delta_norm": 0.17475697707073712,
+        "delta_weighted_sum": 0.13395415162464178,
+        "delta_norm": 0.1716295541184492,
     },
 }
 

@@ -110,6 +110,9 @@ def test_step_scale_rule():
         assert alpha**2 * q <= delta * (1 + 1e-12)
     with pytest.raises(ValueError, match="budget"):
         step_scale(1.0, 0.0, 1.0)
+    for budget, alpha_max in ((math.nan, 1.0), (math.inf, 1.0), (1e-3, math.nan), (1e-3, math.inf)):
+        with pytest.raises(ValueError, match="positive finite"):
+            step_scale(0.0, budget, alpha_max)  # q ≤ 0 would otherwise return α_max itself
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "exponential"])
@@ -125,9 +128,16 @@ def test_schedules_run_from_budget_to_final_budget(schedule):
     assert PredictedKLBudget(3e-4).budget_at(77) == 3e-4
 
 
+@pytest.mark.parametrize("key", ["budget", "final_budget", "alpha_max"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_non_positive_or_non_finite_settings_name_the_key(key, value):
+    # NaN slipped through a `<= 0` check and made every weight NaN; inf turned the control off.
+    kwargs = {"budget": 2e-4, "final_budget": 2e-5, "schedule": "linear", "anneal_steps": 10, key: value}
+    with pytest.raises(ValueError, match=f"PredictedKLBudget: {key} must be a positive finite number"):
+        PredictedKLBudget(**kwargs)
+
+
 def test_bad_budget_settings_fail_fast():
-    with pytest.raises(ValueError, match="budget"):
-        PredictedKLBudget(budget=0.0)
     with pytest.raises(ValueError, match="anneal_steps"):
         PredictedKLBudget(2e-4, 2e-5, "linear")
     with pytest.raises(ValueError, match="subset"):
@@ -168,3 +178,41 @@ def test_intended_kl_is_the_exact_kl_of_the_scaled_step():
     assert float(intended_kl(model, handles, proposal, responses, current, 0.3)) == pytest.approx(float(exact),
                                                                                                   rel=1e-9)
     assert float(exact) == pytest.approx(0.09 * float(q), rel=0.05)  # ≈ α²·q
+
+
+def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
+    # A sketch turned NaN in step 2's backward makes the module skip that update; the controller's metrics for
+    # step 2 must say "no step" instead of repeating step 1's α and KL.
+    from lightning.pytorch import Callback
+    from pathlib import Path
+
+    from cli import main
+
+    class PoisonStep2(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 1:
+                handle = next(iter(trainer.strategy.handles.values()))
+                handle.sketch_param.grad[0, 0] = float("nan")
+
+    class Record(Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_train_batch_end(self, trainer, pl_module, *_):
+            self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                               if k.startswith(("kl/", "update/")) or k == "train/update_skipped"})
+
+    config = Path(__file__).parents[1] / "configs" / "tiny_arith.yaml"
+    cli = main(["--config", str(config), "--trainer.max_steps", "3", "--trainer.logger", "false",
+                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+                "--data.init_args.batch_size", "8", "--trainer.val_check_interval", "1000"], run=False)
+    record = Record()
+    cli.trainer.callbacks[:0] = [PoisonStep2()]
+    cli.trainer.callbacks.append(record)  # after PredictedKLBudget: sees what it logged at the step's end
+    cli.trainer.fit(cli.model, cli.datamodule)
+    first, skipped, third = record.steps
+    assert first["train/update_skipped"] == third["train/update_skipped"] == 0.0
+    assert skipped["train/update_skipped"] == 1.0
+    for key in ("kl/alpha", "kl/q", "kl/predicted", "kl/realized", "kl/acting", "update/landed_fraction"):
+        assert math.isfinite(first[key]) and math.isfinite(third[key]), key
+        assert math.isnan(skipped[key]), key

@@ -1,4 +1,5 @@
 import logging
+import math
 
 import pytest
 import torch
@@ -112,6 +113,21 @@ def test_non_finite_sketch_skips_the_whole_step(caplog):
     model(x).sum().backward()
     optimizer.step()  # and training goes on
     assert not torch.equal(handles["0"].weight, weights[0])
+
+
+@pytest.mark.parametrize("alpha", [math.nan, math.inf, -1.0, 1e40])
+def test_a_non_finite_step_never_reaches_the_weights(alpha, caplog):
+    # Whatever chose α (a controller's bug, a setting that slipped through), apply() is the last line of defence:
+    # 1e40 is finite but overflows α·η·U in fp32.
+    model, handle = _layer()
+    optimizer = SketchAdam({"0": handle}, lr=0.1)
+    before = handle.weight.detach().clone()
+    _accumulate(model, 0)
+    with caplog.at_level(logging.WARNING):
+        optimizer.step(alpha=alpha)
+    assert torch.equal(handle.weight, before) and optimizer.last_updates == {}
+    assert optimizer.skipped_steps == 1 and optimizer.updates == 0 and "update skipped" in caplog.text
+    assert handle.sketch_param.grad is None  # the step's sketch is dropped with it
 
 
 def test_refresh_switches_seed_and_resets_state():

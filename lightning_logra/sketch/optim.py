@@ -106,7 +106,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         return True
 
     def skip(self, reason: str) -> None:
-        """Drop this step's sketches without touching weights or state; count and report it."""
+        """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in
+        apply(), the d×r state has already taken this step's finite sketch, as propose() computed it.)"""
         self.skipped_steps += 1
         log.warning("%s: update skipped (%d skipped so far)", reason, self.skipped_steps)
         for layer in self.layers:
@@ -128,13 +129,23 @@ class SketchOptimizer(torch.optim.Optimizer):
         """Merge W ← W − α·η·U·A for the pending proposal; zero the sketches; return {name: F = α·η·U (d, r)}."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first (or it was skipped)")
+        # The last line of defence: whatever chose α, a non-finite step never reaches the weights.
+        if not (math.isfinite(alpha) and alpha >= 0):
+            self.skip(f"non-finite or negative step scale α={alpha}")
+            return {}
+        # F in the dtype it travels in: the engine merges exactly this, so the trainer does too.
+        pending = {p: ((alpha * group["lr"]) * self._proposal[p]).to(self.factor_dtype)  # (d, r)
+                   for group in self.param_groups for p in group["params"]}
+        finite = torch.stack([torch.isfinite(f).all() for f in pending.values()])  # one sync, not one per layer
+        if not bool(finite.all()):
+            self.skip(f"non-finite update factor α·η·U (α={alpha})")
+            return {}
         factors = {}
         landed, intended = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for group in self.param_groups:
             for p in group["params"]:
                 layer = self._layer_of[p]
-                # F in the dtype it travels in: the engine merges exactly this, so the trainer does too.
-                factor = ((alpha * group["lr"]) * self._proposal[p]).to(self.factor_dtype)  # (d, r)
+                factor = pending[p]
                 stochastic = self.rounding == "stochastic" and layer.weight.dtype in LOW_PRECISION
                 key = rounding_key(layer.seed, self.updates) if stochastic else None
                 projection = layer.projection()
@@ -205,17 +216,57 @@ class SketchOptimizer(torch.optim.Optimizer):
             self.apply(alpha() if callable(alpha) else alpha)
         return loss
 
+    def settings(self) -> dict:
+        """What the state is only valid under: the optimizer and, per layer, the projection it lives in."""
+        return {
+            "optimizer": type(self).__name__,
+            "refresh_every": self.refresh_every,
+            "layers": {layer.name: {"rank": layer.rank, "seed": layer.base_seed, "distribution": layer.distribution}
+                       for layer in self.layers},
+        }
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "updates": self.updates}
+        return {**super().state_dict(), "updates": self.updates, "sketch": self.settings()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
+        saved = state_dict.pop("sketch", None)
+        if saved is None:
+            log.warning("the checkpoint's sketch optimizer state does not say which sketch settings it was taken "
+                        "under (an older checkpoint): resuming without checking them")
+        else:
+            _check_same_sketch(saved, self.settings())
         self.updates = state_dict.pop("updates", 0)
         super().load_state_dict(state_dict)
         # The refresh index is part of the optimizer's state; the layers must use the matching projection.
         for p, state in self.state.items():
             if "refresh_index" in state and self._layer_of[p].refresh_index != state["refresh_index"]:
                 self._layer_of[p].set_refresh_index(state["refresh_index"])
+
+
+def _check_same_sketch(saved: dict, current: dict) -> None:
+    """Refuse to resume state taken under other sketch settings: Adam moments of one projection's coordinates mean
+    nothing in another's, and a different rank or optimizer does not even fit."""
+    differences = []
+    if saved["optimizer"] != current["optimizer"]:
+        differences.append(f"sketch.optimizer: checkpoint {saved['optimizer']}, this run {current['optimizer']}")
+    if saved["refresh_every"] != current["refresh_every"]:
+        differences.append(f"sketch.refresh_every: checkpoint {saved['refresh_every']}, "
+                           f"this run {current['refresh_every']}")
+    if sorted(saved["layers"]) != sorted(current["layers"]):
+        differences.append(f"sketch.target_modules: checkpoint sketches {len(saved['layers'])} matrices, this run "
+                           f"{len(current['layers'])} (e.g. {sorted(set(saved['layers']) ^ set(current['layers']))[:2]})")
+    else:
+        for key in ("rank", "seed", "distribution"):
+            values = {(layer[key], current["layers"][name][key]) for name, layer in saved["layers"].items()}
+            differences += [f"sketch.{key}: checkpoint {old}, this run {new}" for old, new in sorted(values, key=str)
+                            if old != new]
+    if differences:
+        raise ValueError(
+            "cannot resume: the checkpoint's sketch optimizer state was taken under other sketch settings ("
+            + "; ".join(differences) + "). Resume with the checkpoint's settings, or start a new run from its "
+            "weights (export them, then train with the new settings)."
+        )
 
 
 class SketchSGD(SketchOptimizer):

@@ -2,12 +2,15 @@
 
 A full load once at the start; then, after every applied update, only what changed: for each sketched matrix the
 factor F = α·η·U (d×r) and the seed of A, from which the engine regenerates A and merges W −= F·A itself; densely
-trained parameters, if any, as full tensors. Every `check_every` syncs the engine's fingerprints are compared with
-the trainer's and a drift past `tolerance` is repaired by a full load, as is a restarted engine.
+trained parameters, if any, as full tensors. Every `check_every` syncs the fingerprints of every tensor the engine
+holds (trained or not) are compared with the trainer's and a drift past `tolerance` is repaired by a full load, as
+is a restarted engine. A sampler whose log-probs stay far from the trainer's (`rollout/logprob_abs_diff` above
+`logprob_diff_threshold` for `logprob_diff_steps` steps in a row) triggers the same check at once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -16,6 +19,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_logra.rollout import HFEngine, SyncPayload, fingerprint
 from lightning_logra.sketch.optim import SketchOptimizer
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWeightSync(Callback):
@@ -28,6 +33,11 @@ class RolloutWeightSync(Callback):
         tolerance: the largest |fingerprint difference| accepted before a full resync (fingerprints are W·v for a
             seeded ±1 vector v, so one entry off by ε shows as ε).
         seed: seeds the fingerprint vectors (a new vector at every check).
+        logprob_diff_threshold: a mean |log π_sampler − log π_θ| per token (`rollout/logprob_abs_diff`) above which
+            the engine is suspected of drift; None never checks on that account. Other kernels alone gave 3.6e-7
+            on the tiny fp32 vLLM run; a norm of the engine shifted by 0.5 gave 0.1.
+        logprob_diff_steps: how many steps in a row above the threshold trigger a check; after a check it takes as
+            many again, so a sampler that differs for other reasons costs one check per that many steps.
     """
 
     def __init__(
@@ -35,13 +45,23 @@ class RolloutWeightSync(Callback):
         check_every: int | None = 50,
         tolerance: float = 1e-4,
         seed: int = 0,
+        logprob_diff_threshold: float | None = 0.05,
+        logprob_diff_steps: int = 10,
     ) -> None:
         if check_every is not None and check_every < 1:
             raise ValueError(f"RolloutWeightSync: check_every must be a positive number of syncs or None, "
                              f"got {check_every}")
         if tolerance < 0:
             raise ValueError(f"RolloutWeightSync: tolerance must be >= 0, got {tolerance}")
+        if logprob_diff_threshold is not None and not logprob_diff_threshold > 0:
+            raise ValueError(f"RolloutWeightSync: logprob_diff_threshold must be positive (or null), "
+                             f"got {logprob_diff_threshold}")
+        if logprob_diff_steps < 1:
+            raise ValueError(f"RolloutWeightSync: logprob_diff_steps must be a positive number of steps, "
+                             f"got {logprob_diff_steps}")
         self.check_every, self.tolerance, self.seed = check_every, tolerance, seed
+        self.logprob_diff_threshold, self.logprob_diff_steps = logprob_diff_threshold, logprob_diff_steps
+        self.steps_above_threshold = 0
         self.syncs = 0  # compact syncs sent (its checkpointed state, so checks keep their rhythm across resumes)
         self.full_loads = 0
         self._in_sync = False
@@ -111,12 +131,16 @@ class RolloutWeightSync(Callback):
 
     # ---- sync, check, repair ----------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _engine_tensors(pl_module: LightningModule) -> dict[str, torch.Tensor]:
+        """Every parameter of the policy, as the engine holds it too (the sketch carriers B are not parameters of the
+        model's files and are left out)."""
+        return {name: p.detach() for name, p in pl_module.policy.named_parameters() if ".sketch_param" not in name}
+
     def full_sync(self) -> int:
-        """Load every parameter of the policy into the engine (its sketch carriers B are not parameters of the
-        model's files and are left out); returns the bytes sent."""
+        """Load every parameter of the policy into the engine; returns the bytes sent."""
         pl_module = self._module
-        params = {name: p.detach() for name, p in pl_module.policy.named_parameters() if ".sketch_param" not in name}
-        sent = pl_module.engine.load_weights(params)
+        sent = pl_module.engine.load_weights(self._engine_tensors(pl_module))
         self.full_loads += 1
         self._in_sync = True
         return sent
@@ -124,35 +148,48 @@ class RolloutWeightSync(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         payload = self.payload(pl_module)
-        if not payload:
-            return  # the update was skipped: the weights did not change
-        start = time.perf_counter()
-        sent = pl_module.engine.apply_update(payload)
-        seconds = time.perf_counter() - start
-        self.syncs += 1
-        params = dict(pl_module.policy.named_parameters())
-        dense_bytes = sum(params[n].numel() * params[n].element_size() for n in payload.low_rank)
-        dense_bytes += sum(t.numel() * t.element_size() for t in payload.dense.values())
-        if self.check_every is not None and self.syncs % self.check_every == 0:
+        due = self._sampler_drifting(trainer)
+        if payload:  # else the update was skipped: the weights did not change
+            start = time.perf_counter()
+            sent = pl_module.engine.apply_update(payload)
+            seconds = time.perf_counter() - start
+            self.syncs += 1
+            params = dict(pl_module.policy.named_parameters())
+            dense_bytes = sum(params[n].numel() * params[n].element_size() for n in payload.low_rank)
+            dense_bytes += sum(t.numel() * t.element_size() for t in payload.dense.values())
+            due |= self.check_every is not None and self.syncs % self.check_every == 0
+        if due:
             diff = self.check()
             # Straight to the loggers: through self.log, Lightning would repeat the last value at every later step.
             for logger in trainer.loggers:
                 logger.log_metrics({"sync/max_abs_diff": diff}, step=trainer.global_step)
-        pl_module.log_dict({"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes),
-                            "sync/seconds": seconds, "sync/restarts": float(pl_module.engine.restarts),
-                            "sync/full_loads": float(self.full_loads)})
+        if payload:
+            pl_module.log_dict({"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes),
+                                "sync/seconds": seconds, "sync/restarts": float(pl_module.engine.restarts),
+                                "sync/full_loads": float(self.full_loads)})
+
+    def _sampler_drifting(self, trainer: Trainer) -> bool:
+        """Whether the sampler's log-probs have been far from the trainer's for `logprob_diff_steps` steps in a row:
+        drift in any tensor shows there, between the periodic checks."""
+        diff = trainer.callback_metrics.get("rollout/logprob_abs_diff")
+        if self.logprob_diff_threshold is None or diff is None:
+            return False
+        self.steps_above_threshold = self.steps_above_threshold + 1 if diff > self.logprob_diff_threshold else 0
+        if self.steps_above_threshold < self.logprob_diff_steps:
+            return False
+        self.steps_above_threshold = 0
+        return True
 
     def max_abs_diff(self) -> float:
-        """max |fingerprint(engine W) − fingerprint(trainer W)| over every trained tensor."""
+        """max |fingerprint(engine W) − fingerprint(trainer W)| over every tensor the engine holds: the trained ones,
+        and the untrained ones (norms, embeddings, frozen matrices) too, which nothing else would ever check."""
         pl_module = self._module
-        sketched, dense = self._trained_names(pl_module)
-        names = sketched + dense
+        params = self._engine_tensors(pl_module)
         seed = self.seed * 1_000_003 + self.syncs
-        theirs = pl_module.engine.fingerprints(names, seed)
-        params = dict(pl_module.policy.named_parameters())
+        theirs = pl_module.engine.fingerprints(list(params), seed)
         diffs = [torch.zeros((), dtype=torch.float64)]
-        for name in names:
-            ours = fingerprint(params[name], seed).cpu()
+        for name, param in params.items():
+            ours = fingerprint(param, seed).cpu()
             diffs.append((theirs[name][: ours.shape[0]] - ours).abs().max())
         return float(torch.stack(diffs).max())  # NaN anywhere stays NaN
 
@@ -160,6 +197,8 @@ class RolloutWeightSync(Callback):
         """Compare fingerprints; past the tolerance, load the full weights. Returns the difference found."""
         diff = self.max_abs_diff()
         if not diff <= self.tolerance:  # NaN counts as drift too
+            log.warning("RolloutWeightSync: the engine's weights drifted from the trainer's by %.3g (tolerance %.3g); "
+                        "loading the full weights", diff, self.tolerance)
             self.full_sync()
         return diff
 

@@ -8,12 +8,14 @@ The same module trains densely (any plain strategy: AdamW from `configure_optimi
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 import torch
 from lightning.pytorch import LightningModule
@@ -27,7 +29,7 @@ from lightning_logra.loss import (
     token_logprobs,
     token_weights,
 )
-from lightning_logra.rewards import RewardFn, get_reward
+from lightning_logra.rewards import RewardFn, TimedReward, get_reward, import_reward
 from lightning_logra.batch import Rollout
 from lightning_logra.hashing import prompt_seeds
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
@@ -36,15 +38,64 @@ from lightning_logra.sketch.optim import SketchOptimizer
 log = logging.getLogger(__name__)
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """A built-in reward by name ("exact_match", "math_answer") or any function by dotted path ("pkg.mod.fn")."""
+def resolve_reward(name: str, timeout_s: float | None) -> RewardFn:
+    """A built-in reward by name ("exact_match", "math_answer") or any function by dotted path ("pkg.mod.fn"),
+    called in a process of its own with a deadline of `timeout_s` per batch (None: in this process, no deadline)."""
     if "." in name:
-        module, _, attr = name.rpartition(".")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"model.reward: cannot import {name!r} ({err})") from err
-    return get_reward(name)
+        path = name
+    else:
+        builtin = get_reward(name)
+        path = f"{builtin.__module__}.{builtin.__name__}"
+    return import_reward(path) if timeout_s is None else TimedReward(path, timeout_s)
+
+
+def reward_tensor(rewards: Any, name: str, prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A reward function's output checked and made a tensor: (rewards (prompts·n,), which samples had no usable
+    reward (None or not finite) (prompts·n,), which groups were dropped (prompts,)).
+
+    None means "not applicable to this sample" in TRL's signature and earns 0.0. A NaN or infinite reward drops its
+    whole group: the group's rewards are all set to 0.0, so that its advantages are 0 and it adds nothing to the
+    gradient, while the other groups still train."""
+    count = prompts * n
+    try:
+        rewards = list(rewards)
+        values = [float("nan") if r is None else float(r) for r in rewards]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
+                         f"completion; got {type(rewards).__name__} ({err})") from None
+    if len(values) != count:
+        raise ValueError(f"model.reward {name!r} returned {len(values)} rewards for {count} completions ({prompts} "
+                         f"prompts × {n} samples): it must return one per completion, in order")
+    nones = torch.tensor([r is None for r in rewards])
+    groups = torch.tensor(values, dtype=torch.float32).view(prompts, n)
+    missing = ~groups.isfinite()
+    dropped = (missing & ~nones.view(prompts, n)).any(1)  # a NaN or inf, not a None
+    groups[missing] = 0.0
+    groups[dropped] = 0.0
+    return groups.view(-1), missing.view(-1), dropped
+
+
+def check_hub_model(model: str) -> None:
+    """For a `model` that is not a local directory (a hub id): fail at once, naming the key, when it is not in the hub
+    cache and the hub cannot be reached. Without this a mistyped name (`tiny_arth`) is retried for about a minute,
+    then fails with an error that does not say which setting is wrong."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return  # downloaded before: loads without the network
+    except ValueError:
+        pass  # not a valid hub id either; the message below says what to give
+    where = (f"model.model: {model!r} is not a directory here ({Path.cwd()}) nor in the hub cache, and the hub "
+             "cannot be reached")
+    fix = "give the path of a save_pretrained folder, or a hub id with the network on"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise FileNotFoundError(f"{where} (HF_HUB_OFFLINE is set): {fix}")
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        raise FileNotFoundError(f"{where} ({host}: {err}): {fix}") from None
 
 
 class RLVRModule(LightningModule):
@@ -71,6 +122,8 @@ class RLVRModule(LightningModule):
         export_dir: str | None = None,
         engine: RolloutEngine | None = None,
         is_cap: float | None = 2.0,
+        reward_timeout_s: float | None = 600.0,
+        max_unlearnable_steps: int | None = None,
     ) -> None:
         """
         Args:
@@ -88,6 +141,12 @@ class RLVRModule(LightningModule):
             is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
                 correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
                 bf16). None turns the correction off; the mismatch is logged either way.
+            reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
+                many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
+                this process without a deadline.
+            max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
+                (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
+                about when no completion got a usable reward at all.
         """
         super().__init__()
         for key, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
@@ -102,6 +161,12 @@ class RLVRModule(LightningModule):
             raise ValueError(f"model.top_p must be in (0, 1], got {top_p}")
         if is_cap is not None and is_cap <= 0:
             raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {is_cap}")
+        if reward_timeout_s is not None and not reward_timeout_s > 0:
+            raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
+                             f"got {reward_timeout_s}")
+        if max_unlearnable_steps is not None and max_unlearnable_steps < 1:
+            raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
+                             f"got {max_unlearnable_steps}")
         if loss_type not in ("dapo", "grpo", "dr_grpo"):
             raise ValueError(f"model.loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
         # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
@@ -109,7 +174,8 @@ class RLVRModule(LightningModule):
             raise FileNotFoundError(f"model.model: no such model directory {model!r}")
         self.save_hyperparameters(ignore=["engine"])
         self.automatic_optimization = False
-        self.reward_fn = resolve_reward(reward)
+        self.reward_fn = resolve_reward(reward, reward_timeout_s)
+        self.unlearnable_steps = 0  # training steps in a row with nothing to learn (max_unlearnable_steps)
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
         self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)
         self.policy: torch.nn.Module | None = None
@@ -135,7 +201,9 @@ class RLVRModule(LightningModule):
 
     def _load_policy(self) -> None:
         path, hp = self.hparams.model, self.hparams
-        if Path(path).exists() and not (Path(path) / "config.json").is_file():
+        if not Path(path).exists():
+            check_hub_model(path)
+        elif not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         dtype = getattr(torch, hp.dtype)
@@ -184,12 +252,31 @@ class RLVRModule(LightningModule):
         # Every column repeated per sample, so the reward sees row-aligned lists (TRL's convention).
         columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
         prompts = columns.pop("prompt")
-        rewards = self.reward_fn(prompts, completions, **columns)
-        # None means "not applicable to this sample" in TRL's signature; it earns nothing here.
-        # fp32 explicitly: under `bf16-true` Lightning makes bf16 the default dtype inside the training step.
-        rewards = torch.tensor([0.0 if r is None else float(r) for r in rewards], dtype=torch.float32,
-                               device=self.device)  # (N,)
-        return rollout, rewards
+        name = self.hparams.reward
+        rewards, missing, dropped = reward_tensor(self.reward_fn(prompts, completions, **columns), name, count, n)
+        if missing.all():
+            log.warning("model.reward %r gave no usable reward (all None or NaN) for any of the %d completions at "
+                        "step %d: nothing is learned from this batch. Check the reward function", name,
+                        len(rewards), self.global_step)
+        elif dropped.any():
+            log.warning("model.reward %r gave NaN or infinite rewards in %d of %d groups at step %d: those groups "
+                        "are left out of the update", name, int(dropped.sum()), count, self.global_step)
+        if step >= 0:  # a training step
+            self._count_unlearnable(rewards.view(count, n))
+        return rollout, rewards.to(self.device)
+
+    def _count_unlearnable(self, groups: torch.Tensor) -> None:
+        """Count training steps in a row where no group's rewards differ (every advantage is 0: nothing to learn),
+        and stop the run after `max_unlearnable_steps` of them."""
+        learnable = (groups.max(1).values > groups.min(1).values).any().float().to(self.device)
+        learnable = self.trainer.strategy.reduce(learnable, reduce_op="sum")  # the ranks must stop together
+        self.unlearnable_steps = 0 if learnable > 0 else self.unlearnable_steps + 1
+        limit = self.hparams.max_unlearnable_steps
+        if limit is not None and self.unlearnable_steps >= limit:
+            raise RuntimeError(
+                f"model.max_unlearnable_steps={limit}: {self.unlearnable_steps} training steps in a row had nothing "
+                f"to learn (in every group the rewards were equal, None or NaN). Check model.reward "
+                f"{self.hparams.reward!r} and the data, or set model.max_unlearnable_steps higher or to null")
 
     def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> torch.Tensor:
         hp = self.hparams

@@ -4,13 +4,20 @@ Every reward has TRL's signature ``fn(prompts, completions, **columns) -> list[f
 dataset's extra columns, each a list aligned with ``completions`` (``answer=[...]``), and unknown ones are ignored,
 so the same function works in this trainer and as a TRL reward function. TRL lets a reward return None for "does
 not apply to this sample"; the rewards here judge every sample and never do.
+
+The trainer calls every reward in a process of its own (`TimedReward`), so that a batch it cannot score in time
+can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in its own verifier process.
 """
 
+import atexit
+import importlib
 import logging
 import multiprocessing
 import os
 import re
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -212,6 +219,136 @@ def math_answer(prompts: list[str], completions: list[str], answer: list[str], t
 
 
 _REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
+
+
+def import_reward(path: str) -> RewardFn:
+    """A reward function by dotted import path ("pkg.module.fn")."""
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model.reward: cannot import {path!r} ({err})") from err
+
+
+def _serve_reward(conn: Connection, path: str) -> None:
+    """The reward process's loop: call the reward on each batch it receives until the parent closes the pipe (or
+    dies: the pipe closes with it)."""
+    fn = import_reward(path)
+    conn.send("ready")
+    while True:
+        try:
+            prompts, completions, columns = conn.recv()
+        except EOFError:
+            return
+        try:
+            answer = ("rewards", list(fn(prompts, completions, **columns)))
+        except Exception:
+            answer = ("error", traceback.format_exc())
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, EOFError):
+            return
+
+
+class RewardProcess:
+    """Calls a reward function (by import path) in a child process, giving up on a batch after ``timeout_s``.
+
+    Custom rewards can be anything (running code, asking a model, a regex that backtracks forever). As for the math
+    check, only a process can be stopped: when a batch runs past the deadline, the child is killed, every completion
+    of the batch scores None (nothing is learned from it) and a fresh child takes the next batch. Started with
+    "spawn" (see MathVerifier); not a daemon, so that the reward may start processes of its own (math_answer does).
+    It is stopped when this process exits, and, blocked on the pipe, ends by itself if this process is killed.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._owner_pid = os.getpid()
+
+    def __call__(self, prompts: list[str], completions: list[str], timeout_s: float,
+                 **columns: list) -> list[float | None]:
+        with self._lock:
+            conn = self._connection()
+            start = time.monotonic()
+            conn.send((prompts, completions, columns))
+            if conn.poll(timeout_s):
+                try:
+                    kind, value = conn.recv()
+                except EOFError:
+                    kind, value = "died", None
+                if kind == "rewards":
+                    return value
+                if kind == "error":
+                    raise RuntimeError(f"model.reward {self.path!r} raised in its reward process:\n{value}")
+                logger.warning("the reward process of model.reward %r died on a batch of %d completions; they "
+                               "score None and a new process is started", self.path, len(completions))
+            else:
+                logger.warning("model.reward %r ran past model.reward_timeout_s=%.0f s on a batch of %d completions "
+                               "(%.0f s): they score None (nothing is learned from them) and the reward process is "
+                               "replaced", self.path, timeout_s, len(completions), time.monotonic() - start)
+            self._stop()
+            return [None] * len(completions)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _connection(self) -> Connection:
+        if self._owner_pid != os.getpid():  # a forked copy starts its own child (see MathVerifier)
+            self._process, self._conn, self._owner_pid = None, None, os.getpid()
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        assert self._conn is not None
+        return self._conn
+
+    def _start(self) -> None:
+        self._stop()
+        context = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = context.Pipe()
+        process = context.Process(target=_serve_reward, args=(child_conn, self.path), name="reward", daemon=False)
+        process.start()
+        child_conn.close()
+        self._process, self._conn = process, parent_conn
+        # Registered after multiprocessing's own exit handler, so it runs first (atexit is last in, first out):
+        # that handler would otherwise wait forever for this non-daemon child.
+        atexit.register(self.close)
+        try:
+            if not parent_conn.poll(_START_TIMEOUT_S):
+                raise EOFError
+            parent_conn.recv()
+        except EOFError:
+            self._stop()
+            raise RuntimeError(f"the reward process for model.reward {self.path!r} did not start within "
+                               f"{_START_TIMEOUT_S:.0f} s; its error, if any, is on stderr") from None
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+            atexit.unregister(self.close)
+        if self._conn is not None:
+            self._conn.close()
+        self._process, self._conn = None, None
+
+
+# One reward process per reward function and training process, started on first use and shared by every module
+# that names the same function (a test session builds many).
+_REWARD_PROCESSES: dict[str, RewardProcess] = {}
+
+
+class TimedReward:
+    """A reward by import path, called in its `RewardProcess` with a deadline of ``timeout_s`` per batch. Holds
+    only the two settings, so a module that holds it can still be copied and pickled."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        import_reward(path)  # fail at set-up, in this process, if it cannot be imported
+        self.path, self.timeout_s = path, timeout_s
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float | None]:
+        process = _REWARD_PROCESSES.setdefault(self.path, RewardProcess(self.path))
+        return process(prompts, completions, self.timeout_s, **columns)
 
 
 def get_reward(name: str) -> RewardFn:

@@ -2,6 +2,8 @@
 
 import glob
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,7 @@ def test_every_config_instantiates_the_real_classes(config):
                 "--trainer.logger", "false"], run=False)
     assert isinstance(cli.model, RLVRModule) and cli.model.policy is None  # weights load lazily, at fit
     assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
+    assert 0 < cli.trainer.checkpoint_callback._every_n_train_steps <= 50  # a crash loses at most 50 steps
     if "dense" not in Path(config).stem:
         assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy))
         assert cli.trainer.strategy.config.rank < 4096
@@ -138,6 +141,23 @@ def test_bad_input_fails_before_training(tiny_arith_model, tmp_path, capsys, ove
     shown = capsys.readouterr().err if error is SystemExit else str(info.value)
     assert message in shown
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)  # no step was taken
+
+
+@pytest.mark.parametrize("no_network", ["HF_HUB_OFFLINE", "failed resolve"])
+def test_a_model_name_not_on_disk_fails_at_once_without_network(tiny_arith_model, tmp_path, monkeypatch, no_network):
+    # "tiny_arth" is a typo of a local folder; without a network the hub client would retry it for a minute.
+    if no_network == "HF_HUB_OFFLINE":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        def no_dns(*args, **kwargs):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+        monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"model.model: 'tiny_arth' is not a directory here .*save_pretrained"):
+        main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 2), "--model.model", "tiny_arth"])
+    assert time.perf_counter() - start < 20  # set-up only, no retries
 
 
 def test_missing_data_file_names_the_key(tmp_path):

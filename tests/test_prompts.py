@@ -152,3 +152,13 @@ def test_invalid_jsonl_line(tmp_path):
     path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         PromptDataset(str(path))
+
+
+def test_rows_with_other_columns_fail_when_loaded_naming_the_row(tmp_path):
+    # A batch that mixed these rows would fail in collate_rows with a bare KeyError, possibly late in a run.
+    rows = [{"prompt": "1+1", "answer": "2", "level": 1}, {"prompt": "2+2", "answer": "4", "level": 2},
+            {"prompt": "3+3", "answer": "6", "source": "x"}]
+    path = write_rows(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(ValueError, match=r"row 2 of .*mixed.jsonl has other columns than row 0: missing \['level'\], "
+                                         r"extra \['source'\]\. Every row needs the same columns"):
+        PromptDataset(str(path))

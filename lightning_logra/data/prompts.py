@@ -134,7 +134,16 @@ class PromptDataset(Dataset):
             if template is not None:
                 prompt = template.replace("{prompt}", prompt)
             # Answers are compared as text by the rewards; numeric gold (12) becomes "12".
-            self.examples.append({**row, "prompt": prompt, "answer": str(answer)})
+            example = {**row, "prompt": prompt, "answer": str(answer)}
+            # A batch hands the reward one list per column, so every row must have the same columns; checked here
+            # rather than at the first batch that mixes two kinds of rows, which may come late in a run.
+            if self.examples and example.keys() != self.examples[0].keys():
+                first = self.examples[0].keys()
+                raise ValueError(
+                    f"{where} has other columns than row 0: missing {sorted(first - example.keys())}, extra "
+                    f"{sorted(example.keys() - first)}. Every row needs the same columns (the reward takes each "
+                    "column as a list): add the missing ones (null is fine) or remove the extra ones")
+            self.examples.append(example)
 
     def __len__(self) -> int:
         return len(self.examples)

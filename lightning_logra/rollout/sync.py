@@ -78,6 +78,9 @@ def fingerprint_vector(in_features: int, seed: int, device: torch.device | str |
     return torch.where(bits < 0, -1.0, 1.0).to(torch.float64)
 
 
+_FINGERPRINT_BLOCK_NUMBERS = 1 << 23  # float64 numbers converted at once: 64 MiB
+
+
 def fingerprint(weight: torch.Tensor, seed: int, col_start: int = 0) -> torch.Tensor:
     """W·v in float64 for a (d, k) weight — or the part W[:, cols]·v[cols] for a column block starting at col_start.
 
@@ -89,4 +92,6 @@ def fingerprint(weight: torch.Tensor, seed: int, col_start: int = 0) -> torch.Te
     if weight.dim() == 1:
         return weight.detach().to(torch.float64)
     v = fingerprint_vector(col_start + weight.shape[1], seed, weight.device)[col_start:]
-    return weight.detach().to(torch.float64) @ v  # (d,)
+    # A block of rows at a time: the float64 copy of a whole embedding (152k × 3584 on Qwen2.5-7B) would take 4 GiB.
+    rows = max(1, _FINGERPRINT_BLOCK_NUMBERS // weight.shape[1])
+    return torch.cat([block.detach().to(torch.float64) @ v for block in weight.split(rows)])  # (d,)

@@ -5,7 +5,10 @@ repair drift or a restart) and `apply_update` (per sketched matrix F = α·η·U
 call reaches each vLLM worker through `collective_rpc` and `LogRAWorkerExtension`.
 
 If the engine's process dies, the next call starts a new one, asks `on_restart` (set by `RolloutWeightSync`) to load
-the trainer's weights into it, and carries on, so the training step that met the dead engine is not lost.
+the trainer's weights into it, and carries on, so the training step that met the dead engine is not lost. A call
+that has not returned within `call_timeout_s` (a stopped or deadlocked engine) is treated the same way: the engine's
+processes are killed and it is restarted. And the engine's processes watch the trainer's: if it dies, even by
+SIGKILL, they kill themselves rather than keep their memory (gigabytes) forever.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -27,10 +31,14 @@ WORKER_EXTENSION = "lightning_logra.rollout.vllm_worker.LogRAWorkerExtension"
 _SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + i): keep clear of int64 overflow
 
 
+class EngineStalled(TimeoutError):
+    """An engine call ran past `call_timeout_s`."""
+
+
 def _dead_engine_errors() -> tuple[type[BaseException], ...]:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    return (EngineDeadError,)
+    return (EngineDeadError, EngineStalled)
 
 
 class VLLMEngine(RolloutEngine):
@@ -47,7 +55,11 @@ class VLLMEngine(RolloutEngine):
             the engine restarts. False runs it inside the trainer's process (faster start, no restart).
         sleep_between_rollouts: free the engine's device memory (level-1 sleep: weights to host memory, KV cache
             dropped) while the trainer runs its backward passes; GPU only.
-        max_restarts: how many times in a row a dead engine is restarted before the error is raised.
+        max_restarts: how many times in a row a dead or stalled engine is restarted before the error is raised.
+        call_timeout_s: a generation or weight-sync call that has not returned after this many seconds counts as a
+            stalled engine: its processes are killed and it is restarted (with `separate_process`; an engine in this
+            process cannot be killed, so it has no deadline). Generous by default: one call generates a whole
+            step's rollouts, which takes minutes for long completions on large batches. None: no deadline.
         load_chunk_mib: a full load is sent in chunks of this size (each is one serialized message).
         engine_kwargs: anything else for `vllm.LLM`.
     """
@@ -63,6 +75,7 @@ class VLLMEngine(RolloutEngine):
         separate_process: bool = True,
         sleep_between_rollouts: bool = False,
         max_restarts: int = 3,
+        call_timeout_s: float | None = 3600.0,
         load_chunk_mib: int = 512,
         engine_kwargs: dict | None = None,
     ) -> None:
@@ -83,7 +96,11 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=sleep_between_rollouts,
             **(engine_kwargs or {}),
         )
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ValueError(f"engine.call_timeout_s must be a positive number of seconds (or null: no deadline), "
+                             f"got {call_timeout_s}")
         self.separate_process = separate_process
+        self.call_timeout_s = call_timeout_s
         self.sleep_between_rollouts = sleep_between_rollouts
         self.max_restarts = max_restarts
         self.load_chunk_bytes = load_chunk_mib * 2**20
@@ -121,6 +138,7 @@ class VLLMEngine(RolloutEngine):
             **self.options,
         )
         self._asleep = False
+        self._rpc("logra_watch_trainer", os.getpid())
 
     def close(self) -> None:
         if self.llm is not None:
@@ -141,11 +159,15 @@ class VLLMEngine(RolloutEngine):
             self.on_restart()
 
     def _with_restart(self, call: Callable[[], object], retry: bool = True):
-        """Run `call`; if the engine died, restart it (weights reloaded) and run it again when `retry`."""
-        self._wake()
+        """Run `call` (waking the engine first); if the engine died or stalled, restart it (weights reloaded) and
+        run it again when `retry`."""
+        def awake_call():
+            self._wake()
+            return call()
+
         for attempt in range(self.max_restarts + 1):
             try:
-                return call()
+                return self._within_deadline(awake_call)
             except _dead_engine_errors():
                 if attempt == self.max_restarts:
                     raise
@@ -153,6 +175,59 @@ class VLLMEngine(RolloutEngine):
                 if not retry:
                     return None
         return None
+
+    def _within_deadline(self, call: Callable[[], object]):
+        """Run `call`, giving up after `call_timeout_s`: then the engine's processes are killed and EngineStalled is
+        raised. The call runs in a thread of its own because vLLM's calls have no timeout; a thread still blocked
+        on the killed engine is left behind (a daemon, it holds nothing but its stack)."""
+        if self.call_timeout_s is None or not self.separate_process:
+            return call()
+        outcome = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = call()
+            except BaseException as err:  # handed to the caller below
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run, name="vllm-call", daemon=True)
+        thread.start()
+        thread.join(self.call_timeout_s)
+        if thread.is_alive():
+            log.warning("vLLM engine: a call has not returned after %.0f s (engine.call_timeout_s); killing the "
+                        "engine's processes to restart it", self.call_timeout_s)
+            self._kill_processes()
+            raise EngineStalled(f"the vLLM engine stalled: a call did not return within engine.call_timeout_s="
+                                f"{self.call_timeout_s} s, {self.max_restarts + 1} times in a row; raise "
+                                "engine.call_timeout_s if its calls are just slow")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _engine_processes(self) -> list:
+        """The engine's processes (the engine core, its workers): this process's descendants that vLLM names
+        "VLLM::…"."""
+        import psutil  # a dependency of vLLM
+
+        processes = []
+        for process in psutil.Process().children(recursive=True):
+            try:
+                if process.name().startswith("VLLM"):
+                    processes.append(process)
+            except psutil.NoSuchProcess:
+                continue
+        return processes
+
+    def _kill_processes(self) -> None:
+        import psutil
+
+        processes = self._engine_processes()
+        for process in processes:
+            try:
+                process.kill()  # SIGKILL: a stopped (SIGSTOP) process cannot act on anything gentler
+            except psutil.NoSuchProcess:
+                continue
+        psutil.wait_procs(processes, timeout=30)
 
     def _wake(self) -> None:
         if self._asleep:
@@ -164,12 +239,10 @@ class VLLMEngine(RolloutEngine):
         this process, whose memory already includes it. Device memory shows in `memory/device_used_gib`."""
         import psutil  # a dependency of vLLM
 
-        processes = psutil.Process().children(recursive=True)
         total = 0
-        for process in processes:
+        for process in self._engine_processes():
             try:
-                if process.name().startswith("VLLM"):
-                    total += process.memory_info().rss
+                total += process.memory_info().rss
             except psutil.NoSuchProcess:
                 continue
         return total
@@ -196,10 +269,15 @@ class VLLMEngine(RolloutEngine):
             for seed in seeds
         ]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outputs = self._with_restart(lambda: self.llm.generate(requests, params, use_tqdm=False))
-        if self.sleep_between_rollouts:
-            self.llm.sleep(level=1)
-            self._asleep = True
+
+        def generate_then_sleep():  # one call, so that a stall while falling asleep is caught too
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            if self.sleep_between_rollouts:
+                self.llm.sleep(level=1)
+                self._asleep = True
+            return outputs
+
+        outputs = self._with_restart(generate_then_sleep)
         completions, logprobs = [], []
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda o: o.index):
@@ -227,14 +305,13 @@ class VLLMEngine(RolloutEngine):
             data = pack_tensors(chunk)
             self._with_restart(lambda data=data: self._rpc("logra_load", data), retry=False)
             sent += len(data)
-        self._after_weight_change()
+        self._with_restart(self._after_weight_change, retry=False)
         return sent
 
     def apply_update(self, payload: SyncPayload) -> int:
         data = payload.to_bytes()
         # After a restart the engine holds the trainer's current weights (update included): nothing to redo.
-        self._with_restart(lambda: self._rpc("logra_apply", data), retry=False)
-        self._after_weight_change()
+        self._with_restart(lambda: (self._rpc("logra_apply", data), self._after_weight_change()), retry=False)
         return len(data)
 
     def _after_weight_change(self) -> None:

@@ -18,6 +18,10 @@ that boundary), built with `lightning_logra.rollout.sync`.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +128,35 @@ class LogRAWorkerExtension:
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
     # ---- called through collective_rpc --------------------------------------------------------------------------
+
+    def logra_watch_trainer(self, trainer_pid: int) -> None:
+        """Kill this worker, and the engine core above it, once the trainer's process is gone.
+
+        vLLM's processes do not notice their parent's death: after a SIGKILL of the trainer they were seen running
+        minutes later, holding gigabytes. A thread here checks the trainer every second. The engine core is this
+        process itself (one worker) or this worker's parent (tensor parallelism); its pid is taken now, while the
+        parent is still who started us."""
+        if trainer_pid == os.getpid():
+            return  # the engine runs inside the trainer's process: it cannot outlive it
+        import psutil  # a dependency of vLLM
+
+        trainer = psutil.Process(trainer_pid)  # is_running() also tells a reused pid from the trainer
+        core = os.getppid() if os.getppid() != trainer_pid else None
+
+        def trainer_alive() -> bool:
+            try:  # a killed trainer stays a zombie until its parent reaps it: that is dead too
+                return trainer.is_running() and trainer.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        def watch() -> None:
+            while trainer_alive():
+                time.sleep(1.0)
+            if core is not None:
+                os.kill(core, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="logra-watch-trainer", daemon=True).start()
 
     @torch.no_grad()
     def logra_apply(self, data: bytes) -> int:

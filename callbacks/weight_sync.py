@@ -11,6 +11,7 @@ is a restarted engine. A sampler whose log-probs stay far from the trainer's (`r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -149,7 +150,9 @@ class RolloutWeightSync(Callback):
                            batch_idx: int) -> None:
         payload = self.payload(pl_module)
         due = self._sampler_drifting(trainer)
-        if payload:  # else the update was skipped: the weights did not change
+        # NaN when the update was skipped (nothing changed, nothing sent): Lightning would repeat the last values.
+        sent = dense_bytes = seconds = math.nan
+        if payload:
             start = time.perf_counter()
             sent = pl_module.engine.apply_update(payload)
             seconds = time.perf_counter() - start
@@ -163,10 +166,9 @@ class RolloutWeightSync(Callback):
             # Straight to the loggers: through self.log, Lightning would repeat the last value at every later step.
             for logger in trainer.loggers:
                 logger.log_metrics({"sync/max_abs_diff": diff}, step=trainer.global_step)
-        if payload:
-            pl_module.log_dict({"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes),
-                                "sync/seconds": seconds, "sync/restarts": float(pl_module.engine.restarts),
-                                "sync/full_loads": float(self.full_loads)})
+        pl_module.log_dict({"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes),
+                            "sync/seconds": seconds, "sync/restarts": float(pl_module.engine.restarts),
+                            "sync/full_loads": float(self.full_loads)})
 
     def _sampler_drifting(self, trainer: Trainer) -> bool:
         """Whether the sampler's log-probs have been far from the trainer's for `logprob_diff_steps` steps in a row:

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "rank_sweep.py"
 
 

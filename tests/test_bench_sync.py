@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "sync.py"
 TINY = ROOT / "lightning_logra" / "data" / "tiny_arith"

@@ -4,10 +4,13 @@ import glob
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main
+
+pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
 
 ROOT = Path(__file__).parents[1]
 

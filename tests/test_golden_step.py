@@ -86,9 +86,12 @@ def test_three_steps_match_the_recorded_numbers(config, tmp_path):
         print(f"\n{config!r}: {observed!r},")
     expected = GOLDEN[config]
     assert len(observed["steps"]) == len(expected["steps"]) == 3
+    # Tolerances: other thread counts sum in other orders (1e-6 relative here, amplified where a sum cancels, as
+    # the weighted sum does); a change to the step itself moves these numbers by 1e-3 or more.
     for step, (got, want) in enumerate(zip(observed["steps"], expected["steps"])):
         assert got.keys() == want.keys(), step
         for key in want:
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (step, key)
-    for key in ("delta_weighted_sum", "delta_norm"):
-        assert observed[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-12), key
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-9), (step, key)
+    assert observed["delta_norm"] == pytest.approx(expected["delta_norm"], rel=1e-4)
+    assert observed["delta_weighted_sum"] == pytest.approx(expected["delta_weighted_sum"],
+                                                           abs=1e-5 * expected["delta_norm"])

@@ -35,12 +35,22 @@ def shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer on int64 words: a bijection that scatters nearby inputs across all 64 bits."""
-    # int64 multiplication wraps modulo 2^64 on every torch backend, which is exactly the unsigned arithmetic
-    # SplitMix64 needs.
-    z = (z ^ shr(z, 30)) * _MIX1
-    z = (z ^ shr(z, 27)) * _MIX2
-    return z ^ shr(z, 31)
+    """SplitMix64's finalizer on int64 words: a bijection that scatters nearby inputs across all 64 bits.
+
+    z ← (z ^ z >>> 30)·M1; z ← (z ^ z >>> 27)·M2; z ^ z >>> 31, with >>> the logical shift. int64 multiplication
+    wraps modulo 2^64 on every torch backend, which is exactly the unsigned arithmetic SplitMix64 needs. Written
+    in place on one copy with one scratch buffer: on the CPU, allocating a fresh tensor per operation made it 5×
+    slower (it hashes every element of a matrix at each stochastically rounded merge).
+    """
+    z = z.clone()
+    scratch = torch.empty_like(z)
+    for bits, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, bits, out=scratch)
+        scratch.bitwise_and_((1 << (64 - bits)) - 1)  # torch's >> is arithmetic: clear the copied sign bits
+        z.bitwise_xor_(scratch)
+        if multiplier is not None:
+            z.mul_(multiplier)
+    return z
 
 
 def splitmix64(seed: int, count: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -78,6 +78,7 @@ def reference(step, with_is_weight=True):
     mask = rollout.completion_mask.double()
     logits = completion_logits(policy, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                rollout.completion_mask)  # (16, C, V), float64
+    # At temperature 1 (the module's default), the log-prob of each completion token.
     logprobs = logits.log_softmax(-1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # (16, C)
     delta = logprobs.detach() - rollout.sampler_logprobs.double()
     weight = delta.exp().clamp(max=IS_CAP) * mask if with_is_weight else mask

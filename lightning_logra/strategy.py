@@ -47,11 +47,19 @@ class SketchStrategy(_InstallsSketches, SingleDeviceStrategy):
     strategy_name = "logra_sketch"
 
     def __init__(self, sketch: SketchConfig | None = None, device: str | None = None) -> None:
-        if device is None:
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        super().__init__(device=device, checkpoint_io=AtomicCheckpointIO())
+        """device: None takes the Trainer's (`trainer.accelerator` and `trainer.devices`)."""
+        super().__init__(checkpoint_io=AtomicCheckpointIO())
+        # As in Lightning's parallel strategies: the Trainer's accelerator connector fills an empty `parallel_devices`
+        # with the devices that `accelerator` and `devices` select, and one given here makes it check the accelerator
+        # against it instead.
+        self.parallel_devices = None if device is None else [torch.device(device)]
         self.config = sketch or SketchConfig()
         self.handles = {}
+
+    @property
+    def root_device(self) -> torch.device:
+        # Before a Trainer has set it, the CPU: SingleDeviceStrategy's default.
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
 
     def setup(self, trainer: Trainer) -> None:
         self._install(trainer)

@@ -1,5 +1,8 @@
 """Shared fixtures: tiny models built from a config (no downloads exist here)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -70,6 +73,21 @@ class GradNormAtMost(Callback):
         limit = pl_module.hparams.max_grad_norm
         assert norm <= limit * (1 + 1e-4), f"rank {trainer.global_rank}: the optimizer got norm {norm} > {limit}"
         self.seen = getattr(self, "seen", 0) + 1
+
+
+class GradNormLog(Callback):
+    """For subprocess runs: writes each step's gradient norm before clipping (`train/grad_norm`, the same on every
+    rank) to grad_norms.json in the run's root directory, for comparison with another run."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.norms.append(float(trainer.callback_metrics["train/grad_norm"]))
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            (Path(trainer.default_root_dir) / "grad_norms.json").write_text(json.dumps(self.norms))
 
 
 class EngineSnapshot(Callback):

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import main
+from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
 from lightning_logra.module import RLVRModule
 from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
@@ -165,12 +166,33 @@ def test_missing_data_file_names_the_key(tmp_path):
         PromptDataModule(train=str(tmp_path / "missing.jsonl"))
 
 
+def _greedy_pass_at_1(model_path: Path, items: list[dict[str, str]]) -> float:
+    """pass@1 computed apart from the module: transformers' own greedy `generate`, one prompt at a time (no padding),
+    scored by exact match with the answer."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    completions = []
+    for item in items:
+        ids = tokenizer(item["prompt"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=4, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        completions.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return sum(c == item["answer"] for c, item in zip(completions, items)) / len(items)
+
+
 def test_validate_and_test_report_pass_at_1(tiny_arith_model, tmp_path):
+    # The shipped model (pass@1 about 0.6 before training) and the config's exact-match reward: a random model's
+    # greedy answers earn the same reward on every item, so a wrong item count or order could not show.
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    shipped = Path(CONFIGS[0]).parents[1] / "lightning_logra" / "data" / "tiny_arith"
+    items = 16
+    expected = _greedy_pass_at_1(shipped, ArithPrompts("eval").examples[:items])  # the config evaluates greedily
+    assert 0.0 < expected < 1.0  # so that a run scoring everything right, or nothing, would fail
     for command, key in (("validate", "val/pass@1"), ("test", "test/pass@1")):
-        cli = main([command, "--config", config, *_fast(tiny_arith_model, tmp_path, 2)])
-        results = cli.trainer.callback_metrics
-        assert key in results and 0.0 <= float(results[key]) <= 1.0
+        cli = main([command, "--config", config, *_fast(tiny_arith_model, tmp_path, 2), "--model.model", str(shipped),
+                    "--model.reward", "exact_match", "--data.init_args.eval_limit", str(items)])
+        assert float(cli.trainer.callback_metrics[key]) == pytest.approx(expected, abs=1e-6), command
 
 
 # The published shapes of the models the GPU configs name (built on the meta device: no weights, no download).

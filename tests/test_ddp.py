@@ -1,5 +1,6 @@
 """Two CPU processes (gloo) against one process on the same global batch, through the CLI."""
 
+import json
 import os
 import subprocess
 import sys
@@ -33,11 +34,17 @@ def _fit(config: str, model: str, root: Path, steps: int = 3) -> dict[str, torch
         "--data.init_args.eval_limit", "4", "--model.reward", "conftest.odd_first_digit",
         "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
         "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
+        "--trainer.callbacks+=conftest.GradNormLog",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return load_file(root / "export" / "model.safetensors")
+
+
+def _grad_norms(root: Path) -> list[float]:
+    """Each step's gradient norm before clipping, as conftest.GradNormLog wrote it in `_fit`."""
+    return json.loads((root / "grad_norms.json").read_text())
 
 
 def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
@@ -46,5 +53,32 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_mod
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     moved = [name for name in single if not torch.equal(single[name], start[name])]
     assert any("q_proj" in name for name in moved)  # the runs did train
+    assert _grad_norms(tmp_path / "2") == pytest.approx(_grad_norms(tmp_path / "1"), rel=1e-5)
+    for name in single:
+        torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def _dense_on_two_processes(path: Path) -> str:
+    # tiny_arith_dense.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside every
+    # backward; the data module shards each step's prompts itself.
+    data = yaml.safe_load((ROOT / "configs" / "tiny_arith_dense.yaml").read_text())
+    data["trainer"].update(devices=2, use_distributed_sampler=False, strategy={
+        "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"process_group_backend": "gloo"}})
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_dense_ddp_equals_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
+    # Each rank's loss is normalized by the global batch's counts, so the ranks' gradients must be summed; the DDP
+    # wrapper averages them, and the module multiplies its loss by the world size to undo that. AdamW is invariant to
+    # the gradients' scale and the config clips their norm (above 2 here) to 1, so the weights alone would not notice a
+    # missing factor: the gradient norms before clipping are compared too.
+    single = _fit(str(ROOT / "configs" / "tiny_arith_dense.yaml"), tiny_arith_model, tmp_path / "1")
+    double = _fit(_dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tiny_arith_model, tmp_path / "2")
+    norms = _grad_norms(tmp_path / "1")
+    assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped
+    assert _grad_norms(tmp_path / "2") == pytest.approx(norms, rel=1e-5)
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    assert all(not torch.equal(single[name], start[name]) for name in single)  # AdamW moved every weight
     for name in single:
         torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)

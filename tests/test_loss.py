@@ -14,25 +14,45 @@ def test_group_advantages_center_and_scale_per_group():
     assert torch.equal(scaled[4:], torch.zeros(4))
 
 
-def test_token_weights_by_loss_type():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])  # lengths 3 and 1, 4 tokens in all
-    torch.testing.assert_close(token_weights(mask, "dapo", 4), mask / 4)
-    torch.testing.assert_close(token_weights(mask, "grpo", 4), torch.tensor([[1 / 6] * 3 + [0], [1 / 2, 0, 0, 0]]))
-    torch.testing.assert_close(token_weights(mask, "dr_grpo", 4), mask / 8)
+# Three completions of lengths 3, 1 and 2 (6 tokens), padded to 4 columns; max_new_tokens 5 (not the padded width).
+MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]])
+
+
+def _on_mask(row_weights):
+    """Per-row weights spread over each row's real tokens (0 on padding), as float32 like token_weights."""
+    return MASK * torch.tensor(row_weights, dtype=torch.float32)[:, None]
+
+
+@pytest.mark.parametrize("counts, expected", [
+    # This batch alone: 6 tokens, 3 sequences.
+    #   dapo: every token 1/6 · grpo: 1/(3 · length) = 1/9, 1/3, 1/6 · dr_grpo: 1/(3 · 5) = 1/15
+    ({}, {"dapo": [1 / 6] * 3, "grpo": [1 / 9, 1 / 3, 1 / 6], "dr_grpo": [1 / 15] * 3}),
+    # The same rows as one process's share of a global batch of 8 sequences and 20 tokens: the normalizers are the
+    # global counts. dapo: 1/20 · grpo: 1/(8 · length) = 1/24, 1/8, 1/16 · dr_grpo: 1/(8 · 5) = 1/40
+    ({"total_tokens": 20.0, "total_sequences": 8},
+     {"dapo": [1 / 20] * 3, "grpo": [1 / 24, 1 / 8, 1 / 16], "dr_grpo": [1 / 40] * 3}),
+], ids=["one process", "a shard of a global batch"])
+def test_token_weights_by_loss_type(counts, expected):
+    for loss_type, row_weights in expected.items():
+        # Exact: each weight is 1 divided by an integer, computed once in float32 both here and there.
+        assert torch.equal(token_weights(MASK, loss_type, 5, **counts), _on_mask(row_weights)), loss_type
     with pytest.raises(ValueError, match="loss_type"):
-        token_weights(mask, "ppo", 4)
+        token_weights(MASK, "ppo", 5)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_micro_batches_sum_to_the_full_batch_loss(loss_type):
+def test_each_loss_type_is_its_published_average():
+    # What the weights are for, checked on the loss itself: with per-token terms t = A · log π,
+    #   dapo (DAPO's token-level loss): −(Σ over all tokens t) / (tokens in the batch)
+    #   grpo: −mean over sequences of (Σ over the sequence's tokens t) / length
+    #   dr_grpo (Dr. GRPO): −(Σ over all tokens t) / (sequences · max_new_tokens)
     torch.manual_seed(0)
-    mask = (torch.rand(6, 5) < 0.7).long()
-    mask[:, 0] = 1
-    logprobs, advantages = -torch.rand(6, 5), torch.randn(6)
-    weights = token_weights(mask, loss_type, 5)
-    full = -(weights * advantages[:, None] * logprobs).sum()
-    parts = sum(-(weights[r] * advantages[r, None] * logprobs[r]).sum() for r in torch.arange(6).split(4))
-    torch.testing.assert_close(parts, full)
-    if loss_type == "grpo":  # mean over sequences of the per-sequence token mean
-        per_seq = (advantages[:, None] * logprobs * mask).sum(1) / mask.sum(1)
-        torch.testing.assert_close(full, -per_seq.mean())
+    logprobs, advantages = -torch.rand(3, 4), torch.randn(3)
+    terms = advantages[:, None] * logprobs * MASK  # (3, 4), 0 on padding
+    published = {
+        "dapo": -terms.sum() / 6,
+        "grpo": -(terms.sum(1) / torch.tensor([3.0, 1.0, 2.0])).mean(),
+        "dr_grpo": -terms.sum() / (3 * 5),
+    }
+    for loss_type, expected in published.items():
+        loss = -(token_weights(MASK, loss_type, 5) * advantages[:, None] * logprobs).sum()
+        torch.testing.assert_close(loss, expected, msg=loss_type)

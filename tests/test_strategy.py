@@ -1,10 +1,13 @@
+import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
 from lightning_logra.sketch import SketchAdam, SketchedLinear
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.strategy import setup_fabric
+from lightning_logra.strategy import SketchStrategy, setup_fabric
 
 
 def test_config_freezes_the_rest_or_trains_it_densely():
@@ -34,3 +37,34 @@ def test_fabric_adapter_trains_with_the_same_installer():
     optimizer.step()
     after = model.module.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(after, before) and after.grad is None
+
+
+@pytest.fixture
+def two_fake_gpus(monkeypatch):
+    """This CPU machine as a host with two CUDA devices, as far as torch's and Lightning's device queries go."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pytorch_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(pytorch_cuda, "num_cuda_devices", lambda: 2)
+
+
+def _trainer(**kwargs) -> Trainer:
+    return Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, **kwargs)
+
+
+def test_sketch_strategy_runs_on_the_trainers_device(two_fake_gpus):
+    # The embedded default (accelerator cpu) on a GPU host: the strategy used to pick cuda:0 whenever CUDA existed,
+    # which the CPU accelerator refuses when the run starts.
+    trainer = _trainer(accelerator="cpu", devices=1, strategy=SketchStrategy())
+    assert trainer.strategy.root_device == torch.device("cpu")
+    trainer.strategy.accelerator.setup_device(trainer.strategy.root_device)  # what fit does first; raises on cuda:0
+    # The GPU is the one trainer.devices names.
+    assert _trainer(accelerator="cuda", devices=[1], strategy=SketchStrategy()).strategy.root_device == torch.device(
+        "cuda", 1)
+    # A device given to the strategy itself must agree with the accelerator.
+    assert _trainer(strategy=SketchStrategy(device="cuda:1")).strategy.root_device == torch.device("cuda", 1)
+    with pytest.raises(MisconfigurationException, match="CPU parallel_devices"):
+        _trainer(accelerator="cuda", strategy=SketchStrategy(device="cpu"))

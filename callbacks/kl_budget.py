@@ -80,6 +80,15 @@ class PredictedKLBudget(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pl_module.step_controller = self
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The module asks the controller only for sketch updates: on a dense run it would never act, silently.
+        if not any(isinstance(optimizer, SketchOptimizer) for optimizer in trainer.optimizers):
+            names = [type(optimizer).__name__ for optimizer in trainer.optimizers]
+            raise ValueError(
+                f"PredictedKLBudget: it scales sketch updates, and this run has none (its optimizers: {names}); "
+                "train with trainer.strategy lightning_logra.strategy.SketchStrategy, or remove the callback"
+            )
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pl_module.step_controller = None
 

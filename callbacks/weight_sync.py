@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_logra.rollout import HFEngine, SyncPayload, fingerprint
+from lightning_logra.rollout import SyncPayload, fingerprint
 from lightning_logra.sketch.optim import SketchOptimizer
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class RolloutWeightSync(Callback):
         if self._in_sync:
             return
         engine = pl_module.engine
-        if isinstance(engine, HFEngine) and engine.model is pl_module.policy:
+        if engine.samples_from(pl_module.policy):
             raise ValueError(
                 "RolloutWeightSync: the in-process engine generates with the policy's own weights, so there is "
                 "nothing to sync; set model.engine (e.g. class_path: lightning_logra.rollout.VLLMEngine) or remove "

@@ -191,7 +191,7 @@ class RLVRModule(LightningModule):
         # Loaded here, not in __init__, so that configs can be parsed and checked without loading weights.
         if self.policy is None:
             self._load_policy()
-        if not isinstance(self.engine, HFEngine):
+        if not self.engine.samples_from(self.policy):
             if self._trainer is not None and self.trainer.world_size > 1:
                 # Each rank would start its own engine on the default device; pinning one engine per rank's device
                 # (or one shared engine) is not built yet.
@@ -402,11 +402,32 @@ class RLVRModule(LightningModule):
         self.policy.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 
+    # ---- an engine with weights of its own must be kept in step ---------------------------------------------------
+
+    def _check_engine_is_synced(self) -> None:
+        # Without RolloutWeightSync (which sets `on_restart` when it takes the engine over, before this hook runs) an
+        # engine with its own copy would sample from the model's initial files forever, silently.
+        if self.engine is not None and not self.engine.samples_from(self.policy) and self.engine.on_restart is None:
+            raise ValueError(
+                f"model.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them equal to "
+                "the trainer's: add callbacks.RolloutWeightSync to trainer.callbacks (or set model.engine: null to "
+                "generate with the policy itself)"
+            )
+
+    def on_fit_start(self) -> None:
+        self._check_engine_is_synced()
+
+    def on_validation_start(self) -> None:
+        self._check_engine_is_synced()
+
+    def on_test_start(self) -> None:
+        self._check_engine_is_synced()
+
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is not None and self.trainer.is_global_zero:
             self.export(self.hparams.export_dir)
 
     def teardown(self, stage: str) -> None:
         # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.
-        if self.engine is not None and not isinstance(self.engine, HFEngine):
+        if self.engine is not None and not self.engine.samples_from(self.policy):
             self.engine.close()

@@ -216,3 +216,18 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
     for key in ("kl/alpha", "kl/q", "kl/predicted", "kl/realized", "kl/acting", "update/landed_fraction"):
         assert math.isfinite(first[key]) and math.isfinite(third[key]), key
         assert math.isnan(skipped[key]), key
+
+
+def test_the_controller_refuses_a_run_without_sketch_updates(tmp_path):
+    # It is asked only for sketch updates: on a dense run it would silently never act.
+    from pathlib import Path
+
+    from cli import main
+
+    config = Path(__file__).parents[1] / "configs" / "tiny_arith_dense.yaml"
+    cli = main(["--config", str(config), "--trainer.max_steps", "1", "--trainer.logger", "false",
+                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+                "--data.init_args.batch_size", "4", "--trainer.callbacks+=callbacks.PredictedKLBudget"], run=False)
+    with pytest.raises(ValueError, match=r"PredictedKLBudget: it scales sketch updates.*\['AdamW'\]"):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 0

@@ -183,6 +183,17 @@ def test_a_sampler_far_from_the_trainer_triggers_a_check(tiny_arith_model, tmp_p
     assert sync.max_abs_diff() == 0.0
 
 
+def test_an_engine_with_its_own_weights_needs_the_sync(tiny_arith_model, tmp_path):
+    # Without RolloutWeightSync it would sample from the initial weights forever, silently.
+    module = _module(tiny_arith_model)
+    module.configure_model()
+    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    trainer = _trainer(tmp_path, [])
+    with pytest.raises(ValueError, match="add callbacks.RolloutWeightSync"):
+        trainer.fit(module, ArithDataModule(batch_size=4))
+    assert trainer.global_step == 0
+
+
 def test_sync_refuses_the_engine_that_shares_the_policy(tiny_arith_model, tmp_path):
     with pytest.raises(ValueError, match="nothing to sync"):
         _trainer(tmp_path, [RolloutWeightSync()]).fit(_module(tiny_arith_model), ArithDataModule(batch_size=4))

@@ -49,5 +49,9 @@ class RolloutEngine(ABC):
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Full copies of the named tensors as the engine holds them (for checks and tests: moves d·k numbers)."""
 
+    def samples_from(self, policy) -> bool:
+        """Whether the engine samples from `policy`'s own weights; if not, they must be kept in step (synced)."""
+        return False
+
     def close(self) -> None:
         """Release the engine's processes and memory."""

@@ -56,6 +56,9 @@ class HFEngine(RolloutEngine):
         self.eos_token_ids = torch.tensor(eos_token_ids)
         self.pad_token_id = pad_token_id
 
+    def samples_from(self, policy) -> bool:
+        return self.model is policy
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.model.state_dict(keep_vars=True))
 

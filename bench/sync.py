@@ -49,6 +49,7 @@ from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py, besid
 from safetensors import safe_open  # noqa: E402
 
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
+from lightning_logra.sketch.optim import FACTOR_DTYPES  # noqa: E402 (the dtypes a factor F may travel in)
 from lightning_logra.sketch.update import LowRankDelta  # noqa: E402
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
@@ -57,7 +58,6 @@ SHAPES = {
     "tiny": dict(dtype="float32", memory=0.1, max_model_len=32, rank=16),
     "1.5b": dict(dtype="bfloat16", memory=0.25, max_model_len=256, rank=64),
 }
-FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Checked after each method's first call: a q/k/v block of the first layer's fused qkv_proj (v: the last block) and
 # a gate/up block of the last layer's fused gate_up_proj (up: the second one).
 CHECKED = ("model.layers.0.self_attn.v_proj.weight", "model.layers.{last}.mlp.up_proj.weight")

@@ -63,6 +63,19 @@ class NoDenseSketchGradients(Callback):
             assert layer.sketch.shape == (layer.out_features, layer.rank)
 
 
+class PoisonSketchAt(Callback):
+    """Turns one entry of the first sketch NaN in the backward of the training step with index `step`: the whole
+    update of that step must be skipped."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            handle = next(iter(trainer.strategy.handles.values()))
+            handle.sketch_param.grad[0, 0] = float("nan")
+
+
 class GradNormAtMost(Callback):
     """Fails the run if the gradients an optimizer is about to use (sketches included) have a norm above the
     module's `max_grad_norm`: what clipping promises."""

@@ -187,12 +187,7 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
     from pathlib import Path
 
     from cli import main
-
-    class PoisonStep2(Callback):
-        def on_after_backward(self, trainer, pl_module):
-            if trainer.global_step == 1:
-                handle = next(iter(trainer.strategy.handles.values()))
-                handle.sketch_param.grad[0, 0] = float("nan")
+    from conftest import PoisonSketchAt
 
     class Record(Callback):
         def __init__(self):
@@ -207,7 +202,7 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
                 "--data.init_args.batch_size", "8", "--trainer.val_check_interval", "1000"], run=False)
     record = Record()
-    cli.trainer.callbacks[:0] = [PoisonStep2()]
+    cli.trainer.callbacks[:0] = [PoisonSketchAt(1)]
     cli.trainer.callbacks.append(record)  # after PredictedKLBudget: sees what it logged at the step's end
     cli.trainer.fit(cli.model, cli.datamodule)
     first, skipped, third = record.steps
@@ -216,6 +211,9 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
     for key in ("kl/alpha", "kl/q", "kl/predicted", "kl/realized", "kl/acting", "update/landed_fraction"):
         assert math.isfinite(first[key]) and math.isfinite(third[key]), key
         assert math.isnan(skipped[key]), key
+    # kl/acting says whether the budget, not α_max (4 in this config), set the step
+    for step in (first, third):
+        assert step["kl/acting"] == float(step["kl/alpha"] < 4.0)
 
 
 def test_the_controller_refuses_a_run_without_sketch_updates(tmp_path):

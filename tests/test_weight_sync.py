@@ -2,6 +2,7 @@
 rollout engine with its own weight copy following the trainer through real training steps."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -181,6 +182,32 @@ def test_a_sampler_far_from_the_trainer_triggers_a_check(tiny_arith_model, tmp_p
     assert min(drift.diffs[:2]) > 1e-3 and max(drift.diffs[2:]) < 1e-5  # repaired after 2 steps above 1e-3
     assert drift.full_loads == [1, 2, 2, 2]
     assert sync.max_abs_diff() == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_skipped_update_sends_nothing_and_the_engine_stays_equal(tiny_arith_model, tmp_path, dtype):
+    # A NaN in step 2's sketch skips that update: nothing is merged, nothing is sent (sync/bytes is NaN, not step 1's
+    # value repeated), and after step 3 the engine still holds the trainer's weights — in bf16 bit for bit, which
+    # needs the rounding counter to have skipped that step on both sides.
+    from conftest import PoisonSketchAt
+
+    class Record(Callback):
+        def __init__(self):
+            self.sent = []
+
+        def on_train_batch_end(self, trainer, pl_module, *_):
+            self.sent.append(float(trainer.callback_metrics["sync/bytes"]))
+
+    module = _module(tiny_arith_model, dtype=dtype)
+    module.configure_model()
+    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    sync, record, capture = RolloutWeightSync(check_every=None), Record(), EngineSnapshot()
+    _trainer(tmp_path, [PoisonSketchAt(1), sync, record, capture]).fit(module, ArithDataModule(batch_size=4))
+    assert sync.syncs == 2 and module.trainer.optimizers[0].updates == 2
+    first, skipped, third = record.sent
+    assert first > 0 and third > 0 and math.isnan(skipped)
+    for name, ours in capture.trainer_weights.items():
+        assert torch.equal(capture.engine_weights[name], ours), name
 
 
 def test_an_engine_with_its_own_weights_needs_the_sync(tiny_arith_model, tmp_path):

@@ -35,13 +35,14 @@ from pathlib import Path
 import torch
 from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
-from callbacks.memory import GIB, StepSampler, process_rss_reader
+from lightning_logra.callbacks.memory import GIB, StepSampler, process_rss_reader
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
-# by callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the profiler.
+# by lightning_logra.callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the
+# profiler.
 EXTRA_METHODS = ("logra_lightning",)
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
@@ -209,7 +210,7 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
     """The `logra` steps inside a real Trainer (SketchStrategy, manual optimization), measured by MemoryProfiler."""
     from lightning.pytorch import Callback, LightningModule, Trainer
 
-    from callbacks.memory import MemoryProfiler
+    from lightning_logra.callbacks.memory import MemoryProfiler
     from lightning_logra.strategy import SketchStrategy
 
     class Replay(LightningModule):

@@ -32,7 +32,7 @@ def process_rss_reader() -> Callable[[], int]:
     except ImportError:
         raise RuntimeError(
             f"MemoryProfiler: CPU memory is read from {_STATM} (Linux) or with psutil; this system has neither. "
-            "Install psutil or remove callbacks.MemoryProfiler from trainer.callbacks"
+            "Install psutil or remove lightning_logra.callbacks.MemoryProfiler from trainer.callbacks"
         ) from None
     process = psutil.Process()
     return lambda: process.memory_info().rss

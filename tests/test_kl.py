@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from callbacks import PredictedKLBudget
+from lightning_logra.callbacks import PredictedKLBudget
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
 from lightning_logra.loss import completion_logits
 from lightning_logra.kl import (
@@ -225,7 +225,8 @@ def test_the_controller_refuses_a_run_without_sketch_updates(tmp_path):
     config = Path(__file__).parents[1] / "configs" / "tiny_arith_dense.yaml"
     cli = main(["--config", str(config), "--trainer.max_steps", "1", "--trainer.logger", "false",
                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
-                "--data.init_args.batch_size", "4", "--trainer.callbacks+=callbacks.PredictedKLBudget"], run=False)
+                "--data.init_args.batch_size", "4",
+                "--trainer.callbacks+=lightning_logra.callbacks.PredictedKLBudget"], run=False)
     with pytest.raises(ValueError, match=r"PredictedKLBudget: it scales sketch updates.*\['AdamW'\]"):
         cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 0

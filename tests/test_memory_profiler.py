@@ -9,8 +9,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from callbacks import MemoryProfiler
-from callbacks.memory import GIB, StepSampler, process_rss_reader
+from lightning_logra.callbacks import MemoryProfiler
+from lightning_logra.callbacks.memory import GIB, StepSampler, process_rss_reader
 from cli import main
 from lightning_logra.rollout import HFEngine
 from lightning_logra.sketch.memory import memory_breakdown

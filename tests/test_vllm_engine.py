@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
+from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from conftest import SKETCH_TARGETS, EngineSnapshot
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.module import RLVRModule

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from callbacks import PredictedKLBudget, RolloutWeightSync
+from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.loss import importance_weights
 from lightning_logra.module import RLVRModule
@@ -216,7 +216,7 @@ def test_an_engine_with_its_own_weights_needs_the_sync(tiny_arith_model, tmp_pat
     module.configure_model()
     module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
     trainer = _trainer(tmp_path, [])
-    with pytest.raises(ValueError, match="add callbacks.RolloutWeightSync"):
+    with pytest.raises(ValueError, match="add lightning_logra.callbacks.RolloutWeightSync"):
         trainer.fit(module, ArithDataModule(batch_size=4))
     assert trainer.global_step == 0
 

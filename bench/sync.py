@@ -123,10 +123,10 @@ def read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
 def make_payload(shapes: dict[str, torch.Size], rank: int, scale: float, seed: int, dtype: torch.dtype):
     """One LowRankDelta per matrix: F (d, r) ~ N(0, scale²) (each entry of F·A, A = ±1/√r, then has std `scale`),
     rounded to `dtype`, and A's seed."""
-    from lightning_logra.rollout import SyncPayload
+    from lightning_logra.update import Update
 
     gen = torch.Generator().manual_seed(seed)
-    payload = SyncPayload()
+    payload = Update()
     for i, (name, (d, k)) in enumerate(shapes.items()):
         factor = torch.randn(d, rank, generator=gen) * scale
         payload.low_rank[name] = LowRankDelta(factor.to(dtype), seed * 1_000_003 + i, "rademacher", k)

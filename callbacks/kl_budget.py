@@ -1,4 +1,4 @@
-"""PredictedKLBudget: scale every sketch update so that its predicted KL stays within a (scheduled) budget δ."""
+"""PredictedKLBudget: scale every update so that its predicted KL stays within a (scheduled) budget δ."""
 
 from __future__ import annotations
 
@@ -9,17 +9,22 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_logra.kl import Responses, intended_kl, predicted_kl, realized_kl, step_scale
 from lightning_logra.batch import Rollout
-from lightning_logra.sketch.optim import SketchOptimizer
+from lightning_logra.control import StepSizeController
+from lightning_logra.kl import Responses, intended_kl, predicted_kl, realized_kl, step_scale
 from lightning_logra.sketch.rounding import LOW_PRECISION
+from lightning_logra.update import Update
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]
 
 
-class PredictedKLBudget(Callback):
+class PredictedKLBudget(Callback, StepSizeController):
     """Before each update, measure q = KL(π_θ ‖ π_{θ+Δ}) of the proposal on a few responses and take the step
     α = min(α_max, √(δ/q)); after it, log the realized KL on the same responses beside the prediction.
+
+    Δ is the whole update: the sketched matrices' low-rank steps and, when parameters are trained densely
+    (`sketch.train_rest` / `train_bias`, or a dense run without sketches), their optimizer's step, held back by the
+    module until α is chosen (one extra copy of those parameters meanwhile). α scales all of it.
 
     The budget governs the KL of the intended update, α·Δ. With bf16/fp16 weights the merge rounds stochastically,
     and the realized KL (`kl/realized`) also holds that rounding noise; `kl/intended` is then logged beside it: the
@@ -58,7 +63,6 @@ class PredictedKLBudget(Callback):
             raise ValueError(f"PredictedKLBudget: subset is a count >= 1 or a fraction in (0, 1], got {subset}")
         self.budget, self.final_budget, self.schedule = budget, final_budget, schedule
         self.anneal_steps, self.alpha_max, self.subset, self.seed = anneal_steps, alpha_max, subset, seed
-        self.controlled_steps = 0  # updates this callback has scaled (its checkpointed state)
         self._pending: tuple[Responses, torch.Tensor, float] | None = None
         self._metrics: dict[str, float] = {}  # this step's, logged at its end
         self._logged: set[str] = set()  # the per-step metrics this callback has logged (NaN on skipped steps)
@@ -75,60 +79,41 @@ class PredictedKLBudget(Callback):
             return d1 + (d0 - d1) * 0.5 * (1.0 + math.cos(math.pi * t))
         return d0 * (d1 / d0) ** t  # exponential: a constant ratio per step
 
-    # ---- the module asks for α once the sketch optimizer has a proposal ----------------------------------------------
+    # ---- the module asks for α once the step's update is proposed (lightning_logra.control) --------------------------
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        pl_module.step_controller = self
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # The module asks the controller only for sketch updates: on a dense run it would never act, silently.
-        if not any(isinstance(optimizer, SketchOptimizer) for optimizer in trainer.optimizers):
-            names = [type(optimizer).__name__ for optimizer in trainer.optimizers]
-            raise ValueError(
-                f"PredictedKLBudget: it scales sketch updates, and this run has none (its optimizers: {names}); "
-                "train with trainer.strategy lightning_logra.strategy.SketchStrategy, or remove the callback"
-            )
-
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        pl_module.step_controller = None
-
-    def _select(self, rollout, step: int) -> Responses:
+    def _select(self, rollout: Rollout, step: int) -> Responses:
         n = rollout.completion_ids.shape[0]
         size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * n))
         rows = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step))[:size]
-        rows = rows.sort().values.to(rollout.completion_ids.device)
-        width = int(rollout.completion_mask[rows].sum(-1).max())
-        return Responses(rollout.prompt_ids[rows], rollout.prompt_mask[rows], rollout.completion_ids[rows, :width],
-                         rollout.completion_mask[rows, :width])
+        chosen = rollout.select(rows.sort().values.to(rollout.completion_ids.device))
+        return Responses(chosen.prompt_ids, chosen.prompt_mask, chosen.completion_ids, chosen.completion_mask)
 
-    def choose_alpha(self, pl_module: LightningModule, optimizer: SketchOptimizer, rollout: Rollout) -> float:
-        """Called by the module between the optimizer's propose() and apply(α)."""
+    def choose_alpha(self, module: LightningModule, proposal: Update, rollout: Rollout) -> float:
         start = time.perf_counter()
-        step = pl_module.global_step
-        temperature = pl_module.hparams.temperature  # the distribution the rollouts were sampled from
+        step = module.global_step
+        temperature = module.hparams.temperature  # the distribution the rollouts were sampled from
         responses = self._select(rollout, step)
-        layers = {layer.name: layer for layer in optimizer.layers}
-        q, current = predicted_kl(pl_module.policy, layers, optimizer.proposal(), responses, temperature)
+        q, current = predicted_kl(module.policy, proposal, responses, temperature)
         # Every rank must take the same α: average q over the ranks' subsets before deciding.
-        q = float(pl_module.trainer.strategy.reduce(q, reduce_op="mean"))
+        reduce = module.trainer.strategy.reduce
+        q = float(reduce(q, reduce_op="mean"))
         budget = self.budget_at(step)
         alpha = step_scale(q, budget, self.alpha_max)
         self._pending = (responses, current, temperature)
-        self.controlled_steps += 1
         metrics = {"kl/q": q, "kl/alpha": alpha, "kl/budget": budget, "kl/predicted": alpha**2 * q,
                    "kl/acting": float(alpha < self.alpha_max)}
-        if any(layer.weight.dtype in LOW_PRECISION for layer in optimizer.layers):
-            intended = intended_kl(pl_module.policy, layers, optimizer.proposal(), responses, current, alpha,
-                                   temperature)
-            metrics["kl/intended"] = float(pl_module.trainer.strategy.reduce(intended, reduce_op="mean"))
+        if any(p.dtype in LOW_PRECISION for p in module.policy.parameters()):
+            intended = intended_kl(module.policy, proposal, responses, current, alpha, temperature)
+            metrics["kl/intended"] = float(reduce(intended, reduce_op="mean"))
         self._metrics = {**metrics, "kl/control_s": time.perf_counter() - start}
         return alpha
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # Every metric is logged here, at every step: Lightning repeats a metric that a hook logged once and then
-        # not, so a step whose update was skipped (nothing proposed) logs NaN rather than the last step's values.
-        if self._pending is None:
+        # not, so a step whose update was skipped logs NaN rather than the last step's values.
+        if self._pending is None or outputs["update"] is None:
+            self._pending = None
             if self._logged:
                 pl_module.log_dict({key: math.nan for key in sorted(self._logged)})
             return
@@ -140,9 +125,3 @@ class PredictedKLBudget(Callback):
         metrics = {**self._metrics, "kl/realized": float(realized), "kl/realized_s": time.perf_counter() - start}
         self._logged.update(metrics)
         pl_module.log_dict(metrics)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"controlled_steps": self.controlled_steps}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.controlled_steps = state_dict["controlled_steps"]

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_logra.rollout.engine import RolloutEngine
 from lightning_logra.sketch.memory import MemoryBreakdown, memory_breakdown
 
 GIB = 2**30
@@ -83,7 +84,7 @@ class MemoryProfiler(Callback):
     by all processes and caches) and from the process's resident set size on the CPU. A step is the window from
     `on_train_batch_start` to this callback's `on_train_batch_end`: rollout, backward and update (and the work of
     callbacks listed before this one), without validation or checkpointing. A rollout engine in another process
-    is reported beside it as `memory/engine_gib` when the module's engine has `memory_bytes()`.
+    is reported beside it as `memory/engine_gib` (`RolloutEngine.memory_bytes()`).
 
     After the first step: `memory/<category>_gib` for each category of `memory_breakdown`. At the end of fit, rank
     zero prints a table of both. Observation only: the run is the same without this callback.
@@ -128,9 +129,10 @@ class MemoryProfiler(Callback):
             metrics["memory/device_used_gib"] = (total - free) / GIB
         self.steps.append((average / GIB, peak / GIB))
         metrics["memory/avg_gib"], metrics["memory/peak_gib"] = self.steps[-1]
-        memory_bytes = getattr(getattr(pl_module, "engine", None), "memory_bytes", None)
-        if callable(memory_bytes):
-            metrics["memory/engine_gib"] = memory_bytes() / GIB
+        engine = getattr(pl_module, "engine", None)  # any LightningModule can be profiled; RLVRModule has an engine
+        engine_bytes = engine.memory_bytes() if isinstance(engine, RolloutEngine) else None
+        if engine_bytes is not None:
+            metrics["memory/engine_gib"] = engine_bytes / GIB
         if self.breakdown is None:
             # Measured after the first step rather than at fit start: dense optimizers (AdamW) create their state
             # in their first step. From then on it is static, so it is logged once.

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_logra.rollout import SyncPayload, fingerprint
-from lightning_logra.sketch.optim import SketchOptimizer
+from lightning_logra.rollout import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -101,35 +100,6 @@ class RolloutWeightSync(Callback):
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._ensure_synced(pl_module)
 
-    # ---- what is synced -------------------------------------------------------------------------------------------
-
-    def _optimizers(self, pl_module: LightningModule) -> list[torch.optim.Optimizer]:
-        optimizers = pl_module.trainer.optimizers
-        return [getattr(opt, "optimizer", opt) for opt in optimizers]
-
-    def _trained_names(self, pl_module: LightningModule) -> tuple[list[str], list[str]]:
-        """(sketched weight names, densely trained parameter names), as the policy names them."""
-        sketched, dense = [], []
-        params = {id(p): name for name, p in pl_module.policy.named_parameters()}
-        for opt in self._optimizers(pl_module):
-            if isinstance(opt, SketchOptimizer):
-                sketched += [f"{layer.name}.weight" for layer in opt.layers]
-            else:
-                dense += [params[id(p)] for group in opt.param_groups for p in group["params"] if id(p) in params]
-        return sketched, dense
-
-    def payload(self, pl_module: LightningModule) -> SyncPayload:
-        """The last step's update: low-rank deltas of the sketched weights, current values of dense ones."""
-        payload = SyncPayload()
-        if not pl_module.last_update_applied:
-            return payload
-        for opt in self._optimizers(pl_module):
-            if isinstance(opt, SketchOptimizer):
-                payload.low_rank.update({f"{name}.weight": delta for name, delta in opt.last_updates.items()})
-        params = dict(pl_module.policy.named_parameters())
-        payload.dense.update({name: params[name].detach() for name in self._trained_names(pl_module)[1]})
-        return payload
-
     # ---- sync, check, repair ----------------------------------------------------------------------------------------
 
     @staticmethod
@@ -148,18 +118,19 @@ class RolloutWeightSync(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        payload = self.payload(pl_module)
+        # The module's training step returns the update it applied (None: skipped, the weights did not change).
+        update = outputs["update"]
         due = self._sampler_drifting(trainer)
         # NaN when the update was skipped (nothing changed, nothing sent): Lightning would repeat the last values.
         sent = dense_bytes = seconds = math.nan
-        if payload:
+        if update:
             start = time.perf_counter()
-            sent = pl_module.engine.apply_update(payload)
+            sent = pl_module.engine.apply_update(update)
             seconds = time.perf_counter() - start
             self.syncs += 1
             params = dict(pl_module.policy.named_parameters())
-            dense_bytes = sum(params[n].numel() * params[n].element_size() for n in payload.low_rank)
-            dense_bytes += sum(t.numel() * t.element_size() for t in payload.dense.values())
+            dense_bytes = sum(params[n].numel() * params[n].element_size() for n in update.low_rank)
+            dense_bytes += sum(t.numel() * t.element_size() for t in update.dense.values())
             due |= self.check_every is not None and self.syncs % self.check_every == 0
         if due:
             diff = self.check()

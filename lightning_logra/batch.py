@@ -28,6 +28,12 @@ class Rollout:
     def to(self, device: torch.device | str) -> Rollout:
         return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
 
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """The given rows, with the completion columns that are padding in all of them trimmed off the right."""
+        width = int(self.completion_mask[rows].sum(-1).max())
+        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows, :width],
+                       self.completion_mask[rows, :width], self.sampler_logprobs[rows, :width])
+
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), each (len(sequences), longest): sequences right-aligned so that generation appends on the right."""

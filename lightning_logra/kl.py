@@ -1,14 +1,15 @@
 """Predicted-KL step control, in plain PyTorch: measure how far a proposed update would move the policy's
 next-token distribution on a few responses, then scale the update to stay inside a budget δ.
 
-For a proposal Δ (per sketched matrix −η·U·A at α = 1, plus optional deltas of densely trained parameters) and
-a subset D of the batch's responses:
+For a proposal Δ (an `Update` at α = 1: per sketched matrix −η·U·A, plus the full step of densely trained
+parameters) and a subset D of the batch's responses:
 
     q(D) = mean over completion tokens of KL(π_θ(·|ctx) ‖ π_{θ+Δ}(·|ctx)), full vocabulary, fp32, at temperature T
     α    = min(α_max, √(δ / q))          since locally KL(αΔ) ≈ α²·q
 
-The proposed model is evaluated without copying or modifying any sketched weight: a sketched layer's output
-under Δ is y − η·(x·Aᵀ)·Uᵀ, added by a forward hook.
+The proposed model is evaluated without modifying any weight: a sketched layer's output under Δ is
+y − η·(x·Aᵀ)·Uᵀ, added by a forward hook, and densely trained parameters are swapped for their proposed values
+(θ + α·Δ) by `functional_call`.
 
 With bf16/fp16 weights both forward passes run in fp32 end to end (`float32_compute`): a perturbation of relative
 size 1e-6 added into a bf16 residual stream (8 significant bits) would be lost in its rounding, and q would measure
@@ -28,11 +29,8 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_logra.loss import completion_logits
-from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.rounding import LOW_PRECISION
-
-# {layer name: (U (d, r), A (r, k), η)}: the proposal a SketchOptimizer hands out, Δ = −η·U·A at α = 1.
-Proposal = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+from lightning_logra.update import Update
 
 
 @dataclass
@@ -46,17 +44,21 @@ class Responses:
 
 
 @contextmanager
-def low_rank_perturbation(layers: Mapping[str, SketchedLinear], proposal: Proposal, alpha: float = 1.0) -> Iterator[None]:
-    """Within the block, each sketched layer computes y − α·η·(x·Aᵀ)·Uᵀ: the model θ + αΔ, weights untouched."""
+def low_rank_perturbation(policy: nn.Module, proposal: Update, alpha: float = 1.0) -> Iterator[None]:
+    """Within the block, each sketched layer computes y − α·(x·Aᵀ)·Fᵀ (F = η·U): the model θ + αΔ, weights
+    untouched. The sketched layers' own (cached) projections are used: the proposal's seeds are theirs."""
 
-    def hook_for(u: torch.Tensor, a: torch.Tensor, scale: float):
+    def hook_for(factor: torch.Tensor, projection: torch.Tensor):  # (d, r), (r, k)
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             x = inputs[0]  # (..., k)
-            return output - scale * (x @ a.T.to(x.dtype)) @ u.T.to(x.dtype)  # (..., d)
+            return output - alpha * (x @ projection.T.to(x.dtype)) @ factor.T.to(x.dtype)  # (..., d)
 
         return hook
 
-    handles = [layers[name].register_forward_hook(hook_for(u, a, alpha * lr)) for name, (u, a, lr) in proposal.items()]
+    handles = []
+    for name, delta in proposal.low_rank.items():
+        layer = policy.get_submodule(name.removesuffix(".weight"))
+        handles.append(layer.register_forward_hook(hook_for(delta.factor, layer.projection())))
     try:
         yield
     finally:
@@ -97,14 +99,16 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
 
 
 def _completion_logprobs(
-    policy: nn.Module, responses: Responses, temperature: float, dense_deltas: Mapping[str, torch.Tensor] | None
+    policy: nn.Module, responses: Responses, temperature: float, dense: Mapping[str, torch.Tensor] | None = None,
+    alpha: float = 1.0,
 ) -> torch.Tensor:
-    """log π(· | ctx) over the full vocabulary (n, C, V), fp32, at the temperature; θ + dense deltas if given."""
+    """log π(· | ctx) over the full vocabulary (n, C, V), fp32, at the temperature. `dense` {parameter name: value
+    at α = 1} replaces those parameters by θ + α·(value − θ) for this pass (the others stay in place)."""
     model = policy
-    if dense_deltas:
+    if dense:
         params = dict(policy.named_parameters())
-        # Only the densely trained parameters are replaced (θ + Δ); functional_call leaves the rest in place.
-        shifted = {name: params[name] + delta for name, delta in dense_deltas.items()}
+        # lerp is exact at α = 1: the optimizer's own step, not θ + (value − θ) rounded twice.
+        shifted = {name: torch.lerp(params[name].detach(), value, alpha) for name, value in dense.items()}
         model = lambda **kw: functional_call(policy, shifted, args=(), kwargs=kw)  # noqa: E731
     low_precision = any(p.dtype in LOW_PRECISION for p in policy.parameters())
     with float32_compute(policy) if low_precision else contextlib.nullcontext():
@@ -122,45 +126,33 @@ def mean_token_kl(logp: torch.Tensor, logq: torch.Tensor, mask: torch.Tensor) ->
 
 @torch.no_grad()
 def predicted_kl(
-    policy: nn.Module,
-    layers: Mapping[str, SketchedLinear],
-    proposal: Proposal,
-    responses: Responses,
-    temperature: float = 1.0,
-    dense_deltas: Mapping[str, torch.Tensor] | None = None,
+    policy: nn.Module, proposal: Update, responses: Responses, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, log-probs of the current policy (n, C, V)): q is the KL of the proposal at α = 1 on `responses`.
-
-    The current log-probs are returned so that the realized KL after the update needs one forward pass, not two.
-    `dense_deltas` {parameter name: Δ} covers parameters trained densely, already in the form θ + Δ.
-    """
-    current = _completion_logprobs(policy, responses, temperature, None)
-    with low_rank_perturbation(layers, proposal):
-        proposed = _completion_logprobs(policy, responses, temperature, dense_deltas)
+    """(q, log-probs of the current policy (n, C, V)): q is the KL of the whole proposal (sketched and dense
+    parts) at α = 1 on `responses`. The current log-probs are returned so that the realized KL after the update
+    needs one forward pass, not two."""
+    current = _completion_logprobs(policy, responses, temperature)
+    with low_rank_perturbation(policy, proposal):
+        proposed = _completion_logprobs(policy, responses, temperature, proposal.dense)
     return mean_token_kl(current, proposed, responses.completion_mask), current
 
 
 @torch.no_grad()
 def intended_kl(
-    policy: nn.Module,
-    layers: Mapping[str, SketchedLinear],
-    proposal: Proposal,
-    responses: Responses,
-    before: torch.Tensor,
-    alpha: float,
+    policy: nn.Module, proposal: Update, responses: Responses, before: torch.Tensor, alpha: float,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """The exact KL of the step α·Δ, before it is merged: what the realized KL would be without any rounding of
     the merge (with stochastic rounding into bf16 the realized KL adds the rounding noise on top)."""
-    with low_rank_perturbation(layers, proposal, alpha):
-        stepped = _completion_logprobs(policy, responses, temperature, None)
+    with low_rank_perturbation(policy, proposal, alpha):
+        stepped = _completion_logprobs(policy, responses, temperature, proposal.dense, alpha)
     return mean_token_kl(before, stepped, responses.completion_mask)
 
 
 @torch.no_grad()
 def realized_kl(policy: nn.Module, responses: Responses, before: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """KL(π_before ‖ π_now) on the same responses, after the update was applied."""
-    after = _completion_logprobs(policy, responses, temperature, None)
+    after = _completion_logprobs(policy, responses, temperature)
     return mean_token_kl(before, after, responses.completion_mask)
 
 

@@ -7,7 +7,7 @@ baseline, −Σ w_t · A · log π_θ(token_t). The three loss types differ only
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from torch import nn
 from lightning_logra.batch import positions
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -55,7 +56,7 @@ def token_weights(
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * sequences)
     if loss_type == "dr_grpo":
         return mask / (sequences * max_new_tokens)
-    raise ValueError(f"loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
+    raise ValueError(f"loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
 
 
 def completion_logits(
@@ -110,3 +111,12 @@ def importance_weights(
         delta.abs().sum(), ((ratio - 1.0 - delta) * mask).sum(), (clipped * mask).sum(), mask.sum()
     ])
     return weight * mask, stats
+
+
+def mismatch_metrics(stats: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`importance_weights`' sums (added up over micro-batches and ranks) as per-token means: how far the sampler's
+    log-probs are from the trainer's on the tokens trained on."""
+    abs_diff, k3, clipped, tokens = stats.unbind()
+    tokens = tokens.clamp(min=1)
+    return {"rollout/logprob_abs_diff": abs_diff / tokens, "rollout/sampler_kl": k3 / tokens,
+            "rollout/is_clipped_frac": clipped / tokens}

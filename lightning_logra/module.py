@@ -19,21 +19,27 @@ from urllib.parse import urlparse
 
 import torch
 from lightning.pytorch import LightningModule
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_logra.batch import Rollout
+from lightning_logra.control import find_controller
+from lightning_logra.hashing import prompt_seeds
 from lightning_logra.loss import (
+    LOSS_TYPES,
     LossType,
     completion_logits,
     group_advantages,
     importance_weights,
+    mismatch_metrics,
     token_logprobs,
     token_weights,
 )
 from lightning_logra.rewards import RewardFn, TimedReward, get_reward, import_reward
-from lightning_logra.batch import Rollout
-from lightning_logra.hashing import prompt_seeds
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.sketch.optim import SketchOptimizer
+from lightning_logra.strategy import SketchTraining
+from lightning_logra.update import Update, apply_dense_, propose_dense
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +173,8 @@ class RLVRModule(LightningModule):
         if max_unlearnable_steps is not None and max_unlearnable_steps < 1:
             raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
                              f"got {max_unlearnable_steps}")
-        if loss_type not in ("dapo", "grpo", "dr_grpo"):
-            raise ValueError(f"model.loss_type must be 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"model.loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
         # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
         if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
             raise FileNotFoundError(f"model.model: no such model directory {model!r}")
@@ -181,9 +187,7 @@ class RLVRModule(LightningModule):
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self.engine: RolloutEngine | None = engine
-        self.last_update_applied = False  # whether the last training step changed the weights (for weight sync)
-        # Set by a step-size controller callback (PredictedKLBudget); without one every update is taken at α = 1.
-        self.step_controller = None
+        self._controller = None  # the run's StepSizeController callback, found when fitting starts
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -278,47 +282,16 @@ class RLVRModule(LightningModule):
                 f"to learn (in every group the rewards were equal, None or NaN). Check model.reward "
                 f"{self.hparams.reward!r} and the data, or set model.max_unlearnable_steps higher or to null")
 
-    def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> dict[str, Any]:
+        """One RL iteration. Returns {"loss", "update"}: the update applied (an `Update`: low-rank deltas and new
+        dense values, what a rollout engine with its own weights needs), or None when the step was skipped. Callbacks
+        read it in `on_train_batch_end(outputs=...)`."""
         hp = self.hparams
         start = time.perf_counter()
         rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling, self.global_step)
         generated = time.perf_counter()
-        advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards)  # (N,), groups stay on one rank
-        # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
-        strategy = self.trainer.strategy
-        total_tokens = strategy.reduce(rollout.completion_mask.sum().float(), reduce_op="sum")
-        total_sequences = int(strategy.reduce(torch.tensor(float(len(rewards)), device=self.device), reduce_op="sum"))
-        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
-                                total_sequences)  # (N, C)
-        # A DDP wrapper (the dense baseline on several ranks) averages gradients inside every backward; the sketch
-        # strategies sum them once per step (`sum_gradients`), and one process needs neither.
-        wrapped = self.trainer.world_size > 1 and not hasattr(strategy, "sum_gradients")
-        grad_scale = float(self.trainer.world_size) if wrapped else 1.0  # undo the wrapper's averaging
-
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)  # Σ over loss tokens: |Δ log-prob|, k3 KL, clipped, tokens
-        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
-        # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
-        active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
-        for rows in active.split(hp.micro_batch_size) if active.numel() else ():
-            width = int(rollout.completion_mask[rows].sum(-1).max())  # trim right padding of this micro-batch
-            completion_ids = rollout.completion_ids[rows, :width]
-            completion_mask = rollout.completion_mask[rows, :width]
-            logits = completion_logits(self.policy, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
-                                       completion_ids, completion_mask)  # (m, w, V)
-            logprobs = token_logprobs(logits, completion_ids, hp.temperature)  # (m, w)
-            is_weight, stats = importance_weights(logprobs.detach(), rollout.sampler_logprobs[rows, :width],
-                                                  completion_mask, hp.is_cap)  # (m, w), (4,)
-            mismatch += stats
-            micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
-            self.manual_backward(micro_loss * grad_scale)
-            loss += micro_loss.detach()
-        loss = strategy.reduce(loss, reduce_op="sum")  # the global batch's loss
-        mismatch = strategy.reduce(mismatch, reduce_op="sum")
-        tokens = mismatch[3].clamp(min=1)
-
-        grad_norm, skipped = self._update(rollout)
-        self.last_update_applied = not skipped
+        loss, mismatch = self._backward(rollout, rewards)
+        grad_norm, update = self._update(rollout)
         elapsed = time.perf_counter() - start
         lengths = rollout.completion_lengths.float()
         groups = rewards.view(-1, hp.num_generations)
@@ -328,60 +301,117 @@ class RLVRModule(LightningModule):
             "train/zero_std_frac": (groups.std(1) == 0).float().mean(),
             "train/loss": loss,
             "train/grad_norm": grad_norm,
-            "train/update_skipped": float(skipped),
+            "train/update_skipped": float(update is None),
             "train/tokens_per_s": lengths.sum() / elapsed,
             "train/rollout_s": generated - start,
             "train/step_s": elapsed,
-            # How far the sampler's log-probs are from the trainer's on the tokens trained on.
-            "rollout/logprob_abs_diff": mismatch[0] / tokens,
-            "rollout/sampler_kl": mismatch[1] / tokens,
-            "rollout/is_clipped_frac": mismatch[2] / tokens,
+            **mismatch_metrics(mismatch),
         }
         self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
         self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
-        return loss
+        return {"loss": loss, "update": update}
 
-    def _update(self, rollout: Rollout) -> tuple[torch.Tensor, bool]:
-        """Clip, then step every optimizer; returns (grad norm before clipping, whether the update was skipped)."""
+    def _backward(self, rollout: Rollout, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate the gradient of the batch's policy-gradient loss, micro-batch by micro-batch. Returns the
+        global batch's loss and the summed sampler/trainer log-prob mismatch (`loss.importance_weights`' stats)."""
+        hp = self.hparams
+        advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards)  # (N,), groups stay on one rank
+        # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
+        strategy = self.trainer.strategy
+        total_tokens = strategy.reduce(rollout.completion_mask.sum().float(), reduce_op="sum")
+        total_sequences = int(strategy.reduce(torch.tensor(float(len(rewards)), device=self.device), reduce_op="sum"))
+        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
+                                total_sequences)  # (N, C)
+        # A DDP wrapper (the dense baseline on several ranks) averages gradients inside every backward: undo it. The
+        # sketch strategies sum them once per step instead (SketchTraining.sum_gradients), and one process needs
+        # neither.
+        wrapped = isinstance(self.trainer.model, DistributedDataParallel)
+        grad_scale = float(self.trainer.world_size) if wrapped else 1.0
+
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)
+        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
+        # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
+        active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
+        for rows in active.split(hp.micro_batch_size) if active.numel() else ():
+            micro = rollout.select(rows)  # (m, w): right padding trimmed
+            logits = completion_logits(self.policy, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                       micro.completion_mask)  # (m, w, V)
+            logprobs = token_logprobs(logits, micro.completion_ids, hp.temperature)  # (m, w)
+            is_weight, stats = importance_weights(logprobs.detach(), micro.sampler_logprobs, micro.completion_mask,
+                                                  hp.is_cap)  # (m, w), (4,)
+            mismatch += stats
+            width = micro.completion_ids.shape[1]
+            micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
+            self.manual_backward(micro_loss * grad_scale)
+            loss += micro_loss.detach()
+        return strategy.reduce(loss, reduce_op="sum"), strategy.reduce(mismatch, reduce_op="sum")
+
+    def _update(self, rollout: Rollout) -> tuple[torch.Tensor, Update | None]:
+        """Sum the gradients over ranks, clip, propose, ask the step-size controller for α, apply. Returns the
+        gradient norm before clipping and the update applied (None: the step was skipped, the weights unchanged)."""
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        sum_gradients = getattr(self.trainer.strategy, "sum_gradients", None)
-        if sum_gradients is not None:
-            sum_gradients(params)  # one all-reduce of the d×r sketches (and dense grads) per step
-            strategy = self.trainer.strategy
-            self.log_dict({"ddp/allreduce_bytes": float(strategy.last_allreduce_bytes),
-                           "ddp/dense_allreduce_bytes": float(strategy.dense_allreduce_bytes)})
+        inner = [opt.optimizer for opt in optimizers]
+        # Only the first optimizer steps through Lightning, so that global_step counts training steps.
+        steps = [optimizers[0].step] + [opt.step for opt in inner[1:]]
+        params = [p for opt in inner for group in opt.param_groups for p in group["params"]]
+        strategy = self.trainer.strategy
+        if isinstance(strategy, SketchTraining):
+            strategy.sum_gradients(params)  # one all-reduce of the d×r sketches (and dense grads) per step
+            self.log_dict(strategy.gradient_sum_metrics())
         with_grad = [p for p in params if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])  # sketches too: E‖G·Aᵀ‖² = ‖G‖²
-        skipped = not bool(torch.isfinite(grad_norm))
-        if not skipped and self.hparams.max_grad_norm is not None:
+        finite = bool(torch.isfinite(grad_norm))
+        if not finite:
+            log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
+        elif self.hparams.max_grad_norm is not None:
             # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
             # layer's carrier B, so sketches are scaled with the dense gradients).
             torch.nn.utils.clip_grads_with_norm_(with_grad, self.hparams.max_grad_norm, grad_norm)
-        if skipped:
-            log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
-        for index, opt in enumerate(optimizers):
-            inner = opt.optimizer
-            # Only the first optimizer steps through Lightning, so that global_step counts training steps.
-            step = opt.step if index == 0 else inner.step
-            if isinstance(inner, SketchOptimizer):
-                alpha = 1.0
-                if self.step_controller is not None:
-                    # asked only once the proposal exists, i.e. between propose() and apply(α)
-                    controller = self.step_controller
-                    alpha = lambda: controller.choose_alpha(self, inner, rollout)  # noqa: E731
-                step(alpha=alpha, skip=skipped)
-                skipped = skipped or not inner.last_updates  # the optimizer itself may refuse a step (α not finite)
-                # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest
-                # at RL learning rates). NaN on a skipped step: Lightning would repeat the last value.
-                self.log("update/landed_fraction", math.nan if skipped else inner.landed_fraction)
-            else:
-                if skipped:
-                    inner.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW
+
+        sketch = next(((opt, step) for opt, step in zip(inner, steps) if isinstance(opt, SketchOptimizer)), None)
+        dense = [(opt, step) for opt, step in zip(inner, steps) if not isinstance(opt, SketchOptimizer)]
+        controller = self._controller
+        # With a controller, dense steps are proposals until α is chosen: α scales the whole update.
+        held = controller is not None and finite
+        proposed = {p: value for opt, step in (dense if held else ()) for p, value in propose_dense(opt, step).items()}
+        names = {p: name for name, p in self.policy.named_parameters()}
+        alpha = 1.0
+
+        def choose_alpha(low_rank: dict) -> float:  # asked between propose() and apply()
+            nonlocal alpha
+            proposal = Update(low_rank, {names[p]: value for p, value in proposed.items()})
+            alpha = controller.choose_alpha(self, proposal, rollout)
+            return alpha
+
+        taken = finite
+        if sketch is not None:
+            opt, step = sketch
+            step(alpha=(lambda: choose_alpha(opt.proposal())) if controller else 1.0, skip=not finite)
+            taken = bool(opt.last_updates)  # the optimizer refuses non-finite sketches, α and factors itself
+            # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest at
+            # RL learning rates). NaN on a skipped step: Lightning would repeat the last value.
+            self.log("update/landed_fraction", opt.landed_fraction if taken else math.nan)
+        elif held:
+            taken = math.isfinite(choose_alpha({})) and alpha >= 0
+            if not taken:
+                log.warning("step size α=%s at step %d: the update is skipped", alpha, self.global_step)
+        if held:
+            if taken:
+                apply_dense_(proposed, alpha)
+        else:
+            for opt, step in dense:
+                if not taken:
+                    opt.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW
                 step()
-            inner.zero_grad(set_to_none=True)
-        return grad_norm, skipped
+        for opt in inner:
+            opt.zero_grad(set_to_none=True)
+        if not taken:
+            return grad_norm, None
+        return grad_norm, Update(low_rank=dict(sketch[0].last_updates) if sketch else {},
+                                 dense={names[p]: p.detach() for opt, _ in dense
+                                        for group in opt.param_groups for p in group["params"]})
 
     # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
 
@@ -416,6 +446,8 @@ class RLVRModule(LightningModule):
 
     def on_fit_start(self) -> None:
         self._check_engine_is_synced()
+        # Asked for α between each step's proposal and its application (lightning_logra.control); None: α = 1.
+        self._controller = find_controller(self.trainer.callbacks)
 
     def on_validation_start(self) -> None:
         self._check_engine_is_synced()

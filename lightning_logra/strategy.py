@@ -19,10 +19,10 @@ from lightning_logra.sketch.install import sketched_layers
 from lightning_logra.sketch.linear import SketchedLinear
 
 
-class _InstallsSketches:
-    """What both strategies share: install the sketches into the module's `policy` at fit set-up, and build the
-    sketch optimizer (plus AdamW for non-target parameters if `sketch.train_rest`) instead of the module's
-    `configure_optimizers`, which is its dense baseline."""
+class SketchTraining:
+    """What both strategies share, and what the module relies on: install the sketches into the module's `policy`
+    at fit set-up, build the sketch optimizer (plus AdamW for non-target parameters if `sketch.train_rest`) instead
+    of the module's `configure_optimizers` (its dense baseline), and `sum_gradients` once per step."""
 
     config: SketchConfig
     handles: dict[str, SketchedLinear]
@@ -40,8 +40,15 @@ class _InstallsSketches:
         self.optimizers = self.config.build_optimizers(self.policy, self.handles)
         self.lr_scheduler_configs = []
 
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Sum the gradients of `params` over the ranks, once per step before clipping (one process: nothing)."""
 
-class SketchStrategy(_InstallsSketches, SingleDeviceStrategy):
+    def gradient_sum_metrics(self) -> dict[str, float]:
+        """What the last `sum_gradients` sent, for the logs (one process: nothing)."""
+        return {}
+
+
+class SketchStrategy(SketchTraining, SingleDeviceStrategy):
     """Single-device training of the module's `policy` with LoGRA sketches. Checkpoints are written atomically."""
 
     strategy_name = "logra_sketch"
@@ -66,7 +73,7 @@ class SketchStrategy(_InstallsSketches, SingleDeviceStrategy):
         super().setup(trainer)
 
 
-class SketchDDPStrategy(_InstallsSketches, DDPStrategy):
+class SketchDDPStrategy(SketchTraining, DDPStrategy):
     """Data parallel sketch training: every rank holds the whole model and draws the same projections; the d×r
     sketches are summed over ranks explicitly, once per optimizer step, and no d×k gradient exists anywhere.
 
@@ -118,6 +125,10 @@ class SketchDDPStrategy(_InstallsSketches, DDPStrategy):
             layer_of[id(p)].weight.numel() * 4 if id(p) in layer_of else p.grad.numel() * p.grad.element_size()
             for p in params
         )
+
+    def gradient_sum_metrics(self) -> dict[str, float]:
+        return {"ddp/allreduce_bytes": float(self.last_allreduce_bytes),
+                "ddp/dense_allreduce_bytes": float(self.dense_allreduce_bytes)}
 
 
 def setup_fabric(

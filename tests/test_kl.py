@@ -10,6 +10,7 @@ from lightning_logra.loss import completion_logits
 from lightning_logra.kl import (
     Responses,
     _completion_logprobs,
+    intended_kl,
     low_rank_perturbation,
     mean_token_kl,
     predicted_kl,
@@ -17,6 +18,8 @@ from lightning_logra.kl import (
     step_scale,
 )
 from lightning_logra.sketch import SketchSGD, apply_low_rank_update_, install_sketches
+from lightning_logra.sketch.update import LowRankDelta
+from lightning_logra.update import Update
 
 
 def _responses(n=4, prompt=5, completion=6, seed=0):
@@ -28,9 +31,16 @@ def _responses(n=4, prompt=5, completion=6, seed=0):
 
 
 def _random_proposal(handles, scale, dtype=torch.float32, seed=1):
+    """An update at α = 1 with F = η·U for η = 0.5 and random U."""
     g = torch.Generator().manual_seed(seed)
-    return {name: (torch.randn(h.out_features, h.rank, generator=g).to(dtype) * scale, h.projection(), 0.5)
-            for name, h in handles.items()}
+    return Update({f"{name}.weight": LowRankDelta(0.5 * torch.randn(h.out_features, h.rank, generator=g).to(dtype)
+                                                  * scale, h.seed, h.distribution, h.in_features)
+                   for name, h in handles.items()})
+
+
+def _merge_into(model, proposal, alpha=1.0):
+    for name, delta in proposal.low_rank.items():
+        apply_low_rank_update_(model.get_parameter(name), alpha * delta.factor, delta.projection().to(delta.factor))
 
 
 def test_low_rank_evaluation_equals_a_weight_copy_in_float64():
@@ -39,10 +49,9 @@ def test_low_rank_evaluation_equals_a_weight_copy_in_float64():
     proposal = _random_proposal(handles, 0.1, torch.float64)
     responses = _responses()
     copied = copy.deepcopy(model)
-    for name, (u, a, lr) in proposal.items():
-        apply_low_rank_update_(copied.get_submodule(name).weight, lr * u.double(), a.double())
+    _merge_into(copied, proposal)
     args = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
-    with torch.no_grad(), low_rank_perturbation(handles, proposal):
+    with torch.no_grad(), low_rank_perturbation(model, proposal):
         perturbed = completion_logits(model, *args)  # float64 logits of θ + Δ, weights untouched
     with torch.no_grad():
         merged = completion_logits(copied, *args)
@@ -52,15 +61,30 @@ def test_low_rank_evaluation_equals_a_weight_copy_in_float64():
     assert not torch.allclose(perturbed, original, atol=1e-3)
 
 
-def test_dense_deltas_equal_a_weight_copy():
-    model = make_tiny_qwen2()
-    delta = torch.randn_like(model.model.norm.weight) * 0.1
-    copied = copy.deepcopy(model)
-    with torch.no_grad():
-        copied.model.norm.weight += delta
-        ours = _completion_logprobs(model, _responses(), 1.0, {"model.norm.weight": delta})
-        theirs = _completion_logprobs(copied, _responses(), 1.0, None)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+def test_a_whole_proposal_sketched_and_dense_equals_a_weight_copy():
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.1, torch.float64)
+    norm = model.model.norm.weight
+    proposal.dense["model.norm.weight"] = norm.detach() + torch.randn_like(norm) * 0.1  # the value at α = 1
+    responses = _responses()
+    for alpha in (1.0, 0.3):
+        copied = copy.deepcopy(model)
+        _merge_into(copied, proposal, alpha)
+        with torch.no_grad():
+            copied.model.norm.weight.lerp_(proposal.dense["model.norm.weight"], alpha)
+        current = _completion_logprobs(model, responses, 1.0)
+        exact = realized_kl(copied, responses, current)
+        if alpha == 1.0:
+            q, _ = predicted_kl(model, proposal, responses)
+            assert float(q) == pytest.approx(float(exact), rel=1e-9)
+        else:
+            assert float(intended_kl(model, proposal, responses, current, alpha)) == pytest.approx(float(exact),
+                                                                                                   rel=1e-9)
+    # the dense part counts: without it the prediction differs
+    sketched_only = predicted_kl(model, Update(proposal.low_rank), responses)[0]
+    assert abs(float(sketched_only) - float(q)) > 1e-3 * float(q)
+    assert torch.equal(model.model.norm.weight, norm)  # weights untouched
 
 
 def test_kl_is_quadratic_in_the_step_for_small_steps():
@@ -72,7 +96,7 @@ def test_kl_is_quadratic_in_the_step_for_small_steps():
         base = _completion_logprobs(model, responses, 1.0, None)
         kls = []
         for alpha in (0.1, 0.2):
-            with low_rank_perturbation(handles, proposal, alpha):
+            with low_rank_perturbation(model, proposal, alpha):
                 kls.append(mean_token_kl(base, _completion_logprobs(model, responses, 1.0, None),
                                          responses.completion_mask).item())
     assert kls[1] / kls[0] == pytest.approx(4.0, rel=0.05)
@@ -90,7 +114,7 @@ def test_realized_kl_agrees_with_the_prediction_for_a_small_step():
     ids = torch.cat([responses.prompt_ids, responses.completion_ids], 1)
     model(input_ids=ids, labels=ids).loss.backward()
     assert optimizer.propose()
-    q, before = predicted_kl(model, handles, optimizer.proposal(), responses)
+    q, before = predicted_kl(model, Update(optimizer.proposal()), responses)
     budget = 1e-4
     alpha = step_scale(float(q), budget, alpha_max=10.0)
     assert alpha**2 * float(q) == pytest.approx(budget)  # the budget binds: α < α_max
@@ -150,11 +174,11 @@ def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
     model = make_tiny_qwen2(dtype=torch.bfloat16)
     reference = copy.deepcopy(model).float()  # the same (bf16-valued) weights, held in fp32
     handles = install_sketches(model, SKETCH_TARGETS, rank=4)
-    reference_handles = install_sketches(reference, SKETCH_TARGETS, rank=4)
+    install_sketches(reference, SKETCH_TARGETS, rank=4)  # the same seeds: the proposal fits both
     proposal = _random_proposal(handles, 2e-6)  # η·U·A entries of about 1e-6, as at lr 1e-6
     responses = _responses()
-    q, current = predicted_kl(model, handles, proposal, responses)
-    q_ref, current_ref = predicted_kl(reference, reference_handles, proposal, responses)
+    q, current = predicted_kl(model, proposal, responses)
+    q_ref, current_ref = predicted_kl(reference, proposal, responses)
     assert current.dtype == torch.float32 and 0 < float(q_ref) < 1e-8
     assert float(q) == pytest.approx(float(q_ref), rel=1e-3)
     torch.testing.assert_close(current, current_ref, rtol=0, atol=1e-5)
@@ -164,19 +188,15 @@ def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
 
 
 def test_intended_kl_is_the_exact_kl_of_the_scaled_step():
-    from lightning_logra.kl import intended_kl
-
     model = make_tiny_qwen2(dtype=torch.float64)
     handles = install_sketches(model, SKETCH_TARGETS, rank=4)
     proposal = _random_proposal(handles, 0.01, torch.float64)
     responses = _responses()
-    q, current = predicted_kl(model, handles, proposal, responses)
+    q, current = predicted_kl(model, proposal, responses)
     copied = copy.deepcopy(model)
-    for name, (u, a, lr) in proposal.items():
-        apply_low_rank_update_(copied.get_submodule(name).weight, 0.3 * lr * u, a.double())
+    _merge_into(copied, proposal, 0.3)
     exact = realized_kl(copied, responses, current)
-    assert float(intended_kl(model, handles, proposal, responses, current, 0.3)) == pytest.approx(float(exact),
-                                                                                                  rel=1e-9)
+    assert float(intended_kl(model, proposal, responses, current, 0.3)) == pytest.approx(float(exact), rel=1e-9)
     assert float(exact) == pytest.approx(0.09 * float(q), rel=0.05)  # ≈ α²·q
 
 
@@ -216,17 +236,44 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
         assert step["kl/acting"] == float(step["kl/alpha"] < 4.0)
 
 
-def test_the_controller_refuses_a_run_without_sketch_updates(tmp_path):
-    # It is asked only for sketch updates: on a dense run it would silently never act.
+@pytest.mark.parametrize("config, extra", [
+    ("tiny_arith_dense", ["--model.lr", "1e-4"]),  # no sketches at all: AdamW on every parameter
+    ("tiny_arith", ["--trainer.strategy.init_args.sketch.train_rest", "true",
+                    "--trainer.strategy.init_args.sketch.rest_lr", "1e-3"]),  # sketches + dense AdamW
+])
+def test_alpha_scales_the_whole_update_dense_parameters_included(tmp_path, config, extra):
+    # One step with the controller must move every trained parameter by α times the step the same run takes
+    # without it (same batch, same gradient, AdamW's first step): dense parameters are not left unscaled.
     from pathlib import Path
 
     from cli import main
 
-    config = Path(__file__).parents[1] / "configs" / "tiny_arith_dense.yaml"
-    cli = main(["--config", str(config), "--trainer.max_steps", "1", "--trainer.logger", "false",
-                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
-                "--data.init_args.batch_size", "4",
-                "--trainer.callbacks+=lightning_logra.callbacks.PredictedKLBudget"], run=False)
-    with pytest.raises(ValueError, match=r"PredictedKLBudget: it scales sketch updates.*\['AdamW'\]"):
+    def one_step(controlled: bool):
+        args = ["--config", str(Path(__file__).parents[1] / "configs" / f"{config}.yaml"), "--trainer.max_steps", "1",
+                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval",
+                "1000", "--trainer.default_root_dir", str(tmp_path), "--data.init_args.batch_size", "4",
+                "--model.max_grad_norm", "null", *extra]
+        cli = main(args, run=False)
+        cli.trainer.callbacks = [cb for cb in cli.trainer.callbacks if not isinstance(cb, PredictedKLBudget)]
+        if controlled:  # a budget small enough that it binds: α < α_max
+            cli.trainer.callbacks.append(PredictedKLBudget(budget=2e-3, alpha_max=1.0, subset=4))
+        cli.model.configure_model()
+        before = {n: p.detach().clone() for n, p in cli.model.policy.named_parameters()}
         cli.trainer.fit(cli.model, cli.datamodule)
-    assert cli.trainer.global_step == 0
+        after = {n: p.detach().clone() for n, p in cli.model.policy.named_parameters()}
+        return before, after, cli.trainer.callback_metrics
+
+    before, free, _ = one_step(False)
+    _, controlled, metrics = one_step(True)
+    alpha = float(metrics["kl/alpha"])
+    assert 0 < alpha < 0.5
+    moved = [n for n in before if not torch.equal(free[n], before[n])]
+    assert any("norm" in n for n in moved) and any("q_proj.weight" in n for n in moved)
+    for name in moved:
+        step = alpha * (free[name].double() - before[name].double())
+        error = (controlled[name].double() - before[name].double() - step).abs()
+        # what fp32 can resolve: θ + α·Δ is rounded to the weight's precision once (half an ulp of |θ|)
+        resolution = before[name].double().abs() * torch.finfo(torch.float32).eps
+        assert float(error.norm()) <= 1e-3 * float(step.norm()) + float(resolution.norm()), name
+        assert float(step.norm()) > 20 * float(resolution.norm()), name  # a step fp32 resolves: the check has teeth
+    assert float(metrics["kl/realized"]) == pytest.approx(float(metrics["kl/predicted"]), rel=0.3)

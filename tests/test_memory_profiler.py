@@ -106,7 +106,7 @@ def test_a_table_is_printed_at_the_end_of_fit(tiny_arith_model, tmp_path, caplog
 
 def test_an_engine_with_its_own_memory_is_reported_beside_the_step(tiny_arith_model, tmp_path, monkeypatch):
     # what an engine in another process (vLLM) will provide; the in-process engine has no memory of its own
-    monkeypatch.setattr(HFEngine, "memory_bytes", lambda self: 3 * GIB, raising=False)
+    monkeypatch.setattr(HFEngine, "memory_bytes", lambda self: 3 * GIB)
     cli = main(["fit", "--config", _config("tiny_arith"), *_fast(tiny_arith_model, tmp_path, 1)])
     assert float(cli.trainer.callback_metrics["memory/engine_gib"]) == 3.0
 

@@ -79,11 +79,13 @@ def test_propose_then_apply_with_alpha_returns_the_merged_factor():
     s = _accumulate(model, 0)
     w = handle.weight.detach().double().clone()
     assert optimizer.propose()
-    (u, a, lr), = optimizer.proposal().values()
-    torch.testing.assert_close(u.double(), s, rtol=1e-6, atol=1e-6)
-    factors = optimizer.apply(alpha=0.25)
-    torch.testing.assert_close(factors["0"].double(), 0.25 * 0.5 * s, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(handle.weight.double(), w - factors["0"].double() @ a.double(), rtol=0, atol=1e-6)
+    proposal, = optimizer.proposal().values()  # F = η·U at α = 1
+    torch.testing.assert_close(proposal.factor.double(), 0.5 * s, rtol=1e-6, atol=1e-6)
+    a = handle.projection()
+    assert proposal.seed == handle.seed and torch.equal(proposal.projection(), a)
+    merged = optimizer.apply(alpha=0.25)["0.weight"]
+    torch.testing.assert_close(merged.factor.double(), 0.25 * 0.5 * s, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(handle.weight.double(), w - merged.factor.double() @ a.double(), rtol=0, atol=1e-6)
     assert handle.sketch_param.grad is None  # zeroed for the next accumulation
     with pytest.raises(RuntimeError, match="propose"):
         optimizer.apply()

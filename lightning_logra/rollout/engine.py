@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_logra.batch import Rollout
-from lightning_logra.rollout.sync import SyncPayload
+from lightning_logra.update import Update
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RolloutEngine(ABC):
         """Overwrite the named tensors with full copies; returns the bytes sent."""
 
     @abstractmethod
-    def apply_update(self, payload: SyncPayload) -> int:
+    def apply_update(self, update: Update) -> int:
         """Merge low-rank deltas (W −= F·A, A regenerated from its seed) and dense tensors; returns the bytes sent."""
 
     @abstractmethod
@@ -48,6 +48,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Full copies of the named tensors as the engine holds them (for checks and tests: moves d·k numbers)."""
+
+    def memory_bytes(self) -> int | None:
+        """Memory the engine holds outside the trainer's process (None: none of its own, e.g. the in-process engine,
+        whose memory is the trainer's)."""
+        return None
 
     def samples_from(self, policy) -> bool:
         """Whether the engine samples from `policy`'s own weights; if not, they must be kept in step (synced)."""

@@ -14,7 +14,8 @@ from torch import nn
 from lightning_logra.batch import Rollout, left_pad, positions
 from lightning_logra.hashing import counter_uniform, mix64
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
-from lightning_logra.rollout.sync import SyncPayload, fingerprint
+from lightning_logra.rollout.sync import fingerprint
+from lightning_logra.update import Update
 
 
 def sample_next(
@@ -70,13 +71,13 @@ class HFEngine(RolloutEngine):
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     @torch.no_grad()
-    def apply_update(self, payload: SyncPayload) -> int:
+    def apply_update(self, update: Update) -> int:
         own = self._tensors()
-        for name, delta in payload.low_rank.items():
+        for name, delta in update.low_rank.items():
             delta.apply_(own[name].data)
-        for name, value in payload.dense.items():
+        for name, value in update.dense.items():
             own[name].copy_(value)
-        return len(payload.to_bytes())
+        return len(update.to_bytes())
 
     def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
         own = self._tensors()

@@ -1,65 +1,18 @@
-"""The weight-sync message between trainer and rollout engine, and the fingerprint both sides compare.
+"""What trainer and rollout engine exchange besides an `Update`: named tensors as bytes, and the fingerprint both
+sides compare.
 
 After an update W ← W − F·A the engine does not need W: it needs F (d×r), what regenerates A (the seed, the
-distribution, r, k) and, for bf16/fp16 weights, the key of the merge's stochastic rounding. A `SyncPayload` carries those low-rank deltas plus, for any parameter trained densely, the new
-tensor itself. It travels as bytes (safetensors tensors + a JSON header), because that is what crosses vLLM's
-`collective_rpc` to its worker processes; the size of those bytes is what `sync/bytes` reports.
+distribution, r, k) and, for bf16/fp16 weights, the key of the merge's stochastic rounding: an `Update`
+(`lightning_logra.update`), sent as its bytes; their size is what `sync/bytes` reports.
 """
 
 from __future__ import annotations
-
-import json
-from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from lightning_logra.hashing import mix64
-from lightning_logra.sketch.update import LowRankDelta
-
-
-@dataclass
-class SyncPayload:
-    """What one sync sends: low-rank deltas for sketched matrices, full tensors for densely trained parameters.
-
-    Keys are the trainer's (transformers) parameter names, e.g. "model.layers.0.self_attn.q_proj.weight".
-    """
-
-    low_rank: dict[str, LowRankDelta] = field(default_factory=dict)
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.low_rank or self.dense)
-
-    @property
-    def tensor_bytes(self) -> int:
-        """Σ d·r·bytes(factor dtype) + the dense tensors' bytes: the numbers alone, without any header."""
-        tensors = [d.factor for d in self.low_rank.values()] + list(self.dense.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def to_bytes(self) -> bytes:
-        tensors = {f"lowrank/{name}": d.factor.detach().contiguous().cpu() for name, d in self.low_rank.items()}
-        tensors.update({f"dense/{name}": t.detach().contiguous().cpu() for name, t in self.dense.items()})
-        header = {name: [d.seed, d.distribution, d.in_features, d.rounding_key] for name, d in self.low_rank.items()}
-        return save_tensors(tensors, metadata={"low_rank": json.dumps(header)})
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> SyncPayload:
-        tensors = load_tensors(data)
-        header = _metadata(data).get("low_rank", "{}")
-        low_rank = {
-            name: LowRankDelta(tensors[f"lowrank/{name}"], seed, distribution, in_features, rounding_key)
-            for name, (seed, distribution, in_features, rounding_key) in json.loads(header).items()
-        }
-        dense = {key.removeprefix("dense/"): t for key, t in tensors.items() if key.startswith("dense/")}
-        return cls(low_rank, dense)
-
-
-def _metadata(data: bytes) -> dict[str, str]:
-    # safetensors: an 8-byte little-endian header length, then a JSON header whose "__metadata__" holds strings.
-    length = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + length]).get("__metadata__", {})
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:

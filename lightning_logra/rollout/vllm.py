@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: `vllm.LLM` with its own copy of the weights, kept in step by sync payloads.
+"""The vLLM rollout engine: `vllm.LLM` with its own copy of the weights, kept in step by `Update`s.
 
 The trainer owns the weights; the engine's copy follows through `load_weights` (full tensors: at the start, and to
 repair drift or a restart) and `apply_update` (per sketched matrix F = α·η·U and A's seed: O(d·r) numbers). Every
@@ -23,7 +23,8 @@ import torch
 
 from lightning_logra.batch import Rollout, left_pad
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
-from lightning_logra.rollout.sync import SyncPayload, pack_tensors, unpack_tensors
+from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
+from lightning_logra.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +309,8 @@ class VLLMEngine(RolloutEngine):
         self._with_restart(self._after_weight_change, retry=False)
         return sent
 
-    def apply_update(self, payload: SyncPayload) -> int:
-        data = payload.to_bytes()
+    def apply_update(self, update: Update) -> int:
+        data = update.to_bytes()
         # After a restart the engine holds the trainer's current weights (update included): nothing to redo.
         self._with_restart(lambda: (self._rpc("logra_apply", data), self._after_weight_change()), retry=False)
         return len(data)

@@ -1,4 +1,4 @@
-"""Runs inside each vLLM worker (`worker_extension_cls`): applies sync payloads to the worker's copy of the weights.
+"""Runs inside each vLLM worker (`worker_extension_cls`): applies `Update`s to the worker's copy of the weights.
 
 vLLM's layout differs from the trainer's (transformers) in two ways this file undoes:
 - fused layers: q/k/v are row blocks of one `qkv_proj`, gate/up row blocks of one `gate_up_proj`
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_logra.rollout.sync import SyncPayload, fingerprint, pack_tensors, unpack_tensors
+from lightning_logra.rollout.sync import fingerprint, pack_tensors, unpack_tensors
+from lightning_logra.update import Update
 
 
 @dataclass
@@ -160,17 +161,17 @@ class LogRAWorkerExtension:
 
     @torch.no_grad()
     def logra_apply(self, data: bytes) -> int:
-        """Merge a SyncPayload; returns how many tensors it touched on this rank."""
-        payload = SyncPayload.from_bytes(data)
+        """Merge an `Update`; returns how many tensors it touched on this rank."""
+        update = Update.from_bytes(data)
         touched = set()
-        for name, delta in payload.low_rank.items():
+        for name, delta in update.low_rank.items():
             slot = self._logra_slot(name)
             delta.factor = delta.factor.to(slot.tensor.device)
             delta.apply_shard_(slot.tensor, slot.rows, slot.cols)
             touched.add(slot.layer)
-        touched |= self._logra_copy(payload.dense)
+        touched |= self._logra_copy(update.dense)
         self._logra_repack(touched - {None})
-        return len(payload.low_rank) + len(payload.dense)
+        return len(update.low_rank) + len(update.dense)
 
     @torch.no_grad()
     def logra_load(self, data: bytes) -> int:

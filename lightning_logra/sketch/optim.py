@@ -2,8 +2,8 @@
 
 A step is split in two so that the predicted-KL controller can choose α between them:
   propose()   checks every sketch is finite, computes U from S and updates the d×r state;
-  apply(α)    merges α·η·U·A into each W in place, zeroes the sketches and returns the factors F = α·η·U
-              that a rollout engine needs (with the seed) to make the same change.
+  apply(α)    merges α·η·U·A into each W in place, zeroes the sketches and returns, per weight, the
+              `LowRankDelta` (F = α·η·U and A's seed) that a rollout engine needs to make the same change.
 `step(alpha=...)` is propose() + apply(α), so these are ordinary `torch.optim.Optimizer`s for Lightning, LR schedulers
 and checkpoints; their parameters are the layers' zero `sketch_param`s, whose `.grad` is the sketch.
 
@@ -69,7 +69,7 @@ class SketchOptimizer(torch.optim.Optimizer):
         self._landed_history: list[float] = []
         self._warned_landed = False
         self.skipped_steps = 0
-        # The last applied step per layer name: F = α·η·U and the seed of the A it was merged with (weight sync).
+        # The last applied step per weight name ("<layer>.weight"): F = α·η·U and the seed of the A it was merged with.
         self.last_updates: dict[str, LowRankDelta] = {}
         self._layer_of = {layer.sketch_param: layer for layer in layers}
         self._proposal: dict[torch.Tensor, torch.Tensor] | None = None
@@ -89,6 +89,7 @@ class SketchOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def propose(self) -> bool:
         """Compute U for every layer and advance the state. False (and nothing changed) if a sketch is not finite."""
+        self.last_updates = {}
         layers = self.layers
         finite = torch.stack([torch.isfinite(layer.sketch).all() for layer in layers])  # one sync, not one per layer
         if not bool(finite.all()):
@@ -109,24 +110,28 @@ class SketchOptimizer(torch.optim.Optimizer):
         """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in
         apply(), the d×r state has already taken this step's finite sketch, as propose() computed it.)"""
         self.skipped_steps += 1
+        self.last_updates = {}
         log.warning("%s: update skipped (%d skipped so far)", reason, self.skipped_steps)
         for layer in self.layers:
             layer.zero_sketch()
         self._proposal = None
 
-    def proposal(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-        """The pending proposal per layer name: (U (d, r), A (r, k), η), i.e. Δ = −η·U·A at α = 1."""
+    def proposal(self) -> dict[str, LowRankDelta]:
+        """The pending proposal per weight name: F = η·U (d, r) with A's seed, i.e. Δ = −η·U·A at α = 1."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first")
-        return {
-            self._layer_of[p].name: (self._proposal[p], self._layer_of[p].projection(), group["lr"])
-            for group in self.param_groups
-            for p in group["params"]
-        }
+        proposal = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                layer = self._layer_of[p]
+                proposal[f"{layer.name}.weight"] = LowRankDelta(group["lr"] * self._proposal[p], layer.seed,
+                                                                layer.distribution, layer.in_features)
+        return proposal
 
     @torch.no_grad()
-    def apply(self, alpha: float = 1.0) -> dict[str, torch.Tensor]:
-        """Merge W ← W − α·η·U·A for the pending proposal; zero the sketches; return {name: F = α·η·U (d, r)}."""
+    def apply(self, alpha: float = 1.0) -> dict[str, LowRankDelta]:
+        """Merge W ← W − α·η·U·A for the pending proposal; zero the sketches; return what was merged per weight
+        name: F = α·η·U (d, r) in `factor_dtype`, A's seed, and the key of the rounding (also `last_updates`)."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first (or it was skipped)")
         # The last line of defence: whatever chose α, a non-finite step never reaches the weights.
@@ -140,7 +145,6 @@ class SketchOptimizer(torch.optim.Optimizer):
         if not bool(finite.all()):
             self.skip(f"non-finite update factor α·η·U (α={alpha})")
             return {}
-        factors = {}
         landed, intended = [], []  # per layer, on the weights' device: summed once at the end (one sync)
         for group in self.param_groups:
             for p in group["params"]:
@@ -157,16 +161,15 @@ class SketchOptimizer(torch.optim.Optimizer):
                 intended.append((change**2).sum())
                 layer.zero_sketch()
                 self.state[p]["step"] += 1
-                factors[layer.name] = factor
                 # recorded before a refresh below moves the layer to its next seed
-                self.last_updates[layer.name] = LowRankDelta(factor, layer.seed, layer.distribution,
-                                                             layer.in_features, key)
+                self.last_updates[f"{layer.name}.weight"] = LowRankDelta(factor, layer.seed, layer.distribution,
+                                                                         layer.in_features, key)
         self.updates += 1
         landed, intended = float(torch.stack(landed).sum()), float(torch.stack(intended).sum())
         self._record_landed(landed / intended if intended > 0 else math.nan)
         self._proposal = None
         self._maybe_refresh()
-        return factors
+        return self.last_updates
 
     def _probe(self, layer: SketchedLinear) -> tuple[torch.Tensor, torch.Tensor]:
         """A few entries of the layer's W, new at each update: where the landed fraction is measured."""
@@ -210,7 +213,6 @@ class SketchOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_updates = {}
         if skip:
             self.skip("non-finite gradient")
         elif self.propose():

@@ -1,12 +1,11 @@
 """Lightning wiring for sketch training: strategies that install the sketches when the Trainer sets up (one
-device, or DDP over processes), and the same installer for Fabric users. All the math is in `lightning_logra.sketch`.
+device, or DDP over processes). All the math is in `lightning_logra.sketch`; Fabric users have `lightning_logra.fabric`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -131,14 +130,4 @@ class SketchDDPStrategy(SketchTraining, DDPStrategy):
                 "ddp/dense_allreduce_bytes": float(self.dense_allreduce_bytes)}
 
 
-def setup_fabric(
-    fabric: Fabric, model: nn.Module, config: SketchConfig
-) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-    """The Fabric adapter: install sketches with `config`, then `fabric.setup` the model and its optimizers."""
-    handles = config.install(model)
-    optimizers = config.build_optimizers(model, handles)
-    model, *optimizers = fabric.setup(model, *optimizers)
-    return model, optimizers
-
-
-__all__ = ["SketchConfig", "SketchDDPStrategy", "SketchStrategy", "setup_fabric"]
+__all__ = ["SketchConfig", "SketchDDPStrategy", "SketchStrategy"]

@@ -1,5 +1,5 @@
-"""Everything needed to turn a model into a sketch-trained one, as one value shared by the Lightning strategy,
-the Fabric adapter and plain-PyTorch users: install the sketches, freeze the rest, build the optimizers."""
+"""Everything needed to turn a model into a sketch-trained one, as one value shared by the Lightning and Fabric
+strategies and plain-PyTorch users: install the sketches, freeze the rest, build the optimizers."""
 
 from __future__ import annotations
 

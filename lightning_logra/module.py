@@ -35,24 +35,13 @@ from lightning_logra.loss import (
     token_logprobs,
     token_weights,
 )
-from lightning_logra.rewards import RewardFn, TimedReward, get_reward, import_reward
+from lightning_logra.rewards import RewardFn, RewardName, resolve_reward
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.strategy import SketchTraining
 from lightning_logra.update import Update, apply_dense_, propose_dense
 
 log = logging.getLogger(__name__)
-
-
-def resolve_reward(name: str, timeout_s: float | None) -> RewardFn:
-    """A built-in reward by name ("exact_match", "math_answer") or any function by dotted path ("pkg.mod.fn"),
-    called in a process of its own with a deadline of `timeout_s` per batch (None: in this process, no deadline)."""
-    if "." in name:
-        path = name
-    else:
-        builtin = get_reward(name)
-        path = f"{builtin.__module__}.{builtin.__name__}"
-    return import_reward(path) if timeout_s is None else TimedReward(path, timeout_s)
 
 
 def reward_tensor(rewards: Any, name: str, prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,7 +97,7 @@ class RLVRModule(LightningModule):
     def __init__(
         self,
         model: str,
-        reward: str = "exact_match",
+        reward: RewardName | RewardFn = "exact_match",
         num_generations: int = 8,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -134,7 +123,11 @@ class RLVRModule(LightningModule):
         """
         Args:
             model: a transformers causal LM: a local directory or a hub name.
-            reward: a built-in reward name or a dotted path to `fn(prompts, completions, **columns)`.
+            reward: a built-in reward name (`exact_match`, `math_answer`), a dotted path to a function
+                `fn(prompts, completions, **columns) -> list[float | None]` (TRL's reward signature), or a
+                component, `class_path` and `init_args`, whose instances are called so
+                (`lightning_logra.rewards.MathAnswer`). The config's parser checks the name, imports the path or
+                the class, and checks the init_args against the class, before anything runs.
             num_generations: completions sampled per prompt (the group size G).
             lr, weight_decay: the dense AdamW used without `SketchStrategy` (the baseline).
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
@@ -178,9 +171,11 @@ class RLVRModule(LightningModule):
         # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
         if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
             raise FileNotFoundError(f"model.model: no such model directory {model!r}")
+        # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
+        # refused here, naming the key.
+        self.reward_fn = resolve_reward(reward, reward_timeout_s)
         self.save_hyperparameters(ignore=["engine"])
         self.automatic_optimization = False
-        self.reward_fn = resolve_reward(reward, reward_timeout_s)
         self.unlearnable_steps = 0  # training steps in a row with nothing to learn (max_unlearnable_steps)
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
         self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)

@@ -3,7 +3,8 @@
 Every reward has TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``: ``columns`` are the
 dataset's extra columns, each a list aligned with ``completions`` (``answer=[...]``), and unknown ones are ignored,
 so the same function works in this trainer and as a TRL reward function. TRL lets a reward return None for "does
-not apply to this sample"; the rewards here judge every sample and never do.
+not apply to this sample"; the rewards here judge every sample and never do. A reward with settings is a class whose
+instances have that signature (`MathAnswer`), built from a config's ``class_path``/``init_args``.
 
 The trainer calls every reward in a process of its own (`TimedReward`), so that a batch it cannot score in time
 can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in its own verifier process.
@@ -11,9 +12,11 @@ can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in
 
 import atexit
 import importlib
+import inspect
 import logging
 import multiprocessing
 import os
+import pickle
 import re
 import threading
 import time
@@ -21,10 +24,15 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Literal
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list[float | None]]
+# The built-in rewards, by the names a config gives them (the keys of _REWARDS). `RLVRModule`'s reward parameter
+# is typed `RewardName | RewardFn`: jsonargparse then checks a name against this list, imports a dotted path to a
+# function, and builds a class_path/init_args component (checking init_args against the class), all at parse time.
+RewardName = Literal["exact_match", "math_answer"]
 
 DEFAULT_TIMEOUT_S = 5.0
 # Starting the verifier process (interpreter, the parent's main module, math-verify, sympy) takes seconds; allow for
@@ -238,11 +246,37 @@ def math_answer(prompts: list[str], completions: list[str], answer: list[str], t
     return _VERIFIER.score(predictions, [str(gold) for gold in answer], timeout_s)
 
 
+class MathAnswer:
+    """`math_answer` with its setting, for a config::
+
+        reward:
+          class_path: lightning_logra.rewards.MathAnswer
+          init_args: {timeout_s: 10.0}
+
+    Args:
+        timeout_s: the seconds one answer's check may take; past it the answer scores 0.0 (sympy can spend minutes
+            on an answer such as ``10^{10^{10}}``).
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"model.reward: MathAnswer's timeout_s must be a positive number of seconds, "
+                             f"got {timeout_s}")
+        self.timeout_s = timeout_s
+
+    def __call__(self, prompts: list[str], completions: list[str], answer: list[str],
+                 **_: object) -> list[float | None]:
+        return math_answer(prompts, completions, answer, timeout_s=self.timeout_s)
+
+    def __repr__(self) -> str:
+        return f"MathAnswer(timeout_s={self.timeout_s})"
+
+
 _REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
 
 
 def import_reward(path: str) -> RewardFn:
-    """A reward function by dotted import path ("pkg.module.fn")."""
+    """A reward function (or class) by dotted import path ("pkg.module.fn")."""
     module, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)
@@ -250,10 +284,22 @@ def import_reward(path: str) -> RewardFn:
         raise ValueError(f"model.reward: cannot import {path!r} ({err})") from err
 
 
-def _serve_reward(conn: Connection, path: str) -> None:
+def reward_name(reward: str | RewardFn) -> str:
+    """How messages name a reward: as the config named it, else by the import path of its function or class."""
+    if isinstance(reward, str):
+        return reward
+    if inspect.isfunction(reward):
+        return f"{reward.__module__}.{reward.__qualname__}"
+    if type(reward).__repr__ is not object.__repr__:  # an object that shows its settings (MathAnswer)
+        return repr(reward)
+    return f"{type(reward).__module__}.{type(reward).__qualname__}"
+
+
+def _serve_reward(conn: Connection, payload: bytes) -> None:
     """The reward process's loop: call the reward on each batch it receives until the parent closes the pipe (or
-    dies: the pipe closes with it)."""
-    fn = import_reward(path)
+    dies: the pipe closes with it). The reward is unpickled once, so state it builds on first use (a client, a
+    judge model) lasts for the life of the process."""
+    fn = pickle.loads(payload)
     conn.send("ready")
     while True:
         try:
@@ -271,7 +317,7 @@ def _serve_reward(conn: Connection, path: str) -> None:
 
 
 class RewardProcess(_ChildProcess):
-    """Calls a reward function (by import path) in a child process, giving up on a batch after ``timeout_s``.
+    """Calls a reward (sent pickled) in a child process, giving up on a batch after ``timeout_s``.
 
     Custom rewards can be anything (running code, asking a model, a regex that backtracks forever). As for the math
     check, only a process can be stopped: when a batch runs past the deadline, the child is killed, every completion
@@ -280,10 +326,10 @@ class RewardProcess(_ChildProcess):
     It is stopped when this process exits, and, blocked on the pipe, ends by itself if this process is killed.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        super().__init__(_serve_reward, (path,), "reward", daemon=False,
-                         start_error=f"model.reward {path!r} could not be started")
+    def __init__(self, payload: bytes, name: str) -> None:
+        self.name = name
+        super().__init__(_serve_reward, (payload,), "reward", daemon=False,
+                         start_error=f"model.reward {name!r} could not be started")
 
     def __call__(self, prompts: list[str], completions: list[str], timeout_s: float,
                  **columns: list) -> list[float | None]:
@@ -299,32 +345,43 @@ class RewardProcess(_ChildProcess):
                 if kind == "rewards":
                     return value
                 if kind == "error":
-                    raise RuntimeError(f"model.reward {self.path!r} raised in its reward process:\n{value}")
+                    raise RuntimeError(f"model.reward {self.name!r} raised in its reward process:\n{value}")
                 logger.warning("the reward process of model.reward %r died on a batch of %d completions; they "
-                               "score None and a new process is started", self.path, len(completions))
+                               "score None and a new process is started", self.name, len(completions))
             else:
                 logger.warning("model.reward %r ran past model.reward_timeout_s=%.0f s on a batch of %d completions "
                                "(%.0f s): they score None (nothing is learned from them) and the reward process is "
-                               "replaced", self.path, timeout_s, len(completions), time.monotonic() - start)
+                               "replaced", self.name, timeout_s, len(completions), time.monotonic() - start)
             self._stop()
             return [None] * len(completions)
 
 
-# One reward process per reward function and training process, started on first use and shared by every module
-# that names the same function (a test session builds many).
-_REWARD_PROCESSES: dict[str, RewardProcess] = {}
+# One reward process per reward (its pickled form: the same function, or a class with the same settings) and
+# training process, started on first use and shared by every module that holds it (a test session builds many).
+_REWARD_PROCESSES: dict[bytes, RewardProcess] = {}
 
 
 class TimedReward:
-    """A reward by import path, called in its `RewardProcess` with a deadline of ``timeout_s`` per batch. Holds
-    only the two settings, so a module that holds it can still be copied and pickled."""
+    """A reward called in its `RewardProcess` with a deadline of ``timeout_s`` per batch. Holds the reward pickled,
+    as it is sent to that process, so a module that holds it can still be copied and pickled."""
 
-    def __init__(self, path: str, timeout_s: float) -> None:
-        import_reward(path)  # fail at set-up, in this process, if it cannot be imported
-        self.path, self.timeout_s = path, timeout_s
+    def __init__(self, reward: RewardFn, timeout_s: float) -> None:
+        self.name, self.timeout_s = reward_name(reward), timeout_s
+        # Fail at set-up, naming the key, rather than when the first batch is scored.
+        try:
+            self.payload = pickle.dumps(reward)
+        except Exception as err:  # pickle raises PicklingError, TypeError or AttributeError, by what it meets
+            raise ValueError(
+                f"model.reward {self.name!r} cannot be sent to its reward process: it does not pickle "
+                f"({type(err).__name__}: {err}). Define the function or class at the top level of a module, keep "
+                f"what does not pickle (locks, clients, open files) out of its attributes until the first call, or "
+                f"set model.reward_timeout_s: null to call it in the trainer's process without a deadline"
+            ) from err
 
     def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float | None]:
-        process = _REWARD_PROCESSES.setdefault(self.path, RewardProcess(self.path))
+        process = _REWARD_PROCESSES.get(self.payload)
+        if process is None:
+            process = _REWARD_PROCESSES[self.payload] = RewardProcess(self.payload, self.name)
         return process(prompts, completions, self.timeout_s, **columns)
 
 
@@ -334,3 +391,21 @@ def get_reward(name: str) -> RewardFn:
         return _REWARDS[name]
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REWARDS)}") from None
+
+
+def resolve_reward(reward: str | RewardFn, timeout_s: float | None) -> RewardFn:
+    """``model.reward`` made a callable, called in a process of its own with a deadline of `timeout_s` per batch
+    (None: in this process, without a deadline).
+
+    The reward is a built-in name ("exact_match", "math_answer"), a dotted path ("pkg.mod.fn"; a class named so is
+    built with its defaults), or a callable already built: what the command line hands over for a dotted path or a
+    ``class_path``/``init_args`` component, or what Python code passes.
+    """
+    if isinstance(reward, str):
+        reward = import_reward(reward) if "." in reward else get_reward(reward)
+    if inspect.isclass(reward):
+        reward = reward()
+    if not callable(reward):
+        raise TypeError(f"model.reward must be a reward name, a dotted path or a callable "
+                        f"fn(prompts, completions, **columns); got {type(reward).__name__}")
+    return reward if timeout_s is None else TimedReward(reward, timeout_s)

@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from lightning.pytorch.core.saving import load_hparams_from_yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import main
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
 from lightning_logra.module import RLVRModule
+from lightning_logra.rewards import TimedReward
 from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
 
 CONFIGS = sorted(glob.glob(str(Path(__file__).parents[1] / "configs" / "*.yaml")))
@@ -159,6 +162,45 @@ def test_a_model_name_not_on_disk_fails_at_once_without_network(tiny_arith_model
     with pytest.raises(FileNotFoundError, match=r"model.model: 'tiny_arth' is not a directory here .*save_pretrained"):
         main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 2), "--model.model", "tiny_arth"])
     assert time.perf_counter() - start < 20  # set-up only, no retries
+
+
+def _reward_config(tmp_path, reward) -> str:
+    path = tmp_path / "reward.yaml"
+    path.write_text(yaml.safe_dump({"model": {"reward": reward}}))
+    return str(path)
+
+
+def test_a_reward_component_from_the_config_trains_and_is_saved(tiny_arith_model, tmp_path):
+    # A class with an init_arg, as a user adds one: built from the YAML, scored in its reward process, and named
+    # with its settings in the checkpoint and in the logger's hparams.yaml.
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    reward = {"class_path": "bad_rewards.StartsWith", "init_args": {"prefix": "4"}}
+    cli = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 1),
+                "--config", _reward_config(tmp_path, reward)])
+    assert isinstance(cli.model.reward_fn, TimedReward) and cli.model.reward_fn.name == "bad_rewards.StartsWith"
+    assert cli.model.reward_fn(["p"] * 3, ["42", "24", "4"]) == [1.0, 0.0, 1.0]
+    checkpoint = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0]
+    assert torch.load(checkpoint, weights_only=False)["hyper_parameters"]["reward"] == reward
+    (hparams,) = glob.glob(str(tmp_path / "**" / "hparams.yaml"), recursive=True)
+    assert load_hparams_from_yaml(hparams)["reward"] == reward
+
+
+@pytest.mark.parametrize("reward, error, message", [
+    ({"class_path": "bad_rewards.StartsWith", "init_args": {"prefx": "4"}}, SystemExit, "'prefx' is not accepted"),
+    ({"class_path": "bad_rewards.StartsWith"}, SystemExit, "arguments are required: prefix"),
+    ({"class_path": "bad_rewards.Nope"}, SystemExit, "has no attribute 'Nope'"),
+    ("exact_mtch", SystemExit, "exact_mtch"),
+    ("bad_rewards.nope", SystemExit, "has no attribute 'nope'"),
+    ({"class_path": "bad_rewards.HoldsALock"}, ValueError,
+     "model.reward 'bad_rewards.HoldsALock' cannot be sent to its reward process: it does not pickle"),
+], ids=["wrong init_arg", "missing init_arg", "no such class", "unknown name", "no such function", "unpicklable"])
+def test_a_bad_reward_fails_at_parse_or_set_up(tmp_path, capsys, reward, error, message):
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    with pytest.raises(error) as info:
+        main(["--config", config, "--config", _reward_config(tmp_path, reward), "--trainer.logger", "false"],
+             run=False)
+    shown = capsys.readouterr().err if error is SystemExit else str(info.value)
+    assert message in shown
 
 
 def test_missing_data_file_names_the_key(tmp_path):

@@ -3,6 +3,7 @@ import math
 import os
 import threading
 import time
+from typing import get_args
 
 import psutil
 import pytest
@@ -10,8 +11,19 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_logra.data.module import ArithDataModule
+import bad_rewards
+from lightning_logra import rewards
 from lightning_logra.module import RLVRModule, reward_tensor
-from lightning_logra.rewards import TimedReward, exact_match, extract_final_answer, get_reward, math_answer
+from lightning_logra.rewards import (
+    MathAnswer,
+    RewardName,
+    TimedReward,
+    exact_match,
+    extract_final_answer,
+    get_reward,
+    math_answer,
+    resolve_reward,
+)
 
 
 def test_exact_match_strips_whitespace_and_ignores_other_columns():
@@ -91,10 +103,11 @@ def test_math_answer_cuts_off_a_slow_check_and_recovers(caplog):
     # A real pathological answer, not a mock: sympy tries to settle 10^(10^10) = 1 and does not return for
     # minutes (math-verify's own alarm-based timeout, which cannot be used on this thread, is what normally stops
     # it). The check must be abandoned at the timeout, score 0.0, and leave a working verifier for the next answer.
+    # The timeout is set as a config sets it, through the class form's init_arg.
     completions = [r"\boxed{10^{10^{10}}}", r"\boxed{2}"]
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
-        scores = _in_thread(math_answer, ["p", "p"], completions, answer=["1", "2"], timeout_s=1.0)
+        scores = _in_thread(MathAnswer(timeout_s=1.0), ["p", "p"], completions, answer=["1", "2"])
     elapsed = time.monotonic() - start
     assert scores == [0.0, 1.0]
     assert any("exceeded 1.0 s" in record.getMessage() for record in caplog.records)
@@ -107,6 +120,19 @@ def test_get_reward():
     assert get_reward("math_answer") is math_answer
     with pytest.raises(ValueError, match=r"unknown reward 'f1'; known rewards: \['exact_match', 'math_answer'\]"):
         get_reward("f1")
+    # the names the config parser accepts are the built-in rewards
+    assert sorted(get_args(RewardName)) == sorted(rewards._REWARDS)
+
+
+def test_the_string_forms_resolve_as_before():
+    assert resolve_reward("math_answer", None) is math_answer
+    assert resolve_reward("bad_rewards.sleepy_reward", None) is bad_rewards.sleepy_reward
+    built = resolve_reward("lightning_logra.rewards.MathAnswer", None)  # a class named by path: its defaults
+    assert isinstance(built, MathAnswer) and built.timeout_s == rewards.DEFAULT_TIMEOUT_S
+    with pytest.raises(ValueError, match=r"model.reward: cannot import 'bad_rewards.nope'"):
+        resolve_reward("bad_rewards.nope", None)
+    with pytest.raises(ValueError, match=r"MathAnswer's timeout_s must be a positive number of seconds, got 0"):
+        MathAnswer(timeout_s=0)
 
 
 # ---- custom rewards: a deadline per batch, and bad output ----------------------------------------------------------
@@ -114,7 +140,7 @@ def test_get_reward():
 
 
 def test_a_custom_reward_past_its_deadline_is_stopped_and_the_batch_scores_none(caplog):
-    reward = TimedReward("bad_rewards.sleepy_reward", timeout_s=2.0)
+    reward = resolve_reward("bad_rewards.sleepy_reward", timeout_s=2.0)
     pid = int(reward(["p"], ["ok"])[0])  # starts the reward process (not counted against the deadline)
     assert pid != os.getpid()
     start = time.monotonic()
@@ -133,9 +159,29 @@ def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
     assert RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=None).reward_fn is exact_match
 
 
+def test_a_class_reward_keeps_its_settings_in_its_reward_process():
+    reward = resolve_reward(bad_rewards.StartsWith(prefix="4"), timeout_s=60.0)
+    assert reward(["p"] * 3, ["42", "24", "4"]) == [1.0, 0.0, 1.0]
+    child = rewards._REWARD_PROCESSES[reward.payload]._process
+    assert child.is_alive() and child.pid != os.getpid()  # it was scored there, not here
+    # other settings are another reward, with a process of its own
+    assert resolve_reward(bad_rewards.StartsWith(prefix="2"), timeout_s=60.0)(["p"], ["24"]) == [1.0]
+    assert rewards._REWARD_PROCESSES[reward.payload]._process is child
+
+
+def test_a_reward_that_does_not_pickle_is_refused_at_set_up_naming_the_key(tiny_arith_model):
+    with pytest.raises(ValueError, match=r"model.reward 'bad_rewards.HoldsALock' cannot be sent to its reward "
+                                         r"process: it does not pickle \(TypeError: cannot pickle '_thread.lock'"):
+        RLVRModule(tiny_arith_model, reward=bad_rewards.HoldsALock(), reward_timeout_s=60.0)
+    with pytest.raises(ValueError, match=r"model.reward 'test_rewards.*<lambda>' cannot be sent .*local object"):
+        RLVRModule(tiny_arith_model, reward=lambda prompts, completions, **_: [0.0], reward_timeout_s=60.0)
+    # in the trainer's process nothing is sent
+    assert resolve_reward(bad_rewards.HoldsALock(), timeout_s=None)(["p"], ["c"]) == [0.0]
+
+
 def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
     with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError"):
-        TimedReward("bad_rewards.broken_reward", timeout_s=60.0)(["p"], ["c"], answer=["1"])
+        resolve_reward("bad_rewards.broken_reward", timeout_s=60.0)(["p"], ["c"], answer=["1"])
 
 
 def test_reward_output_is_checked_and_a_nan_drops_only_its_group():

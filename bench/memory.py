@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from plotting import pyplot, save_figure  # bench/plotting.py (this script's fol
 
 from lightning_logra.callbacks.memory import GIB, StepSampler, process_rss_reader
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
+from lightning_logra.sketch import SketchAdam, SketchSGD
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
@@ -162,7 +164,7 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     if method == "dense_adamw":
         return model, [torch.optim.AdamW(model.parameters(), lr=args.lr)]
     if method in ("logra", "logra_adam"):
-        sketch = SketchConfig(rank=args.rank, optimizer="sgd" if method == "logra" else "adam", lr=args.lr)
+        sketch = SketchConfig(rank=args.rank, optimizer=partial(SketchSGD if method == "logra" else SketchAdam, lr=args.lr))
         return model, sketch.build_optimizers(model, sketch.install(model))
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -246,7 +248,7 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
     trainer = Trainer(
         accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[timer, profiler],
-        strategy=SketchStrategy(SketchConfig(rank=args.rank, optimizer="sgd", lr=args.lr), device="cpu"),
+        strategy=SketchStrategy(SketchConfig(rank=args.rank, optimizer=partial(SketchSGD, lr=args.lr)), device="cpu"),
     )
     trainer.fit(Replay(model.train(), batch))
     averages = [average for average, _ in profiler.steps]

@@ -37,8 +37,8 @@ from lightning_logra.sketch.rounding import rounding_key  # noqa: E402
 
 VARIANTS = {
     "fp32": ["--trainer.precision", "32-true", "--model.dtype", "float32"],
-    "bf16, nearest": ["--trainer.strategy.init_args.sketch.rounding", "nearest"],
-    "bf16, stochastic": ["--trainer.strategy.init_args.sketch.rounding", "stochastic"],
+    "bf16, nearest": ["--trainer.strategy.init_args.sketch.optimizer.rounding", "nearest"],
+    "bf16, stochastic": ["--trainer.strategy.init_args.sketch.optimizer.rounding", "stochastic"],
 }
 
 
@@ -95,7 +95,7 @@ def _log_name(run: dict) -> str:
 
 def command(run: dict, args: argparse.Namespace) -> list[str]:
     seed = str(run["seed"])
-    lr = [] if args.lr is None else ["--trainer.strategy.init_args.sketch.lr", str(args.lr)]
+    lr = [] if args.lr is None else ["--trainer.strategy.init_args.sketch.optimizer.lr", str(args.lr)]
     return cli_command("tiny_arith_bf16.yaml", args.steps, args.runs_dir, _log_name(run), *VARIANTS[run["variant"]],
                        "--seed_everything", seed, "--model.seed", seed, "--data.init_args.seed", seed, *lr)
 

@@ -133,7 +133,7 @@ def reward_runs(args: argparse.Namespace) -> list[dict]:
 def run_command(run: dict, args: argparse.Namespace) -> list[str]:
     sketch = "--trainer.strategy.init_args.sketch."
     # A fixed projection is the config's own setting (refresh_every: null), which the command line cannot restate.
-    refresh = [] if run["refresh"] is None else [f"{sketch}refresh_every", str(run["refresh"])]
+    refresh = [] if run["refresh"] is None else [f"{sketch}optimizer.refresh_every", str(run["refresh"])]
     return cli_command("tiny_arith.yaml", args.steps, args.runs_dir, _log_name(run), f"{sketch}rank", str(run["rank"]),
                        f"{sketch}distribution", run["distribution"], *refresh)
 

@@ -1,4 +1,11 @@
-"""Checkpoints written atomically: a crash mid-save leaves the previous checkpoint, never a truncated one.
+"""Checkpoints that say what they are, written atomically.
+
+Every checkpoint of an RLVRModule carries a `lightning_logra` entry: the format version and the settings its state
+is only valid under (the weights' dtype, sketch or dense training; the sketch optimizer adds its own settings to its
+state). Resuming under other settings, or from a newer format, is refused with the reason; a checkpoint of format 1
+(written before checkpoints said what they are: the same layout without the entry) loads as it is, with a warning.
+
+A crash mid-save leaves the previous checkpoint, never a truncated one.
 
 Each save writes a hidden temporary file beside the checkpoint (`.last.ckpt.<pid>.<random>.tmp`) and renames it
 over the checkpoint when complete. A process killed mid-save (SIGKILL, out of memory) leaves its temporary file
@@ -9,6 +16,7 @@ with one message that names the checkpoint and says what to do; the previous che
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -16,6 +24,46 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 1: no `lightning_logra` entry; 2: the entry, the sketch optimizer's settings and update counter
+KEY = "lightning_logra"
+
+
+def stamp(weights_dtype: str, training: str) -> dict[str, Any]:
+    """What a checkpoint records about itself: the format and the settings its state is only valid under."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("lightning-logra")
+    except PackageNotFoundError:
+        package = "unknown"
+    return {"format": FORMAT, "package": package, "weights_dtype": weights_dtype, "training": training}
+
+
+def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume `checkpoint` under the settings `current` (a `stamp`) when its state would be misread."""
+    saved = checkpoint.get(KEY)
+    if saved is None:
+        log.warning("the checkpoint is of format 1 (it does not record its settings): resuming without checking "
+                    "them; it is read as it is, format 2 only adds that record")
+        return
+    if saved["format"] > FORMAT:
+        raise ValueError(f"cannot resume: the checkpoint is of format {saved['format']} (lightning-logra "
+                         f"{saved['package']}), and this lightning-logra ({current['package']}) reads formats up to "
+                         f"{FORMAT}; upgrade lightning-logra")
+    differences = []
+    if saved["weights_dtype"] != current["weights_dtype"]:
+        differences.append(f"model.dtype / trainer.precision: the checkpoint's weights are {saved['weights_dtype']}, "
+                           f"this run's {current['weights_dtype']}")
+    if saved["training"] != current["training"]:
+        differences.append(f"trainer.strategy: the checkpoint was trained {saved['training']}, this run trains "
+                           f"{current['training']} (its optimizer state does not fit)")
+    if differences:
+        raise ValueError("cannot resume: " + "; ".join(differences) + ". Resume with the checkpoint's settings, or "
+                         "start a new run from its weights (export them with model.export_dir, then train from that "
+                         "folder)")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

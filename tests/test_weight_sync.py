@@ -3,6 +3,7 @@ rollout engine with its own weight copy following the trainer through real train
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_logra.module import RLVRModule
 from lightning_logra.rollout import HFEngine, fingerprint
 from lightning_logra.sketch.update import LowRankDelta
 from lightning_logra.update import Update
+from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.strategy import SketchStrategy
 from conftest import SKETCH_TARGETS, EngineSnapshot
@@ -98,7 +100,7 @@ def _module(model_path, engine=None, **kwargs):
 
 
 def _trainer(root, callbacks, steps=3, refresh_every=None):
-    sketch = SketchConfig(SKETCH_TARGETS, rank=8, optimizer="adam", lr=1e-2, refresh_every=refresh_every)
+    sketch = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-2, refresh_every=refresh_every))
     return Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,

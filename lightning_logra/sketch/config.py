@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_logra.sketch.install import install_sketches
 from lightning_logra.sketch.linear import SketchedLinear
-from lightning_logra.sketch.optim import FACTOR_DTYPES, SketchAdam, SketchOptimizer, SketchSGD
-from lightning_logra.sketch.rounding import LOW_PRECISION, check_rounding
+from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchOptimizerFactory
+from lightning_logra.sketch.rounding import LOW_PRECISION
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -23,27 +23,14 @@ class SketchConfig:
     rank: int = 64
     seed: int = 0
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
-    refresh_every: int | None = None  # None: a fixed projection (the paper's default)
-    optimizer: Literal["sgd", "adam"] = "adam"
-    lr: float = 1e-5
-    momentum: float = 0.0  # sgd only
-    betas: tuple[float, float] = (0.9, 0.999)  # adam only
-    eps: float = 1e-8  # adam only
+    # The sketch optimizer: a SketchOptimizer subclass, with its hyperparameters bound by a config's init_args
+    # (lr, betas, ..., refresh_every, rounding, factor_dtype); it is given the sketched layers when training starts.
+    optimizer: SketchOptimizerFactory = SketchAdam
     cache_projection: bool = True
-    # How a merge rounds into bf16/fp16 weights: "stochastic" (unbiased; a no-op for fp32) or "nearest", which at
-    # RL learning rates loses most of each update. See lightning_logra/sketch/rounding.py.
-    rounding: Literal["stochastic", "nearest"] = "stochastic"
-    # The dtype F = α·η·U is rounded to before it is merged and sent to a rollout engine (bfloat16 halves the sync).
-    factor_dtype: Literal["float32", "bfloat16"] = "float32"
     train_bias: bool = False  # biases of sketched layers, trained densely
     train_rest: bool = False  # every other parameter (embeddings, norms, ...) trained densely with AdamW
     rest_lr: float = 1e-6
     rest_weight_decay: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_rounding(self.rounding, "sketch.rounding")
-        if self.factor_dtype not in FACTOR_DTYPES:
-            raise ValueError(f"sketch.factor_dtype must be one of {list(FACTOR_DTYPES)}, got {self.factor_dtype!r}")
 
     def install(self, model: nn.Module) -> dict[str, SketchedLinear]:
         """Install the sketches; freeze every other parameter unless `train_rest`."""
@@ -60,14 +47,10 @@ class SketchConfig:
 
     def build_optimizers(self, model: nn.Module, handles: dict[str, SketchedLinear]) -> list[torch.optim.Optimizer]:
         """[sketch optimizer] plus, when anything else is trainable, an AdamW over it."""
-        sketch: SketchOptimizer
-        if self.optimizer == "sgd":
-            sketch = SketchSGD(handles, self.lr, self.momentum, self.refresh_every, self.rounding, self.factor_dtype)
-        elif self.optimizer == "adam":
-            sketch = SketchAdam(handles, self.lr, self.betas, self.eps, self.refresh_every, self.rounding,
-                                self.factor_dtype)
-        else:
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        sketch = self.optimizer(handles)
+        if not isinstance(sketch, SketchOptimizer):
+            raise TypeError(f"sketch.optimizer must build a lightning_logra.sketch.SketchOptimizer (SketchAdam, "
+                            f"SketchSGD or a subclass), got {type(sketch).__name__}")
         sketch_params = {id(h.sketch_param) for h in handles.values()}
         dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sketch_params]
         if not dense:

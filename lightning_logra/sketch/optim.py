@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
 
 import torch
 
@@ -37,20 +38,40 @@ from lightning_logra.sketch.update import LowRankDelta, apply_low_rank_update_
 log = logging.getLogger(__name__)
 
 FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+Rounding = Literal["stochastic", "nearest"]
+FactorDtype = Literal["float32", "bfloat16"]
+Layers = Mapping[str, SketchedLinear] | Iterable[SketchedLinear]
 _PROBE_ENTRIES = 1024  # entries per matrix sampled to measure the landed fraction
 _LANDED_WARNING = (20, 0.5)  # warn when the mean landed fraction over this many updates is below this
 
 
 class SketchOptimizer(torch.optim.Optimizer):
-    """Base class; subclasses define `_direction(S, state, group) -> U`."""
+    """Base class; subclasses define `_direction(S, state, group) -> U` and `state_tensors_per_layer()`.
+
+    A new sketch optimizer is one subclass in one file: its constructor takes the layers first, then its own
+    hyperparameters (typed: configs are checked against them), then `refresh_every`, `rounding` and
+    `factor_dtype`, which it hands to this class. A config selects it like any component:
+
+        sketch:
+          optimizer:
+            class_path: my_package.MySketchOptimizer
+            init_args: {lr: 1.0e-5, my_setting: 3}
+
+    Common settings (all subclasses):
+        refresh_every: switch every layer to a new projection after this many applied updates (None: fixed A).
+        rounding: how a merge rounds into bf16/fp16 weights ("stochastic": unbiased, a no-op for fp32 weights;
+            "nearest" loses most of each update at RL learning rates). See `lightning_logra/sketch/rounding.py`.
+        factor_dtype: the dtype F = α·η·U is rounded to before it is merged and sent to a rollout engine
+            ("bfloat16" halves the sync).
+    """
 
     def __init__(
         self,
-        layers: Mapping[str, SketchedLinear] | Iterable[SketchedLinear],
+        layers: Layers,
         defaults: dict,
         refresh_every: int | None = None,
-        rounding: str = "stochastic",
-        factor_dtype: str = "float32",
+        rounding: Rounding = "stochastic",
+        factor_dtype: FactorDtype = "float32",
     ) -> None:
         layers = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
         if not layers:
@@ -188,7 +209,7 @@ class SketchOptimizer(torch.optim.Optimizer):
             self._warned_landed = True
             log.warning(
                 "only %.0f%% of each sketch update reached the weights on average over the last %d updates "
-                "(landed fraction %.3f): %s weights round the small updates away. Use sketch.rounding: stochastic, "
+                "(landed fraction %.3f): %s weights round the small updates away. Use sketch.optimizer.rounding: stochastic, "
                 "or fp32 weights (precision bf16-mixed / 32-true), or a larger learning rate.",
                 100 * mean, count, mean, str(self.layers[0].weight.dtype).removeprefix("torch."),
             )
@@ -254,7 +275,7 @@ def _check_same_sketch(saved: dict, current: dict) -> None:
     if saved["optimizer"] != current["optimizer"]:
         differences.append(f"sketch.optimizer: checkpoint {saved['optimizer']}, this run {current['optimizer']}")
     if saved["refresh_every"] != current["refresh_every"]:
-        differences.append(f"sketch.refresh_every: checkpoint {saved['refresh_every']}, "
+        differences.append(f"sketch.optimizer.refresh_every: checkpoint {saved['refresh_every']}, "
                            f"this run {current['refresh_every']}")
     if sorted(saved["layers"]) != sorted(current["layers"]):
         differences.append(f"sketch.target_modules: checkpoint sketches {len(saved['layers'])} matrices, this run "
@@ -275,8 +296,8 @@ def _check_same_sketch(saved: dict, current: dict) -> None:
 class SketchSGD(SketchOptimizer):
     """U = S, or heavy-ball momentum M ← β·M + S, U = M (as torch.optim.SGD with dampening 0)."""
 
-    def __init__(self, layers, lr: float, momentum: float = 0.0, refresh_every: int | None = None,
-                 rounding: str = "stochastic", factor_dtype: str = "float32") -> None:
+    def __init__(self, layers: Layers, lr: float, momentum: float = 0.0, refresh_every: int | None = None,
+                 rounding: Rounding = "stochastic", factor_dtype: FactorDtype = "float32") -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         super().__init__(layers, dict(lr=lr, momentum=momentum), refresh_every, rounding, factor_dtype)
@@ -301,13 +322,13 @@ class SketchAdam(SketchOptimizer):
 
     def __init__(
         self,
-        layers,
-        lr: float,
+        layers: Layers,
+        lr: float = 1e-5,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         refresh_every: int | None = None,
-        rounding: str = "stochastic",
-        factor_dtype: str = "float32",
+        rounding: Rounding = "stochastic",
+        factor_dtype: FactorDtype = "float32",
     ) -> None:
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
@@ -329,3 +350,8 @@ class SketchAdam(SketchOptimizer):
 
     def state_tensors_per_layer(self) -> int:
         return 2
+
+
+# What `sketch.optimizer` holds: a sketch optimizer class, or one with its hyperparameters bound (a config's
+# class_path + init_args), still to be given the layers.
+SketchOptimizerFactory = Callable[[Layers], SketchOptimizer]

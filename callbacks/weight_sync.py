@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_logra.rollout import fingerprint
+from lightning_logra.sketch.install import sketch_carriers
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class RolloutWeightSync(Callback):
     def _engine_tensors(pl_module: LightningModule) -> dict[str, torch.Tensor]:
         """Every parameter of the policy, as the engine holds it too (the sketch carriers B are not parameters of the
         model's files and are left out)."""
-        return {name: p.detach() for name, p in pl_module.policy.named_parameters() if ".sketch_param" not in name}
+        carriers = sketch_carriers(pl_module.policy)
+        return {name: p.detach() for name, p in pl_module.policy.named_parameters() if id(p) not in carriers}
 
     def full_sync(self) -> int:
         """Load every parameter of the policy into the engine; returns the bytes sent."""

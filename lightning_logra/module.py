@@ -96,6 +96,32 @@ def check_hub_model(model: str) -> None:
         raise FileNotFoundError(f"{where} ({host}: {err}): {fix}") from None
 
 
+def _check_settings(hp: Any) -> None:
+    """The module's settings, checked before any weights are loaded; each error names its key."""
+    for key in ("num_generations", "max_new_tokens", "micro_batch_size"):
+        if hp[key] < 1:
+            raise ValueError(f"model.{key} must be a positive integer, got {hp[key]}")
+    if hp.num_generations < 2:
+        raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
+    if hp.temperature <= 0:
+        raise ValueError(f"model.temperature must be positive for sampling, got {hp.temperature}")
+    if not 0 < hp.top_p <= 1:
+        raise ValueError(f"model.top_p must be in (0, 1], got {hp.top_p}")
+    if hp.is_cap is not None and hp.is_cap <= 0:
+        raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {hp.is_cap}")
+    if hp.reward_timeout_s is not None and not hp.reward_timeout_s > 0:
+        raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
+                         f"got {hp.reward_timeout_s}")
+    if hp.max_unlearnable_steps is not None and hp.max_unlearnable_steps < 1:
+        raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
+                         f"got {hp.max_unlearnable_steps}")
+    if hp.loss_type not in LOSS_TYPES:
+        raise ValueError(f"model.loss_type must be one of {list(LOSS_TYPES)}, got {hp.loss_type!r}")
+    # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
+    if not Path(hp.model).exists() and (hp.model.startswith((".", "/", "~")) or hp.model.count("/") > 1):
+        raise FileNotFoundError(f"model.model: no such model directory {hp.model!r}")
+
+
 class RLVRModule(LightningModule):
     def __init__(
         self,
@@ -151,33 +177,11 @@ class RLVRModule(LightningModule):
                 about when no completion got a usable reward at all.
         """
         super().__init__()
-        for key, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
-                           ("micro_batch_size", micro_batch_size)):
-            if value < 1:
-                raise ValueError(f"model.{key} must be a positive integer, got {value}")
-        if num_generations < 2:
-            raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
-        if temperature <= 0:
-            raise ValueError(f"model.temperature must be positive for sampling, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"model.top_p must be in (0, 1], got {top_p}")
-        if is_cap is not None and is_cap <= 0:
-            raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {is_cap}")
-        if reward_timeout_s is not None and not reward_timeout_s > 0:
-            raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
-                             f"got {reward_timeout_s}")
-        if max_unlearnable_steps is not None and max_unlearnable_steps < 1:
-            raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
-                             f"got {max_unlearnable_steps}")
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"model.loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
-        # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
-        if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
-            raise FileNotFoundError(f"model.model: no such model directory {model!r}")
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
         # refused here, naming the key.
         self.reward_fn = resolve_reward(reward, reward_timeout_s)
         self.save_hyperparameters(ignore=["engine"])
+        _check_settings(self.hparams)
         self.automatic_optimization = False
         self.unlearnable_steps = 0  # training steps in a row with nothing to learn (max_unlearnable_steps)
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
@@ -373,7 +377,9 @@ class RLVRModule(LightningModule):
         controller = self._controller
         # With a controller, dense steps are proposals until α is chosen: α scales the whole update.
         held = controller is not None and finite
-        proposed = {p: value for opt, step in (dense if held else ()) for p, value in propose_dense(opt, step).items()}
+        proposed: dict[torch.Tensor, torch.Tensor] = {}  # {dense parameter: its value after the full step}
+        for opt, step in dense if held else ():
+            proposed.update(propose_dense(opt, step))
         names = {p: name for name, p in self.policy.named_parameters()}
         alpha = 1.0
 

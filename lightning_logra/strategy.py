@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_logra.checkpoint import AtomicCheckpointIO
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.sketch.install import sketched_layers
+from lightning_logra.sketch.install import sketch_carriers, sketched_layers
 from lightning_logra.sketch.linear import SketchedLinear
 
 
@@ -98,8 +98,9 @@ class SketchDDPStrategy(SketchTraining, DDPStrategy):
     def configure_ddp(self) -> None:
         # Instead of wrapping in DDP: start every rank from rank 0's weights (the stride-0 sketch carriers B = 0
         # are the same everywhere and cannot be broadcast into).
+        carriers = sketch_carriers(self.model)
         self.model._ddp_params_and_buffers_to_ignore = [
-            name for name, p in self.model.named_parameters() if any(p is h.sketch_param for h in self.handles.values())
+            name for name, p in self.model.named_parameters() if id(p) in carriers
         ]
         _sync_module_states(self.model)
 

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_logra.sketch.install import install_sketches
+from lightning_logra.sketch.install import install_sketches, sketch_carriers
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchOptimizerFactory
 from lightning_logra.sketch.rounding import LOW_PRECISION
@@ -38,10 +38,10 @@ class SketchConfig:
             model, self.target_modules, self.rank, self.seed, self.distribution,
             cache_projection=self.cache_projection, train_bias=self.train_bias,
         )
-        sketch_params = {id(h.sketch_param) for h in handles.values()}
+        carriers = sketch_carriers(model)
         biases = {id(h.bias) for h in handles.values() if h.bias is not None}
         for param in model.parameters():
-            if id(param) not in sketch_params and id(param) not in biases and param.requires_grad:
+            if id(param) not in carriers and id(param) not in biases and param.requires_grad:
                 param.requires_grad_(self.train_rest)
         return handles
 
@@ -51,8 +51,8 @@ class SketchConfig:
         if not isinstance(sketch, SketchOptimizer):
             raise TypeError(f"sketch.optimizer must build a lightning_logra.sketch.SketchOptimizer (SketchAdam, "
                             f"SketchSGD or a subclass), got {type(sketch).__name__}")
-        sketch_params = {id(h.sketch_param) for h in handles.values()}
-        dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sketch_params]
+        carriers = sketch_carriers(model)
+        dense = [p for p in model.parameters() if p.requires_grad and id(p) not in carriers]
         if not dense:
             return [sketch]
         low = sorted({str(p.dtype).removeprefix("torch.") for p in dense if p.dtype in LOW_PRECISION})

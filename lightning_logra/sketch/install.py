@@ -40,7 +40,22 @@ def install_sketches(
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
     if rank < 1:
         raise ValueError(f"rank must be a positive integer, got {rank}")
+    selected = select_targets(model, target_modules, rank)
+    handles: dict[str, SketchedLinear] = {}
+    for name, linear in selected.items():
+        handle = SketchedLinear(linear, name, rank, seed, distribution, cache_projection)
+        if linear.bias is not None:
+            linear.bias.requires_grad_(train_bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, handle)
+        handles[name] = handle
+    return handles
 
+
+def select_targets(model: nn.Module, target_modules: Sequence[str], rank: int) -> dict[str, nn.Linear]:
+    """{name: nn.Linear} of every module `target_modules` selects, in module order; an error naming the pattern for
+    one that selects nothing, something other than an nn.Linear, a layer already sketched, a weight shared with
+    another module, or a matrix whose in_features is not larger than `rank`."""
     modules = dict(model.named_modules())
     owners: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
@@ -55,42 +70,40 @@ def install_sketches(
                 f"linear layers it has: {linear_suffixes}"
             )
         for name in names:
-            module = modules[name]
-            if isinstance(module, SketchedLinear):
-                raise ValueError(f"target_modules: {name!r} is already sketched (install_sketches ran twice?)")
-            if not isinstance(module, nn.Linear):
-                raise TypeError(
-                    f"target_modules: {pattern!r} matches {name!r}, a {type(module).__name__}, not an nn.Linear; "
-                    "use a more specific pattern"
-                )
-            d, k = module.out_features, module.in_features
-            if rank >= k:
-                # The sketch (d×r) replaces the gradient (d×k): it saves memory exactly when r < k. r ≥ d is fine
-                # (k/v projections with few KV heads have small d), since A still compresses the k inputs.
-                raise ValueError(
-                    f"rank={rank} must be smaller than in_features={k} of {name!r}: the d×r sketch replaces the "
-                    f"d×k gradient, so it saves memory only when r < k; lower the rank or drop this target"
-                )
-            tied = owners.get(id(module.weight), [])
-            if len(tied) > 1:
-                raise ValueError(
-                    f"target_modules: the weight of {name!r} is shared by {tied} (tied embeddings?); sketching it "
-                    "would change all of them through one projection; drop this target"
-                )
-            selected[name] = module
+            selected[name] = _check_target(modules[name], name, pattern, rank, owners)
+    return {name: selected[name] for name in sorted(selected, key=list(modules).index)}
 
-    handles: dict[str, SketchedLinear] = {}
-    for name in sorted(selected, key=list(modules).index):
-        linear = selected[name]
-        handle = SketchedLinear(linear, name, rank, seed, distribution, cache_projection)
-        if linear.bias is not None:
-            linear.bias.requires_grad_(train_bias)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, handle)
-        handles[name] = handle
-    return handles
+
+def _check_target(module: nn.Module, name: str, pattern: str, rank: int, owners: dict[int, list[str]]) -> nn.Linear:
+    if isinstance(module, SketchedLinear):
+        raise ValueError(f"target_modules: {name!r} is already sketched (install_sketches ran twice?)")
+    if not isinstance(module, nn.Linear):
+        raise TypeError(
+            f"target_modules: {pattern!r} matches {name!r}, a {type(module).__name__}, not an nn.Linear; "
+            "use a more specific pattern"
+        )
+    if rank >= module.in_features:
+        # The sketch (d×r) replaces the gradient (d×k): it saves memory exactly when r < k. r ≥ d is fine (k/v
+        # projections with few KV heads have small d), since A still compresses the k inputs.
+        raise ValueError(
+            f"rank={rank} must be smaller than in_features={module.in_features} of {name!r}: the d×r sketch "
+            f"replaces the d×k gradient, so it saves memory only when r < k; lower the rank or drop this target"
+        )
+    tied = owners.get(id(module.weight), [])
+    if len(tied) > 1:
+        raise ValueError(
+            f"target_modules: the weight of {name!r} is shared by {tied} (tied embeddings?); sketching it "
+            "would change all of them through one projection; drop this target"
+        )
+    return module
 
 
 def sketched_layers(model: nn.Module) -> dict[str, SketchedLinear]:
     """The handles of a model whose sketches were installed earlier (e.g. after loading it elsewhere)."""
     return {name: module for name, module in model.named_modules() if isinstance(module, SketchedLinear)}
+
+
+def sketch_carriers(model: nn.Module) -> set[int]:
+    """The ids of the model's sketch carriers: the stride-0 zero parameters B whose .grad is a layer's sketch. They
+    are not weights of the model: never trained densely, synced to an engine or broadcast between ranks."""
+    return {id(layer.sketch_param) for layer in sketched_layers(model).values()}

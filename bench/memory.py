@@ -164,7 +164,8 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     if method == "dense_adamw":
         return model, [torch.optim.AdamW(model.parameters(), lr=args.lr)]
     if method in ("logra", "logra_adam"):
-        sketch = SketchConfig(rank=args.rank, optimizer=partial(SketchSGD if method == "logra" else SketchAdam, lr=args.lr))
+        optimizer = SketchSGD if method == "logra" else SketchAdam
+        sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr))
         return model, sketch.build_optimizers(model, sketch.install(model))
     if method == "lora":
         from peft import LoraConfig, get_peft_model

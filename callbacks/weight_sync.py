@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 class RolloutWeightSync(Callback):
     """
-    F travels in the dtype the sketch optimizer merged it in (`sketch.optimizer.factor_dtype`), with the key of its stochastic
-    rounding into low-precision weights, so the engine's merge reproduces the trainer's bit for bit.
+    F travels in the dtype the sketch optimizer merged it in (`sketch.optimizer.factor_dtype`), with the key of its
+    stochastic rounding into low-precision weights, so the engine's merge reproduces the trainer's bit for bit.
 
     Args:
         check_every: compare fingerprints every this many syncs (None: never, except on demand with `check`).

@@ -444,8 +444,8 @@ class RLVRModule(LightningModule):
         if self.engine is not None and not self.engine.samples_from(self.policy) and self.engine.on_restart is None:
             raise ValueError(
                 f"model.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them equal to "
-                "the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (or set model.engine: "
-                "null to generate with the policy itself)"
+                "the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (or set "
+                "model.engine: null to generate with the policy itself)"
             )
 
     def on_fit_start(self) -> None:

@@ -16,8 +16,8 @@ from lightning_logra.sketch.config import SketchConfig
 # SGD with momentum and the sketches alone; Adam with an AdamW over everything else (embeddings, norms).
 CONFIGS = {
     "sgd": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchSGD, lr=0.05, momentum=0.9)),
-    "adam_train_rest": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchAdam, lr=1e-2), train_rest=True,
-                            rest_lr=1e-3),
+    "adam_train_rest": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchAdam, lr=1e-2),
+                            train_rest=True, rest_lr=1e-3),
 }
 
 

@@ -1,4 +1,5 @@
-"""The layers only point down: the math (sketch, KL, loss) and the batch/hash helpers never import the engines."""
+"""The layers only point down: the math (sketch, KL, loss), the update type and the step-size contract, and the
+batch/hash helpers never import the engines (nor Lightning)."""
 
 import subprocess
 import sys
@@ -6,7 +7,7 @@ import sys
 import pytest
 
 MATH = ["lightning_logra.sketch", "lightning_logra.kl", "lightning_logra.loss", "lightning_logra.batch",
-        "lightning_logra.hashing"]
+        "lightning_logra.hashing", "lightning_logra.update", "lightning_logra.control"]
 
 
 @pytest.mark.parametrize("module", MATH)

@@ -20,7 +20,8 @@ STEPS = 3
 
 def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model):
     policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))  # steps ≪ half an ulp: rounding matters
+    # steps ≪ half an ulp: rounding matters
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))
     handles = config.install(policy)
     (optimizer,) = config.build_optimizers(policy, handles)
     names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]

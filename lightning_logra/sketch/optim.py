@@ -209,8 +209,8 @@ class SketchOptimizer(torch.optim.Optimizer):
             self._warned_landed = True
             log.warning(
                 "only %.0f%% of each sketch update reached the weights on average over the last %d updates "
-                "(landed fraction %.3f): %s weights round the small updates away. Use sketch.optimizer.rounding: stochastic, "
-                "or fp32 weights (precision bf16-mixed / 32-true), or a larger learning rate.",
+                "(landed fraction %.3f): %s weights round the small updates away. Use sketch.optimizer.rounding: "
+                "stochastic, or fp32 weights (precision bf16-mixed / 32-true), or a larger learning rate.",
                 100 * mean, count, mean, str(self.layers[0].weight.dtype).removeprefix("torch."),
             )
 

@@ -357,20 +357,8 @@ class RLVRModule(LightningModule):
         inner = [opt.optimizer for opt in optimizers]
         # Only the first optimizer steps through Lightning, so that global_step counts training steps.
         steps = [optimizers[0].step] + [opt.step for opt in inner[1:]]
-        params = [p for opt in inner for group in opt.param_groups for p in group["params"]]
-        strategy = self.trainer.strategy
-        if isinstance(strategy, SketchTraining):
-            strategy.sum_gradients(params)  # one all-reduce of the d×r sketches (and dense grads) per step
-            self.log_dict(strategy.gradient_sum_metrics())
-        with_grad = [p for p in params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])  # sketches too: E‖G·Aᵀ‖² = ‖G‖²
+        grad_norm = self._sum_and_clip([p for opt in inner for group in opt.param_groups for p in group["params"]])
         finite = bool(torch.isfinite(grad_norm))
-        if not finite:
-            log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
-        elif self.hparams.max_grad_norm is not None:
-            # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
-            # layer's carrier B, so sketches are scaled with the dense gradients).
-            torch.nn.utils.clip_grads_with_norm_(with_grad, self.hparams.max_grad_norm, grad_norm)
 
         sketch = next(((opt, step) for opt, step in zip(inner, steps) if isinstance(opt, SketchOptimizer)), None)
         dense = [(opt, step) for opt, step in zip(inner, steps) if not isinstance(opt, SketchOptimizer)]
@@ -378,8 +366,9 @@ class RLVRModule(LightningModule):
         # With a controller, dense steps are proposals until α is chosen: α scales the whole update.
         held = controller is not None and finite
         proposed: dict[torch.Tensor, torch.Tensor] = {}  # {dense parameter: its value after the full step}
-        for opt, step in dense if held else ():
-            proposed.update(propose_dense(opt, step))
+        if held:
+            for opt, step in dense:
+                proposed.update(propose_dense(opt, step))
         names = {p: name for name, p in self.policy.named_parameters()}
         alpha = 1.0
 
@@ -416,6 +405,23 @@ class RLVRModule(LightningModule):
         return grad_norm, Update(low_rank=dict(sketch[0].last_updates) if sketch else {},
                                  dense={names[p]: p.detach() for opt, _ in dense
                                         for group in opt.param_groups for p in group["params"]})
+
+    def _sum_and_clip(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Sum the gradients over ranks (sketch strategies: once per step), then clip them all together; returns
+        the norm before clipping (not finite: nothing is clipped and the step will be skipped)."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, SketchTraining):
+            strategy.sum_gradients(params)  # one all-reduce of the d×r sketches (and dense grads) per step
+            self.log_dict(strategy.gradient_sum_metrics())
+        with_grad = [p for p in params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])  # sketches too: E‖G·Aᵀ‖² = ‖G‖²
+        if not torch.isfinite(grad_norm):
+            log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
+        elif self.hparams.max_grad_norm is not None:
+            # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
+            # layer's carrier B, so sketches are scaled with the dense gradients).
+            torch.nn.utils.clip_grads_with_norm_(with_grad, self.hparams.max_grad_norm, grad_norm)
+        return grad_norm
 
     # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
 

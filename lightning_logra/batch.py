@@ -28,6 +28,12 @@ class Rollout:
     def to(self, device: torch.device | str) -> Rollout:
         return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
 
+    def terminated(self, stop_token_ids: list[int]) -> torch.Tensor:
+        """(N,) bool: whether each completion ended with a stop token (the others were cut at the length limit)."""
+        lengths = self.completion_lengths
+        last = self.completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # (N,)
+        return (lengths > 0) & torch.isin(last, torch.as_tensor(stop_token_ids, device=last.device))
+
     def select(self, rows: torch.Tensor) -> Rollout:
         """The given rows, with the completion columns that are padding in all of them trimmed off the right."""
         width = int(self.completion_mask[rows].sum(-1).max())

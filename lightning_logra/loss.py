@@ -89,6 +89,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.stack(rows)  # (n, C)
 
 
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H(π(· | ctx)) (n, C) in nats over the full vocabulary at the sampling temperature, one sequence at a time (the
+    fp32 transient is C·V, as in `token_logprobs`)."""
+    rows = []
+    for row_logits in logits:
+        logp = torch.log_softmax(row_logits.float() / temperature, dim=-1)  # (C, V)
+        rows.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(rows)  # (n, C)
+
+
 def importance_weights(
     logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ from lightning_logra.loss import (
     group_advantages,
     importance_weights,
     mismatch_metrics,
+    token_entropy,
     token_logprobs,
     token_weights,
 )
@@ -98,8 +99,8 @@ def check_hub_model(model: str) -> None:
 
 def _check_settings(hp: Any) -> None:
     """The module's settings, checked before any weights are loaded; each error names its key."""
-    for key in ("num_generations", "max_new_tokens", "micro_batch_size"):
-        if hp[key] < 1:
+    for key in ("num_generations", "max_new_tokens", "micro_batch_size", "log_completions_every", "export_every"):
+        if hp[key] is not None and hp[key] < 1:
             raise ValueError(f"model.{key} must be a positive integer, got {hp[key]}")
     if hp.num_generations < 2:
         raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
@@ -117,6 +118,8 @@ def _check_settings(hp: Any) -> None:
                          f"got {hp.max_unlearnable_steps}")
     if hp.loss_type not in LOSS_TYPES:
         raise ValueError(f"model.loss_type must be one of {list(LOSS_TYPES)}, got {hp.loss_type!r}")
+    if hp.export_every is not None and hp.export_dir is None:
+        raise ValueError("model.export_every needs model.export_dir: the folder the step-NNNNNN exports go into")
     # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
     if not Path(hp.model).exists() and (hp.model.startswith((".", "/", "~")) or hp.model.count("/") > 1):
         raise FileNotFoundError(f"model.model: no such model directory {hp.model!r}")
@@ -148,6 +151,8 @@ class RLVRModule(LightningModule):
         is_cap: float | None = 2.0,
         reward_timeout_s: float | None = 600.0,
         max_unlearnable_steps: int | None = None,
+        log_completions_every: int | None = 50,
+        export_every: int | None = None,
     ) -> None:
         """
         Args:
@@ -163,7 +168,9 @@ class RLVRModule(LightningModule):
             eval_temperature: 0 means greedy pass@1 in validate/test.
             chat_template: wrap each prompt as a user message with the tokenizer's chat template.
             seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
-            export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained`.
+            export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
+                exports later with `python -m lightning_logra.export`).
+            export_every: also export every this many steps, to `export_dir/step-NNNNNN` (needs export_dir).
             engine: the rollout engine; None generates in this process with the policy itself. An engine with its
                 own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
             is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
@@ -175,6 +182,8 @@ class RLVRModule(LightningModule):
             max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
                 (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
                 about when no completion got a usable reward at all.
+            log_completions_every: every this many steps, log a few prompts, completions and rewards as text
+                (TensorBoard's Text tab); None never does.
         """
         super().__init__()
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
@@ -190,6 +199,7 @@ class RLVRModule(LightningModule):
         self.tokenizer = None
         self.engine: RolloutEngine | None = engine
         self._controller = None  # the run's StepSizeController callback, found when fitting starts
+        self.num_tokens = 0  # prompt + completion tokens trained on so far, all ranks (checkpointed)
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -289,21 +299,37 @@ class RLVRModule(LightningModule):
         dense values, what a rollout engine with its own weights needs), or None when the step was skipped. Callbacks
         read it in `on_train_batch_end(outputs=...)`."""
         hp = self.hparams
+        step = self.global_step  # of this step (the update below advances it)
         start = time.perf_counter()
-        rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling, self.global_step)
+        rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling, step)
         generated = time.perf_counter()
-        loss, mismatch = self._backward(rollout, rewards)
-        grad_norm, update = self._update(rollout)
+        loss, mismatch, entropy = self._backward(rollout, rewards)
+        grad_norm, update, alpha = self._update(rollout)
         elapsed = time.perf_counter() - start
         lengths = rollout.completion_lengths.float()
+        terminated = rollout.terminated(self._stop_token_ids()).float()
         groups = rewards.view(-1, hp.num_generations)
+        # Prompt + completion tokens of every sample, all ranks (TRL's num_tokens).
+        strategy = self.trainer.strategy
+        self.num_tokens += int(strategy.reduce((rollout.prompt_mask.sum() + lengths.sum()).float(), reduce_op="sum"))
+        optimizers = self.optimizers()
+        lr = (optimizers[0] if isinstance(optimizers, list) else optimizers).param_groups[0]["lr"]  # η
         metrics = {
             "train/reward_std": rewards.std(),
-            "train/completion_len": lengths.mean(),
-            "train/zero_std_frac": (groups.std(1) == 0).float().mean(),
+            "train/frac_reward_zero_std": (groups.std(1) == 0).float().mean(),
             "train/loss": loss,
             "train/grad_norm": grad_norm,
             "train/update_skipped": float(update is None),
+            "train/entropy": entropy,  # mean over the tokens trained on (samples with a nonzero advantage)
+            "train/num_tokens": float(self.num_tokens),
+            # η, and the step actually taken α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
+            "train/lr": lr,
+            "train/effective_lr": alpha * lr,
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/terminated_ratio": terminated.mean(),  # ended with a stop token
+            "completions/clipped_ratio": 1.0 - terminated.mean(),  # cut at model.max_new_tokens
             "train/tokens_per_s": lengths.sum() / elapsed,
             "train/rollout_s": generated - start,
             "train/step_s": elapsed,
@@ -311,11 +337,31 @@ class RLVRModule(LightningModule):
         }
         self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
         self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
+        every = hp.log_completions_every
+        if every is not None and step % every == 0:
+            self._log_completions(rollout, rewards, step)
         return {"loss": loss, "update": update}
 
-    def _backward(self, rollout: Rollout, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_completions(self, rollout: Rollout, rewards: torch.Tensor, step: int, count: int = 8) -> None:
+        """A few prompts, completions and rewards as a text table (TensorBoard's Text tab), rank 0 only."""
+        experiment = getattr(self.logger, "experiment", None)
+        if not self.trainer.is_global_zero or not hasattr(experiment, "add_text"):
+            return
+        rows = torch.arange(min(count, len(rewards)))
+        prompts = self.tokenizer.batch_decode(rollout.prompt_ids[rows], skip_special_tokens=True)
+        completions = self.tokenizer.batch_decode(rollout.completion_ids[rows], skip_special_tokens=True)
+
+        def cell(text: str) -> str:  # a markdown table cell
+            return text.replace("|", "\\|").replace("\n", "<br>")
+
+        table = ["| prompt | completion | reward |", "|---|---|---|"]
+        table += [f"| {cell(p)} | {cell(c)} | {float(r):.3g} |" for p, c, r in zip(prompts, completions, rewards)]
+        experiment.add_text("completions", "\n".join(table), global_step=step)
+
+    def _backward(self, rollout: Rollout, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Accumulate the gradient of the batch's policy-gradient loss, micro-batch by micro-batch. Returns the
-        global batch's loss and the summed sampler/trainer log-prob mismatch (`loss.importance_weights`' stats)."""
+        global batch's loss, the summed sampler/trainer log-prob mismatch (`loss.importance_weights`' stats) and
+        the policy's mean token entropy on the tokens trained on (NaN when there were none)."""
         hp = self.hparams
         advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards)  # (N,), groups stay on one rank
         # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
@@ -332,6 +378,7 @@ class RLVRModule(LightningModule):
 
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)
+        entropy = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ entropy, tokens: over those trained on
         # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
         # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
         active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
@@ -343,15 +390,20 @@ class RLVRModule(LightningModule):
             is_weight, stats = importance_weights(logprobs.detach(), micro.sampler_logprobs, micro.completion_mask,
                                                   hp.is_cap)  # (m, w), (4,)
             mismatch += stats
+            mask = micro.completion_mask
+            entropy += torch.stack([(token_entropy(logits.detach(), hp.temperature) * mask).sum(), mask.sum()])
             width = micro.completion_ids.shape[1]
             micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
             self.manual_backward(micro_loss * grad_scale)
             loss += micro_loss.detach()
-        return strategy.reduce(loss, reduce_op="sum"), strategy.reduce(mismatch, reduce_op="sum")
+        entropy_sum, tokens = strategy.reduce(entropy, reduce_op="sum").unbind()
+        mismatch = strategy.reduce(mismatch, reduce_op="sum")
+        return strategy.reduce(loss, reduce_op="sum"), mismatch, entropy_sum / tokens
 
-    def _update(self, rollout: Rollout) -> tuple[torch.Tensor, Update | None]:
+    def _update(self, rollout: Rollout) -> tuple[torch.Tensor, Update | None, float]:
         """Sum the gradients over ranks, clip, propose, ask the step-size controller for α, apply. Returns the
-        gradient norm before clipping and the update applied (None: the step was skipped, the weights unchanged)."""
+        gradient norm before clipping, the update applied (None: the step was skipped, the weights unchanged) and
+        the α it was applied at (NaN when skipped)."""
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         inner = [opt.optimizer for opt in optimizers]
@@ -401,10 +453,10 @@ class RLVRModule(LightningModule):
         for opt in inner:
             opt.zero_grad(set_to_none=True)
         if not taken:
-            return grad_norm, None
+            return grad_norm, None, math.nan
         return grad_norm, Update(low_rank=dict(sketch[0].last_updates) if sketch else {},
                                  dense={names[p]: p.detach() for opt, _ in dense
-                                        for group in opt.param_groups for p in group["params"]})
+                                        for group in opt.param_groups for p in group["params"]}), alpha
 
     def _sum_and_clip(self, params: list[torch.Tensor]) -> torch.Tensor:
         """Sum the gradients over ranks (sketch strategies: once per step), then clip them all together; returns
@@ -458,6 +510,11 @@ class RLVRModule(LightningModule):
         self._check_engine_is_synced()
         # Asked for α between each step's proposal and its application (lightning_logra.control); None: α = 1.
         self._controller = find_controller(self.trainer.callbacks)
+        # The sketch settings beside the module's own hyperparameters, so that runs differ by them in the loggers
+        strategy = self.trainer.strategy
+        if isinstance(strategy, SketchTraining):
+            for logger in self.loggers:
+                logger.log_hyperparams(strategy.config.hparams())
 
     def on_validation_start(self) -> None:
         self._check_engine_is_synced()
@@ -475,13 +532,19 @@ class RLVRModule(LightningModule):
         return stamp(weights, "with sketches" if isinstance(self.trainer.strategy, SketchTraining) else "densely")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = self._stamp()
+        checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Runs before any state is restored. Evaluating a checkpoint under other settings is fine (its weights load,
-        # cast to this run's dtype); resuming training from state taken under other settings is not.
-        if self.trainer.state.fn == TrainerFn.FITTING:
+        # Runs before any state is restored. Evaluating or exporting a checkpoint under other settings is fine (its
+        # weights load, cast to this run's dtype); resuming training from state taken under other settings is not.
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
             check_resumable(checkpoint, self._stamp())
+            self.num_tokens = checkpoint.get(CHECKPOINT_KEY, {}).get("num_tokens", 0)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        every = self.hparams.export_every
+        if every is not None and self.global_step % every == 0 and self.trainer.is_global_zero:
+            self.export(Path(self.hparams.export_dir) / f"step-{self.global_step:06d}")
 
     def on_fit_end(self) -> None:
         if self.hparams.export_dir is not None and self.trainer.is_global_zero:

@@ -140,6 +140,26 @@ def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(tiny
     assert "format 1" in caplog.text and "older checkpoint" in caplog.text
 
 
+def test_a_checkpoint_exports_to_a_transformers_folder_without_training(tiny_arith_model, tmp_path):
+    from lightning_logra.export import main as export_main
+
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    cli = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 2), "--model.export_every", "1",
+                "--model.export_dir", str(tmp_path / "final")])
+    checkpoint = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0]
+    export_main(["--ckpt_path", checkpoint, "--out", str(tmp_path / "exported")])
+    trained = cli.model.policy.state_dict()
+    for folder in ("exported", "final", "final/step-000002"):  # the exporter, the end of fit, a periodic export
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder)
+        for name, tensor in reloaded.state_dict().items():
+            assert torch.equal(tensor, trained[name]), (folder, name)
+        assert AutoTokenizer.from_pretrained(tmp_path / folder)("12+34=").input_ids
+    first = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "step-000001")
+    assert not torch.equal(first.model.layers[0].self_attn.q_proj.weight, trained["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(FileNotFoundError, match="--ckpt_path"):
+        export_main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")])
+
+
 def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp_path):
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
     export = tmp_path / "export"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from transformers import AutoModelForCausalLM
 
 from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from conftest import SKETCH_TARGETS, EngineSnapshot
@@ -128,6 +129,25 @@ def test_vllm_engine_follows_training_exactly(undisturbed):
 
     # The engine's processes are measured apart from the trainer's (their RSS: hundreds of MiB even for this model).
     assert float(trainer.callback_metrics["memory/engine_gib"]) > 0.1
+
+
+def test_an_exported_checkpoint_loads_in_vllm(undisturbed, tiny_arith_model, tmp_path):
+    from lightning_logra.export import export_checkpoint
+
+    trainer, _, record = undisturbed
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    folder = export_checkpoint(tmp_path / "last.ckpt", tmp_path / "exported")
+    module = trainer.lightning_module
+    engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=True)
+    engine.start(str(folder), module._pad_token_id(), module._stop_token_ids())
+    try:
+        theirs = engine.weights(list(record.trainer_weights))
+    finally:
+        engine.close()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_arith_model).state_dict()
+    for name, ours in record.trainer_weights.items():
+        torch.testing.assert_close(theirs[name][: ours.shape[0]], ours, rtol=0, atol=1e-5, msg=name)
+    assert any(not torch.allclose(initial[name], ours, atol=1e-3) for name, ours in record.trainer_weights.items())
 
 
 def test_a_killed_stalled_or_drifting_engine_changes_nothing(undisturbed, tiny_arith_model, tmp_path):

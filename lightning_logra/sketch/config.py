@@ -3,8 +3,9 @@ strategies and plain-PyTorch users: install the sketches, freeze the rest, build
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,6 +32,15 @@ class SketchConfig:
     train_rest: bool = False  # every other parameter (embeddings, norms, ...) trained densely with AdamW
     rest_lr: float = 1e-6
     rest_weight_decay: float = 0.0
+
+    def hparams(self) -> dict[str, Any]:
+        """The settings as flat hyperparameters for the loggers (TensorBoard's HParams view tells runs apart by
+        them): `sketch/<field>`, and `sketch/optimizer` with `sketch/optimizer/<init_arg>`."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "optimizer"}
+        settings["optimizer"], arguments = _describe(self.optimizer)
+        settings.update({f"optimizer/{k}": v for k, v in arguments.items()})
+        return {f"sketch/{k}": v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+                for k, v in settings.items()}
 
     def install(self, model: nn.Module) -> dict[str, SketchedLinear]:
         """Install the sketches; freeze every other parameter unless `train_rest`."""
@@ -64,3 +74,12 @@ class SketchConfig:
                 "(model.dtype float32 with trainer.precision bf16-mixed) or leave train_rest and train_bias off"
             )
         return [sketch, torch.optim.AdamW(dense, lr=self.rest_lr, weight_decay=self.rest_weight_decay)]
+
+
+def _describe(factory: SketchOptimizerFactory) -> tuple[str, dict[str, Any]]:
+    """(class name, bound init_args) of a sketch optimizer factory: a class, a functools.partial of one, or the
+    partial a config's class_path + init_args becomes (the class is among its positional arguments)."""
+    if isinstance(factory, functools.partial):
+        cls = next((c for c in (factory.func, *factory.args) if isinstance(c, type)), factory.func)
+        return getattr(cls, "__name__", str(cls)), dict(factory.keywords)
+    return getattr(factory, "__name__", type(factory).__name__), {}

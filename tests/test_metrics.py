@@ -1,0 +1,94 @@
+"""The metrics a TRL user looks for, each checked against what it must equal: token entropy, completion lengths and
+how they ended, tokens seen, the step actually taken (α·η), and completions logged as text."""
+
+import glob
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli import main
+from lightning_logra.batch import Rollout
+from lightning_logra.loss import token_entropy
+
+CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.yaml")
+
+
+def test_token_entropy_equals_the_float64_definition():
+    logits = torch.randn(3, 5, 11, dtype=torch.float64) * 3
+    for temperature in (1.0, 0.7):
+        p = torch.softmax(logits / temperature, -1)
+        expected = -(p * p.log()).sum(-1)
+        torch.testing.assert_close(token_entropy(logits.float(), temperature).double(), expected, rtol=1e-5,
+                                   atol=1e-6)
+    assert float(token_entropy(torch.zeros(1, 1, 11))) == pytest.approx(math.log(11))  # uniform: log V
+
+
+def test_terminated_means_the_last_real_token_is_a_stop_token():
+    eos, pad = 2, 0
+    ids = torch.tensor([[5, 6, eos, pad], [5, 6, 7, 8], [eos, pad, pad, pad], [5, pad, pad, pad]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
+    rollout = Rollout(torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.long), ids, mask,
+                      torch.zeros(4, 4))
+    assert rollout.terminated([eos]).tolist() == [True, False, True, False]
+
+
+def test_a_run_logs_trl_metrics_that_mean_what_they_say(tiny_arith_model, tmp_path, monkeypatch):
+    from conftest import odd_first_digit  # noqa: F401  (the reward the fast runs use)
+    from test_cli import _fast
+
+    from lightning_logra.module import RLVRModule
+
+    seen = []  # every step's rollout, as the module scored it
+    score = RLVRModule._rollout_and_score
+
+    def recording(self, batch, n, sampling, step):
+        rollout, rewards = score(self, batch, n, sampling, step)
+        if step >= 0:
+            seen.append(rollout)
+        return rollout, rewards
+
+    monkeypatch.setattr(RLVRModule, "_rollout_and_score", recording)
+    cli = main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 2), "--model.log_completions_every", "1"])
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    last = seen[-1]
+    lengths = last.completion_lengths.float()
+    assert metrics["completions/mean_length"] == pytest.approx(float(lengths.mean()))
+    assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (lengths.min(), lengths.max())
+    stop = cli.model._stop_token_ids()
+    assert metrics["completions/terminated_ratio"] == pytest.approx(float(last.terminated(stop).float().mean()))
+    assert metrics["completions/clipped_ratio"] == pytest.approx(1.0 - metrics["completions/terminated_ratio"])
+    tokens = sum(int(r.prompt_mask.sum() + r.completion_mask.sum()) for r in seen)
+    assert metrics["train/num_tokens"] == tokens == cli.model.num_tokens
+    # η from the sketch optimizer, and the step taken at α of it
+    assert metrics["train/lr"] == pytest.approx(cli.trainer.optimizers[0].param_groups[0]["lr"]) == 1e-3
+    assert metrics["train/effective_lr"] == pytest.approx(metrics["kl/alpha"] * metrics["train/lr"])
+    assert 0 < metrics["train/entropy"] <= math.log(cli.model.policy.config.vocab_size)
+    # completions as text in TensorBoard, one table per step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0],
+                              size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("completions/text_summary")
+    assert [t.step for t in texts] == [0, 1]
+    table = texts[-1].tensor_proto.string_val[0].decode()
+    assert table.startswith("| prompt | completion | reward |") and table.count("\n") == 2 + 8 - 1
+    # the checkpoint keeps the count of tokens seen
+    checkpoint = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0]
+    assert torch.load(checkpoint, weights_only=False)["lightning_logra"]["num_tokens"] == tokens
+
+
+def test_the_sketch_settings_are_logged_as_hyperparameters(tiny_arith_model, tmp_path):
+    from lightning.pytorch.core.saving import load_hparams_from_yaml
+    from test_cli import _fast
+
+    main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 1),
+          "--trainer.strategy.init_args.sketch.rank", "8"])
+    hparams = load_hparams_from_yaml(glob.glob(str(tmp_path / "**" / "hparams.yaml"), recursive=True)[0])
+    assert (hparams["sketch/rank"], hparams["sketch/optimizer"], hparams["sketch/optimizer/lr"]) == (8, "SketchAdam",
+                                                                                                  1e-3)
+    assert hparams["sketch/target_modules"] == str(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"])
+    assert hparams["num_generations"] == 8  # the module's own stay

@@ -77,14 +77,14 @@ def completion_logits(
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(token) (n, C) from logits (n, C, V) at the sampling temperature, in fp32.
+    """log π(token) (n, C) from logits (n, C, V) at the sampling temperature, in fp32 (fp64 for fp64 logits).
 
     One sequence at a time: the fp32 copy of the logits then takes C·V·4 bytes, not n·C·V·4 (with a 152k vocabulary
     and 2k-token completions that is 1.2 GB instead of n times that).
     """
     rows = []
     for row_logits, row_tokens in zip(logits, tokens):
-        row = row_logits.float() / temperature  # (C, V)
+        row = row_logits.to(torch.promote_types(row_logits.dtype, torch.float32)) / temperature  # (C, V) fp32/fp64
         rows.append(row.gather(-1, row_tokens[:, None]).squeeze(-1) - row.logsumexp(-1))
     return torch.stack(rows)  # (n, C)
 
@@ -95,7 +95,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     fp32 transient is C·V, as in `token_logprobs`)."""
     rows = []
     for row_logits in logits:
-        logp = torch.log_softmax(row_logits.float() / temperature, dim=-1)  # (C, V)
+        logp = torch.log_softmax(row_logits.to(torch.promote_types(row_logits.dtype, torch.float32)) / temperature,
+                                 dim=-1)  # (C, V) fp32 (fp64 kept)
         rows.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(rows)  # (n, C)
 

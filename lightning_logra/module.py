@@ -28,15 +28,13 @@ from lightning_logra.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_logra.checkpoint import check_resumable, stamp
 from lightning_logra.control import find_controller
 from lightning_logra.hashing import prompt_seeds
+from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import (
     LOSS_TYPES,
     LossType,
-    completion_logits,
     group_advantages,
     importance_weights,
     mismatch_metrics,
-    token_entropy,
-    token_logprobs,
     token_weights,
 )
 from lightning_logra.rewards import RewardFn, RewardName, resolve_reward
@@ -99,7 +97,8 @@ def check_hub_model(model: str) -> None:
 
 def _check_settings(hp: Any) -> None:
     """The module's settings, checked before any weights are loaded; each error names its key."""
-    for key in ("num_generations", "max_new_tokens", "micro_batch_size", "log_completions_every", "export_every"):
+    for key in ("num_generations", "max_new_tokens", "micro_batch_size", "log_completions_every", "export_every",
+                "logprob_chunk_tokens"):
         if hp[key] is not None and hp[key] < 1:
             raise ValueError(f"model.{key} must be a positive integer, got {hp[key]}")
     if hp.num_generations < 2:
@@ -153,6 +152,7 @@ class RLVRModule(LightningModule):
         max_unlearnable_steps: int | None = None,
         log_completions_every: int | None = 50,
         export_every: int | None = None,
+        logprob_chunk_tokens: int | None = 1024,
     ) -> None:
         """
         Args:
@@ -171,6 +171,9 @@ class RLVRModule(LightningModule):
             export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
                 exports later with `python -m lightning_logra.export`).
             export_every: also export every this many steps, to `export_dir/step-NNNNNN` (needs export_dir).
+            logprob_chunk_tokens: completion log-probs are computed this many tokens at a time, so that the
+                micro-batch's full-vocabulary logits never exist at once (forward and backward); None builds them
+                as one (m, C, V) tensor.
             engine: the rollout engine; None generates in this process with the policy itself. An engine with its
                 own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
             is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
@@ -384,14 +387,15 @@ class RLVRModule(LightningModule):
         active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
         for rows in active.split(hp.micro_batch_size) if active.numel() else ():
             micro = rollout.select(rows)  # (m, w): right padding trimmed
-            logits = completion_logits(self.policy, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                       micro.completion_mask)  # (m, w, V)
-            logprobs = token_logprobs(logits, micro.completion_ids, hp.temperature)  # (m, w)
+            # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/logprobs.py)
+            logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
+                                                          micro.completion_ids, micro.completion_mask,
+                                                          hp.temperature, hp.logprob_chunk_tokens)
             is_weight, stats = importance_weights(logprobs.detach(), micro.sampler_logprobs, micro.completion_mask,
                                                   hp.is_cap)  # (m, w), (4,)
             mismatch += stats
             mask = micro.completion_mask
-            entropy += torch.stack([(token_entropy(logits.detach(), hp.temperature) * mask).sum(), mask.sum()])
+            entropy += torch.stack([(token_entropy * mask).sum(), mask.sum()])
             width = micro.completion_ids.shape[1]
             micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
             self.manual_backward(micro_loss * grad_scale)

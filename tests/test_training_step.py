@@ -14,6 +14,7 @@ from lightning.pytorch import Callback, Trainer
 
 import lightning_logra.module as module_file
 from lightning_logra.data.module import ArithDataModule
+from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import completion_logits
 from lightning_logra.module import RLVRModule
 
@@ -54,9 +55,9 @@ def step(tiny_arith_model):
         rollouts.append(rollout)
         return rollout
 
-    def counted_logits(policy, prompt_ids, *args):
+    def counted_logprobs(policy, prompt_ids, *args):
         forwarded.append(prompt_ids.shape[0])
-        return completion_logits(policy, prompt_ids, *args)
+        return completion_logprobs(policy, prompt_ids, *args)
 
     grads = GradientsBeforeStep()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
@@ -64,7 +65,7 @@ def step(tiny_arith_model):
                       callbacks=[grads])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module.engine, "generate", shifted_generate)
-        patch.setattr(module_file, "completion_logits", counted_logits)
+        patch.setattr(module_file, "completion_logprobs", counted_logprobs)
         trainer.fit(module, ArithDataModule(batch_size=4))
     assert len(rollouts) == 1
     return dict(rollout=rollouts[0], start=start, grads=grads.grads, forwarded=forwarded,

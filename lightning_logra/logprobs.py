@@ -1,0 +1,121 @@
+"""Completion log-probs without the micro-batch's full-vocabulary logits.
+
+A policy-gradient step needs, per completion token, log π(token | context) — one number — but the usual path builds
+the logits of every token over the whole vocabulary first: at 4 × 2,048 tokens × 151,936 classes that is 4.6 GiB in
+fp32, and the log-softmax and its gradient as much again. Here the decoder's last hidden states (n, C, h) are taken
+instead, and the LM head, the temperature-scaled log-softmax and the chosen token's log-prob are computed a chunk of
+tokens at a time; the backward pass recomputes each chunk's logits rather than keeping them. The transient is one
+chunk × V, whatever the micro-batch (Liger-Kernel's fused linear cross-entropy does the same on GPUs; this is plain
+PyTorch and runs anywhere).
+
+The token entropy comes out of the same chunks, for free. Models whose head is not a plain linear map of the last
+hidden state (logit soft-capping or scaling, a sketched or otherwise replaced `lm_head`) take the full-logits path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from lightning_logra.batch import positions
+from lightning_logra.loss import completion_logits, token_entropy, token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 logits (as the full path's `.float()`), fp64 kept for float64 references."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """(hidden (N, h), head weight (V, h), head bias (V,) or None, tokens (N,)) → (log-probs (N,), entropy (N,)) at a
+    temperature, `chunk` rows at a time; the entropy is not differentiated."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature: float, chunk: int):
+        logprobs = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden.dtype), device=hidden.device)
+        entropy = torch.empty_like(logprobs)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logp = _log_softmax(hidden[rows], weight, bias, temperature)  # (c, V)
+            logprobs[rows] = logp.gather(-1, tokens[rows, None]).squeeze(-1)
+            entropy[rows] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, tokens)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        # Recompute in backward under the autocast the forward ran in (bf16-mixed), so both see the same logits.
+        ctx.autocast = (hidden.device.type, torch.is_autocast_enabled(hidden.device.type),
+                        torch.get_autocast_dtype(hidden.device.type))
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, bias, tokens = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=_compute_dtype(weight.dtype)) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=_compute_dtype(bias.dtype)) if need_bias else None
+        device_type, autocast, autocast_dtype = ctx.autocast
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast):
+                logp = _log_softmax(hidden[rows], weight, bias, ctx.temperature)  # (c, V)
+            # d log p(token) / d logits = (onehot(token) − p) / T
+            grad_logits = -logp.exp()
+            grad_logits.scatter_add_(-1, tokens[rows, None], torch.ones_like(grad_logits[:, :1]))
+            grad_logits *= (grad_logprobs[rows] / ctx.temperature)[:, None]  # (c, V)
+            if need_hidden:
+                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # (c, h)
+            if need_weight:
+                grad_weight += grad_logits.T @ hidden[rows].to(grad_logits.dtype)  # (V, h)
+            if need_bias:
+                grad_bias += grad_logits.sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+
+
+def _log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 temperature: float) -> torch.Tensor:
+    logits = nn.functional.linear(hidden, weight, bias)  # (c, V) in the head's dtype, as the model's own head
+    return torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+
+
+def plain_head(policy: nn.Module) -> nn.Linear | None:
+    """The policy's LM head if logits are exactly `head(last hidden state)`; None if not (then: the full path)."""
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    config = getattr(policy, "config", None)
+    scaled = any(getattr(config, key, None) not in (None, 1.0) for key in ("final_logit_softcapping", "logit_scale"))
+    if type(head) is not nn.Linear or scaled or not hasattr(policy, "get_decoder"):
+        return None
+    return head
+
+
+def completion_logprobs(
+    policy: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π(token) (n, C), token entropy (n, C), no gradient) of each completion token at the temperature.
+
+    `chunk_tokens`: how many tokens' logits exist at a time (forward and backward); None builds the full (n, C, V)
+    logits as one tensor (the path models with a non-plain head always take)."""
+    head = plain_head(policy) if chunk_tokens is not None else None
+    if head is None:
+        logits = completion_logits(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (n, C, V)
+        return token_logprobs(logits, completion_ids, temperature), token_entropy(logits.detach(), temperature)
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    width = completion_ids.shape[1]
+    hidden = policy.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
+    hidden = hidden[:, -width - 1 : -1]  # (n, C, h): the position before each completion token predicts it
+    n = hidden.shape[0]
+    logprobs, entropy = _ChunkedTokenLogprobs.apply(hidden.reshape(n * width, -1), head.weight, head.bias,
+                                                    completion_ids.reshape(-1), temperature, chunk_tokens)
+    return logprobs.view(n, width), entropy.view(n, width)

@@ -37,7 +37,7 @@ from lightning_logra.loss import (
     mismatch_metrics,
     token_weights,
 )
-from lightning_logra.rewards import RewardFn, RewardName, resolve_reward
+from lightning_logra.rewards import Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.strategy import SketchTraining
@@ -46,30 +46,55 @@ from lightning_logra.update import Update, apply_dense_, propose_dense
 log = logging.getLogger(__name__)
 
 
-def reward_tensor(rewards: Any, name: str, prompts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A reward function's output checked and made a tensor: (rewards (prompts·n,), which samples had no usable
-    reward (None or not finite) (prompts·n,), which groups were dropped (prompts,)).
+def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], prompts: int,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reward functions' outputs checked and combined, as TRL's GRPOTrainer combines them: the total reward of a
+    completion is Σ_i w_i·r_i over the functions that did not return None for it (a sum that skips NaNs).
 
-    None means "not applicable to this sample" in TRL's signature and earns 0.0. A NaN or infinite reward drops its
-    whole group: the group's rewards are all set to 0.0, so that its advantages are 0 and it adds nothing to the
-    gradient, while the other groups still train."""
+    Returns (total rewards (prompts·n,), each function's rewards (prompts·n, functions) with NaN for None, which
+    completions have no usable total (prompts·n,), which groups were dropped (prompts,)).
+
+    A completion for which every function returned None has no reward (TRL's NaN): it earns 0.0, as a single
+    function's None always has here. A NaN or infinite reward drops its whole group: the group's rewards are all set
+    to 0.0, so that its advantages are 0 and it adds nothing to the gradient, while the other groups still train."""
     count = prompts * n
-    try:
-        rewards = list(rewards)
-        values = [float("nan") if r is None else float(r) for r in rewards]
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
-                         f"completion; got {type(rewards).__name__} ({err})") from None
-    if len(values) != count:
-        raise ValueError(f"model.reward {name!r} returned {len(values)} rewards for {count} completions ({prompts} "
-                         f"prompts × {n} samples): it must return one per completion, in order")
-    nones = torch.tensor([r is None for r in rewards])
-    groups = torch.tensor(values, dtype=torch.float32).view(prompts, n)
-    missing = ~groups.isfinite()
-    dropped = (missing & ~nones.view(prompts, n)).any(1)  # a NaN or inf, not a None
-    groups[missing] = 0.0
-    groups[dropped] = 0.0
-    return groups.view(-1), missing.view(-1), dropped
+    columns, nones = [], []
+    for output, name in zip(outputs, names, strict=True):
+        try:
+            output = list(output)
+            columns.append([float("nan") if r is None else float(r) for r in output])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
+                             f"completion; got {type(output).__name__} ({err})") from None
+        if len(output) != count:
+            raise ValueError(f"model.reward {name!r} returned {len(output)} rewards for {count} completions "
+                             f"({prompts} prompts × {n} samples): it must return one per completion, in order")
+        nones.append([r is None for r in output])
+    values = torch.tensor(columns, dtype=torch.float32).T  # (N, F)
+    none = torch.tensor(nones).T  # (N, F)
+    total = (values * torch.tensor(weights, dtype=torch.float32)).nansum(1)  # (N,)
+    broken = (~values.isfinite() & ~none).any(1) | ~total.isfinite()  # a NaN or inf, not a None
+    missing = none.all(1) | broken
+    dropped = broken.view(prompts, n).any(1)
+    total[missing] = 0.0
+    total.view(prompts, n)[dropped] = 0.0
+    return total, values, missing, dropped
+
+
+def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict[str, torch.Tensor]:
+    """reward/<key>/mean and reward/<key>/std of each function's rewards over the global batch (`values` (N, F), NaN
+    where a function returned None), leaving out the Nones as TRL does: NaN where a function rated nothing (or,
+    for the std, one completion). Exact over ranks: counts and sums are reduced, not each rank's mean."""
+    rated = values.isfinite()
+    rewards = torch.where(rated, values, 0.0).double()
+    sums = torch.stack([rated.sum(0).double(), rewards.sum(0), (rewards * rewards).sum(0)])  # (3, F)
+    count, total, squares = strategy.reduce(sums, reduce_op="sum")
+    mean = total / count
+    std = ((squares - count * mean * mean) / (count - 1)).clamp(min=0).sqrt()  # Bessel's correction, as torch.std
+    metrics = {}
+    for i, key in enumerate(keys):
+        metrics[f"reward/{key}/mean"], metrics[f"reward/{key}/std"] = mean[i].float(), std[i].float()
+    return metrics
 
 
 def check_hub_model(model: str) -> None:
@@ -128,7 +153,11 @@ class RLVRModule(LightningModule):
     def __init__(
         self,
         model: str,
-        reward: RewardName | RewardFn = "exact_match",
+        # The list first: writing the config back out, the parser takes the first type a value fits, and a list
+        # "fits" RewardFn as an unimportable path. (So `--model.reward pkg.Class --model.reward.arg v` parses as a
+        # list of one: the same reward.)
+        reward: list[RewardName | RewardFn] | RewardName | RewardFn = "exact_match",
+        reward_weights: list[float] | None = None,
         num_generations: int = 8,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -158,15 +187,19 @@ class RLVRModule(LightningModule):
         Args:
             model: a transformers causal LM: a local directory or a hub name.
             reward: a built-in reward name (`exact_match`, `math_answer`), a dotted path to a function
-                `fn(prompts, completions, **columns) -> list[float | None]` (TRL's reward signature), or a
-                component, `class_path` and `init_args`, whose instances are called so
-                (`lightning_logra.rewards.MathAnswer`). The config's parser checks the name, imports the path or
-                the class, and checks the init_args against the class, before anything runs.
+                `fn(prompts, completions, completion_ids, **columns) -> list[float | None]` (TRL's reward
+                signature), or a component, `class_path` and `init_args`, whose instances are called so
+                (`lightning_logra.rewards.MathAnswer`); or a list of these, whose rewards are summed with
+                `reward_weights`. The config's parser checks the names, imports the paths or the classes, and checks
+                the init_args against the classes, before anything runs.
+            reward_weights: one weight per reward of the list (None: 1.0 each); the total reward of a completion is
+                Σ w_i·r_i over the rewards that did not return None for it (TRL's `reward_weights`).
             num_generations: completions sampled per prompt (the group size G).
             lr, weight_decay: the dense AdamW used without `SketchStrategy` (the baseline).
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
             eval_temperature: 0 means greedy pass@1 in validate/test.
-            chat_template: wrap each prompt as a user message with the tokenizer's chat template.
+            chat_template: wrap each prompt as a user message with the tokenizer's chat template; rewards then get
+                each completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
             seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
             export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
                 exports later with `python -m lightning_logra.export`).
@@ -191,7 +224,7 @@ class RLVRModule(LightningModule):
         super().__init__()
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
         # refused here, naming the key.
-        self.reward_fn = resolve_reward(reward, reward_timeout_s)
+        self.rewards: list[Reward] = resolve_rewards(reward, reward_weights, reward_timeout_s)
         self.save_hyperparameters(ignore=["engine"])
         _check_settings(self.hparams)
         self.automatic_optimization = False
@@ -261,18 +294,28 @@ class RLVRModule(LightningModule):
 
     def _rollout_and_score(
         self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int
-    ) -> tuple[Rollout, torch.Tensor]:
+    ) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+        """Generate n completions per prompt and score them. Returns the rollout, the total rewards (N,) and each
+        reward function's rewards (N, F), NaN where it returned None."""
         # Each prompt's sampling depends only on (seed, step, its index in the global batch): a resumed run, or
         # one sharded over several processes, draws what the uninterrupted single-process run would have.
         count = len(batch["prompt"])
         seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
         rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seeds).to(self.device)
-        completions = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        # Every column repeated per sample, so the reward sees row-aligned lists (TRL's convention).
+        # TRL's reward signature: the prompts (whatever the batch's prompt column holds: text, or messages), the
+        # completions, their token ids without padding (a stop token included), and every other column, each
+        # repeated per sample so that the reward sees lists aligned with the completions.
+        mask = rollout.completion_mask.bool().cpu()
+        completion_ids = [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), mask)]
+        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
+            completions = [[{"role": "assistant", "content": text}] for text in completions]  # TRL's conversational form
         columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
         prompts = columns.pop("prompt")
-        name = self.hparams.reward
-        rewards, missing, dropped = reward_tensor(self.reward_fn(prompts, completions, **columns), name, count, n)
+        outputs = [r.fn(prompts, completions, completion_ids=completion_ids, **columns) for r in self.rewards]
+        rewards, per_reward, missing, dropped = reward_tensor(outputs, [r.name for r in self.rewards],
+                                                              [r.weight for r in self.rewards], count, n)
+        name = self._reward_names()
         if missing.all():
             log.warning("model.reward %r gave no usable reward (all None or NaN) for any of the %d completions at "
                         "step %d: nothing is learned from this batch. Check the reward function", name,
@@ -282,7 +325,10 @@ class RLVRModule(LightningModule):
                         "are left out of the update", name, int(dropped.sum()), count, self.global_step)
         if step >= 0:  # a training step
             self._count_unlearnable(rewards.view(count, n))
-        return rollout, rewards.to(self.device)
+        return rollout, rewards.to(self.device), per_reward.to(self.device)
+
+    def _reward_names(self) -> str:
+        return " + ".join(reward.name for reward in self.rewards)
 
     def _count_unlearnable(self, groups: torch.Tensor) -> None:
         """Count training steps in a row where no group's rewards differ (every advantage is 0: nothing to learn),
@@ -295,7 +341,7 @@ class RLVRModule(LightningModule):
             raise RuntimeError(
                 f"model.max_unlearnable_steps={limit}: {self.unlearnable_steps} training steps in a row had nothing "
                 f"to learn (in every group the rewards were equal, None or NaN). Check model.reward "
-                f"{self.hparams.reward!r} and the data, or set model.max_unlearnable_steps higher or to null")
+                f"{self._reward_names()!r} and the data, or set model.max_unlearnable_steps higher or to null")
 
     def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> dict[str, Any]:
         """One RL iteration. Returns {"loss", "update"}: the update applied (an `Update`: low-rank deltas and new
@@ -304,7 +350,7 @@ class RLVRModule(LightningModule):
         hp = self.hparams
         step = self.global_step  # of this step (the update below advances it)
         start = time.perf_counter()
-        rollout, rewards = self._rollout_and_score(batch, hp.num_generations, self.sampling, step)
+        rollout, rewards, per_reward = self._rollout_and_score(batch, hp.num_generations, self.sampling, step)
         generated = time.perf_counter()
         loss, mismatch, entropy = self._backward(rollout, rewards)
         grad_norm, update, alpha = self._update(rollout)
@@ -337,6 +383,7 @@ class RLVRModule(LightningModule):
             "train/rollout_s": generated - start,
             "train/step_s": elapsed,
             **mismatch_metrics(mismatch),
+            **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
         }
         self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
         self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
@@ -482,7 +529,7 @@ class RLVRModule(LightningModule):
     # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
 
     def _pass_at_1(self, batch: dict[str, list[Any]], stage: str) -> None:
-        _, rewards = self._rollout_and_score(batch, 1, self.eval_sampling, step=-1)
+        _, rewards, _ = self._rollout_and_score(batch, 1, self.eval_sampling, step=-1)
         self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
 
     def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:

@@ -1,19 +1,24 @@
 """Verifiable rewards: 1.0 for a right answer, 0.0 otherwise.
 
-Every reward has TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``: ``columns`` are the
-dataset's extra columns, each a list aligned with ``completions`` (``answer=[...]``), and unknown ones are ignored,
-so the same function works in this trainer and as a TRL reward function. TRL lets a reward return None for "does
-not apply to this sample"; the rewards here judge every sample and never do. A reward with settings is a class whose
-instances have that signature (`MathAnswer`), built from a config's ``class_path``/``init_args``.
+Every reward has TRL's signature ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``:
+``columns`` are the dataset's extra columns, each a list aligned with ``completions`` (``answer=[...]``), and unknown
+ones are ignored, so the same function works in this trainer and as a TRL reward function. A completion is a string,
+or, in conversational form (a chat template is applied), a list of messages ``[{"role": "assistant", "content":
+...}]``; the built-in rewards take either. TRL lets a reward return None for "does not apply to this sample"; the
+rewards here judge every sample and never do. A reward with settings is a class whose instances have that signature
+(`MathAnswer`), built from a config's ``class_path``/``init_args``. ``model.reward`` may be a list of rewards, weighted
+by ``model.reward_weights`` (`resolve_rewards`).
 
 The trainer calls every reward in a process of its own (`TimedReward`), so that a batch it cannot score in time
-can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in its own verifier process.
+can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in a pool of verifier processes.
 """
 
 import atexit
+import functools
 import importlib
 import inspect
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -21,8 +26,10 @@ import re
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Literal
 
@@ -35,15 +42,26 @@ RewardFn = Callable[..., list[float | None]]
 RewardName = Literal["exact_match", "math_answer"]
 
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_WORKERS = 2
 # Starting the verifier process (interpreter, the parent's main module, math-verify, sympy) takes seconds; allow for
 # a loaded machine.
 _START_TIMEOUT_S = 120.0
 
 
-def exact_match(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float | None]:
+Completion = str | list[dict]  # a text, or in conversational form a list of messages
+
+
+def completion_text(completion: Completion) -> str:
+    """A completion's text, from either of TRL's forms: a string, or a list of messages whose last is the model's
+    (``[{"role": "assistant", "content": text}]``)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def exact_match(prompts: list, completions: list[Completion], answer: list[str], **_: object) -> list[float | None]:
     """1.0 where the completion is the answer up to surrounding whitespace (the embedded arithmetic task, whose
     completions end at EOS, so nothing may follow the answer)."""
-    return [float(completion.strip() == gold.strip()) for completion, gold in zip(completions, answer, strict=True)]
+    return [float(completion_text(completion).strip() == gold.strip())
+            for completion, gold in zip(completions, answer, strict=True)]
 
 
 # The last line that starts with "Answer:", the form DAPO-Math's prompts ask for ("Answer: $Answer" on its own
@@ -88,31 +106,30 @@ def _as_latex(answer: str) -> str:
 
 
 def _judge(prediction: str, gold: str) -> float:
-    """Runs in the verifier process. Math-verify's own timeouts are off (None): they use ``signal.alarm``, which
+    """Runs in a verifier process. Math-verify's own timeouts are off (None): they use ``signal.alarm``, which
     only works on a process's main thread; the parent bounds this call instead."""
     from math_verify import parse, verify
 
+    # Math-verify warns once per process that its timeouts are disabled; that is deliberate here.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold_parsed = parse(_as_latex(gold), parsing_timeout=None)
     prediction_parsed = parse(_as_latex(prediction), parsing_timeout=None)
     return float(verify(gold_parsed, prediction_parsed, timeout_seconds=None))
 
 
-def _serve(conn: Connection) -> None:
-    """The verifier process's loop: judge each ``(prediction, gold)`` pair it receives until the parent closes
-    the pipe."""
-    # Math-verify warns once per process that its timeouts are disabled; that is deliberate here (see _judge).
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    # Import math-verify and sympy and warm their caches before reporting ready, so that a check's timeout
-    # measures the check, not the start of this process.
-    _judge("1", "1")
+def _serve_checks(conn: Connection, check: Callable[..., float], warmup: tuple) -> None:
+    """A check worker's loop: score each item it receives with ``check(*item)`` until the parent closes the pipe."""
+    # Run one check before reporting ready (for math-verify: import it and sympy and warm their caches), so that
+    # a check's deadline measures the check, not the start of this process.
+    check(*warmup)
     conn.send("ready")
     while True:
         try:
-            prediction, gold = conn.recv()
+            item = conn.recv()
         except EOFError:
             return
         try:
-            score = _judge(prediction, gold)
+            score = float(check(*item))
         except Exception:
             # An answer that makes math-verify or sympy raise cannot be confirmed right, so it is wrong.
             score = 0.0
@@ -143,16 +160,33 @@ class _ChildProcess:
             self._stop()
 
     def _connection(self) -> Connection:
-        # A forked copy of this object (e.g. inside a fork-started data-loader worker) must not use the parent's
-        # child process: it may not even wait on it. It starts its own.
-        if self._owner_pid != os.getpid():
-            self._process, self._conn, self._owner_pid = None, None, os.getpid()
+        if self._forked():
+            self._process, self._conn = None, None
         if self._process is None or not self._process.is_alive():
             self._start()
         assert self._conn is not None
         return self._conn
 
+    def _forked(self) -> bool:
+        """Whether this is a forked copy of the object that started the child (e.g. inside a fork-started data-loader
+        worker): such a copy must not use the parent's child process (it may not even wait on it), and starts its
+        own."""
+        forked = self._owner_pid != os.getpid()
+        self._owner_pid = os.getpid()
+        return forked
+
     def _start(self) -> None:
+        self._launch()
+        # A child that cannot start must fail loudly, not let every request look answered.
+        try:
+            if not self._conn.poll(_START_TIMEOUT_S):
+                raise EOFError
+            self._conn.recv()
+        except EOFError:
+            raise self._start_failed() from None
+
+    def _launch(self) -> None:
+        """Starts the child without waiting for it to report ready."""
         self._stop()
         context = multiprocessing.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
@@ -166,15 +200,11 @@ class _ChildProcess:
             # Registered after multiprocessing's own exit handler, so it runs first (atexit is last in, first out):
             # that handler would otherwise wait forever for a non-daemon child.
             atexit.register(self.close)
-        # A child that cannot start must fail loudly, not let every request look answered.
-        try:
-            if not parent_conn.poll(_START_TIMEOUT_S):
-                raise EOFError
-            parent_conn.recv()
-        except EOFError:
-            self._stop()
-            raise RuntimeError(f"the {self._name} process did not start within {_START_TIMEOUT_S:.0f} s (its error, "
-                               f"if any, is on stderr); {self._start_error}") from None
+
+    def _start_failed(self) -> RuntimeError:
+        self._stop()
+        return RuntimeError(f"the {self._name} process did not start within {_START_TIMEOUT_S:.0f} s (its error, "
+                            f"if any, is on stderr); {self._start_error}")
 
     def _stop(self) -> None:
         if self._process is not None:
@@ -187,89 +217,173 @@ class _ChildProcess:
         self._process, self._conn = None, None
 
 
-class MathVerifier(_ChildProcess):
-    """Judges answers with math-verify in a child process, giving up on any one answer after ``timeout_s``.
+class _CheckWorker(_ChildProcess):
+    """One process of a `CheckPool`, and what it is doing: starting (until it reports ready), checking one item (its
+    index in the batch), or idle."""
 
-    Why a process: rewards get called from threads other than the main one (Lightning hooks, data-loader and
-    rollout threads), where math-verify's ``signal.alarm`` timeout cannot be set. Running the check in a worker
-    thread and waiting with a timeout would return on time, but a thread cannot be killed: sympy can spend minutes
-    or forever on an answer such as ``10^{10^{10}}``, and every such answer would leave one more thread burning a
-    core, and contending for the GIL with training, for the rest of the run. A process can be killed. So one child
-    process judges the answers one at a time; when an answer runs past the timeout the child is killed (scoring
-    that answer 0.0) and a fresh one is started for the next. A ``ProcessPoolExecutor`` would not do: it cannot
-    kill one stuck worker, only wait for it.
+    def __init__(self, check: Callable[..., float], warmup: tuple, name: str, start_error: str) -> None:
+        # daemon: the child dies with this process even if close() is never called.
+        super().__init__(_serve_checks, (check, warmup), name, daemon=True, start_error=start_error)
+        self.starting = False
+        self.index: int | None = None
+        self.deadline = math.inf  # of the start or of the check
 
-    A restart (an interpreter start and the math-verify import, see `_ChildProcess`) is paid only after a timeout
-    and not counted against the next answer's timeout. Calls from several threads take turns on the one child,
-    which is fine at a few milliseconds a check.
+    @property
+    def busy(self) -> bool:
+        return self.starting or self.index is not None
+
+    def launch(self) -> None:
+        self._launch()
+        self.starting, self.index, self.deadline = True, None, time.monotonic() + _START_TIMEOUT_S
+
+    def send(self, index: int, item: tuple, timeout_s: float) -> None:
+        self._conn.send(item)
+        self.index, self.deadline = index, time.monotonic() + timeout_s
+
+
+class CheckPool:
+    """``workers`` processes that score items with ``check(*item)`` in parallel, each check cut off after ``timeout_s``.
+
+    Why processes, and of our own: rewards get called from threads other than the main one (Lightning hooks, data-
+    loader and rollout threads), where math-verify's ``signal.alarm`` timeout cannot be set. A check run in a thread
+    could be waited for with a timeout, but a thread cannot be killed: sympy can spend minutes or forever on an answer
+    such as ``10^{10^{10}}``, and every such answer would leave one more thread burning a core for the rest of the run.
+    A process can be killed, but a ``ProcessPoolExecutor`` (or a ``multiprocessing.Pool``) cannot kill one stuck
+    worker, only wait for it or stop them all. So each worker here takes one item at a time with a deadline; one that
+    overruns it is killed (its item scores 0.0) and a fresh one started in its place, while the other workers go on
+    with the rest of the batch. The fresh one joins when it reports ready (an interpreter start and the imports, not
+    counted against any item's deadline). A check that raises scores 0.0. Calls from several threads take turns.
     """
 
-    def __init__(self) -> None:
-        # daemon: the child dies with this process even if close() is never called.
-        super().__init__(_serve, (), "math verifier", daemon=True,
-                         start_error="math_answer needs math-verify: pip install 'lightning-logra[math]'")
+    def __init__(self, check: Callable[..., float], workers: int, warmup: tuple, name: str, start_error: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._workers = [_CheckWorker(check, warmup, name, start_error) for _ in range(workers)]
 
-    def score(self, predictions: list[str | None], golds: list[str], timeout_s: float) -> list[float]:
-        """1.0 or 0.0 per pair; a missing prediction (None) is 0.0 without a check."""
+    def close(self) -> None:
+        """Stops the worker processes; the next batch starts new ones."""
         with self._lock:
-            return [0.0 if prediction is None else self._score_one(prediction, gold, timeout_s)
-                    for prediction, gold in zip(predictions, golds, strict=True)]
+            self._stop_workers()
 
-    def _score_one(self, prediction: str, gold: str, timeout_s: float) -> float:
-        conn = self._connection()
-        conn.send((prediction, gold))
-        if conn.poll(timeout_s):
+    def _stop_workers(self) -> None:
+        for worker in self._workers:
+            if not worker._forked():
+                worker._stop()
+            worker._process, worker._conn, worker.starting, worker.index = None, None, False, None
+
+    def score(self, items: list[tuple | None], timeout_s: float) -> list[float]:
+        """One score per item, in order; a None item scores 0.0 without a check."""
+        with self._lock:
+            scores = [0.0] * len(items)
+            queue = deque(index for index, item in enumerate(items) if item is not None)
             try:
-                return conn.recv()
-            except EOFError:
-                # poll also returns when the child died (e.g. killed for memory); the next call restarts it.
-                logger.warning("math verifier process died judging %.200r; scored 0.0", prediction)
-                self._stop()
-                return 0.0
-        logger.warning("math verification exceeded %.1f s on %.200r; scored 0.0 and replaced the verifier process",
-                       timeout_s, prediction)
-        self._stop()
-        return 0.0
+                if queue:
+                    self._start_workers()
+                while queue or any(worker.index is not None for worker in self._workers):
+                    for worker in self._workers:
+                        if queue and not worker.busy:
+                            index = queue.popleft()
+                            worker.send(index, items[index], timeout_s)
+                    busy = [worker for worker in self._workers if worker.busy]
+                    ready = wait([worker._conn for worker in busy],
+                                 max(0.0, min(worker.deadline for worker in busy) - time.monotonic()))
+                    for worker in busy:
+                        if worker._conn in ready:
+                            self._receive(worker, scores, items)
+                        elif time.monotonic() >= worker.deadline:
+                            self._overrun(worker, items, timeout_s)
+            except BaseException:
+                self._stop_workers()  # their answers to this batch must not be read as the next batch's
+                raise
+            return scores
+
+    def _start_workers(self) -> None:
+        for worker in self._workers:
+            if worker._forked():  # a forked copy of the pool: the processes are the parent's, not to be touched
+                worker._process, worker._conn, worker.starting, worker.index = None, None, False, None
+            if worker._process is None or not (worker.starting or worker._process.is_alive()):
+                worker.launch()  # first use, or the process died while idle (e.g. killed for memory)
+
+    def _receive(self, worker: _CheckWorker, scores: list[float], items: list[tuple | None]) -> None:
+        try:
+            message = worker._conn.recv()
+        except EOFError:
+            if worker.starting:
+                raise worker._start_failed() from None
+            # The worker died on this item (e.g. killed for memory).
+            logger.warning("%s process died on %.200r; scored 0.0 and replaced it", self._name, items[worker.index])
+            worker.launch()
+            return
+        if worker.starting:
+            worker.starting, worker.deadline = False, math.inf  # the "ready" message
+        else:
+            scores[worker.index] = message
+            worker.index, worker.deadline = None, math.inf
+
+    def _overrun(self, worker: _CheckWorker, items: list[tuple | None], timeout_s: float) -> None:
+        if worker.starting:
+            raise worker._start_failed()
+        logger.warning("%s exceeded %.1f s on %.200r; scored 0.0 and replaced its process", self._name, timeout_s,
+                       items[worker.index])
+        worker.launch()  # kills the stuck process first
 
 
-# One verifier per process, started on first use, so importing this module starts nothing.
-_VERIFIER = MathVerifier()
+# The math verifier pools of this process, by their number of workers, started on first use (importing this module
+# starts nothing).
+_MATH_POOLS: dict[int, CheckPool] = {}
+_MATH_POOLS_LOCK = threading.Lock()
 
 
-def math_answer(prompts: list[str], completions: list[str], answer: list[str], timeout_s: float = DEFAULT_TIMEOUT_S,
-                **_: object) -> list[float | None]:
+def _math_pool(workers: int) -> CheckPool:
+    with _MATH_POOLS_LOCK:
+        if workers not in _MATH_POOLS:
+            _MATH_POOLS[workers] = CheckPool(
+                _judge, workers, warmup=("1", "1"), name="math verifier",
+                start_error="math_answer needs math-verify: pip install 'lightning-logra[math]'")
+        return _MATH_POOLS[workers]
+
+
+def math_answer(prompts: list, completions: list[Completion], answer: list[str], timeout_s: float = DEFAULT_TIMEOUT_S,
+                workers: int = DEFAULT_WORKERS, **_: object) -> list[float | None]:
     """1.0 where the completion's final answer (its last ``\\boxed{}``, else its last ``Answer:`` line) is
     mathematically equal to the gold answer by math-verify (``\\frac{1}{2}`` = ``0.5``, ``2\\sqrt{2}`` =
-    ``\\sqrt{8}``), else 0.0. Each check is cut off after ``timeout_s`` seconds and then scores 0.0; safe to call
-    from any thread."""
-    predictions = [extract_final_answer(completion) for completion in completions]
-    return _VERIFIER.score(predictions, [str(gold) for gold in answer], timeout_s)
+    ``\\sqrt{8}``), else 0.0. The answers are checked by ``workers`` processes in parallel; each check is cut off
+    after ``timeout_s`` seconds and then scores 0.0. Safe to call from any thread."""
+    predictions = [extract_final_answer(completion_text(completion)) for completion in completions]
+    items = [None if prediction is None else (prediction, str(gold))
+             for prediction, gold in zip(predictions, answer, strict=True)]
+    return _math_pool(workers).score(items, timeout_s)
 
 
 class MathAnswer:
-    """`math_answer` with its setting, for a config::
+    """`math_answer` with its settings, for a config::
 
         reward:
           class_path: lightning_logra.rewards.MathAnswer
-          init_args: {timeout_s: 10.0}
+          init_args: {timeout_s: 10.0, workers: 4}
 
     Args:
         timeout_s: the seconds one answer's check may take; past it the answer scores 0.0 (sympy can spend minutes
-            on an answer such as ``10^{10^{10}}``).
+            on an answer such as ``10^{10^{10}}``), its verifier process is replaced, and the others go on.
+        workers: verifier processes checking a batch's answers in parallel (each a few milliseconds per answer,
+            and about 100 MB for sympy).
     """
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = DEFAULT_WORKERS) -> None:
         if not timeout_s > 0:
             raise ValueError(f"model.reward: MathAnswer's timeout_s must be a positive number of seconds, "
                              f"got {timeout_s}")
-        self.timeout_s = timeout_s
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"model.reward: MathAnswer's workers must be a positive number of processes, "
+                             f"got {workers!r}")
+        self.timeout_s, self.workers = timeout_s, workers
 
-    def __call__(self, prompts: list[str], completions: list[str], answer: list[str],
+    def __call__(self, prompts: list, completions: list[Completion], answer: list[str],
                  **_: object) -> list[float | None]:
-        return math_answer(prompts, completions, answer, timeout_s=self.timeout_s)
+        return math_answer(prompts, completions, answer, timeout_s=self.timeout_s, workers=self.workers)
 
     def __repr__(self) -> str:
-        return f"MathAnswer(timeout_s={self.timeout_s})"
+        return f"MathAnswer(timeout_s={self.timeout_s}, workers={self.workers})"
 
 
 _REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
@@ -331,7 +445,7 @@ class RewardProcess(_ChildProcess):
         super().__init__(_serve_reward, (payload,), "reward", daemon=False,
                          start_error=f"model.reward {name!r} could not be started")
 
-    def __call__(self, prompts: list[str], completions: list[str], timeout_s: float,
+    def __call__(self, prompts: list, completions: list, timeout_s: float,
                  **columns: list) -> list[float | None]:
         with self._lock:
             conn = self._connection()
@@ -378,7 +492,7 @@ class TimedReward:
                 f"set model.reward_timeout_s: null to call it in the trainer's process without a deadline"
             ) from err
 
-    def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float | None]:
+    def __call__(self, prompts: list, completions: list, **columns: list) -> list[float | None]:
         process = _REWARD_PROCESSES.get(self.payload)
         if process is None:
             process = _REWARD_PROCESSES[self.payload] = RewardProcess(self.payload, self.name)
@@ -409,3 +523,49 @@ def resolve_reward(reward: str | RewardFn, timeout_s: float | None) -> RewardFn:
         raise TypeError(f"model.reward must be a reward name, a dotted path or a callable "
                         f"fn(prompts, completions, **columns); got {type(reward).__name__}")
     return reward if timeout_s is None else TimedReward(reward, timeout_s)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One of ``model.reward``'s rewards, as the module calls it."""
+
+    fn: RewardFn  # called with TRL's signature: a TimedReward (its own process and deadline) or the reward itself
+    name: str  # how messages name it: as the config did (`reward_name`)
+    key: str  # how metrics name it: reward/<key>/mean, reward/<key>/std
+    weight: float  # its weight in the total reward
+
+
+def _metric_key(reward: RewardFn) -> str:
+    """TRL's name for a reward in its metrics: a function's ``__name__``, else the class name of an instance."""
+    while isinstance(reward, functools.partial):
+        reward = reward.func
+    return getattr(reward, "__name__", type(reward).__name__)
+
+
+def resolve_rewards(reward: str | RewardFn | list[str | RewardFn], weights: list[float] | None,
+                    timeout_s: float | None) -> list[Reward]:
+    """``model.reward`` (one reward or a list, each as `resolve_reward` takes it) with ``model.reward_weights`` (one
+    weight per reward; None: 1.0 each), as TRL's ``reward_funcs`` and ``reward_weights``. Metric names are unique:
+    a name met again is numbered (``StartsWith``, ``StartsWith_2``)."""
+    rewards = list(reward) if isinstance(reward, (list, tuple)) else [reward]
+    if not rewards:
+        raise ValueError("model.reward is an empty list: give at least one reward")
+    if weights is None:
+        weights = [1.0] * len(rewards)
+    if len(weights) != len(rewards):
+        raise ValueError(f"model.reward_weights has {len(weights)} weights for the {len(rewards)} rewards of "
+                         f"model.reward: give one weight per reward, in the same order (or null for 1.0 each)")
+    if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
+        raise ValueError(f"model.reward_weights must be finite numbers, got {list(weights)}")
+    resolved, keys = [], []
+    for given, weight in zip(rewards, weights, strict=True):
+        fn = resolve_reward(given, timeout_s=None)
+        key = base = _metric_key(fn)
+        number = 1
+        while key in keys:
+            number += 1
+            key = f"{base}_{number}"
+        keys.append(key)
+        resolved.append(Reward(fn if timeout_s is None else TimedReward(fn, timeout_s), reward_name(given), key,
+                               float(weight)))
+    return resolved

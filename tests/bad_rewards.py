@@ -1,6 +1,6 @@
 """Rewards for tests/test_rewards.py and tests/test_cli.py: functions that misbehave, named by dotted path
-("bad_rewards.…") as a config names a custom reward, and two classes a config builds from class_path/init_args.
-Only light imports, since each reward process imports this module."""
+("bad_rewards.…") as a config names a custom reward, classes a config builds from class_path/init_args, and a check
+for `CheckPool`'s worker processes. Only light imports, since each reward or check process imports this module."""
 
 import math
 import os
@@ -51,3 +51,35 @@ class HoldsALock:
     def __call__(self, prompts, completions, **_):
         with self.lock:
             return [0.0] * len(completions)
+
+
+class RecordCalls:
+    """Scores every completion 0.0 and keeps what each call received (for a reward called in the trainer's process,
+    model.reward_timeout_s: null)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.calls.append({"prompts": prompts, "completions": completions, **kwargs})
+        return [0.0] * len(completions)
+
+
+def pool_check(kind: str, path: str) -> float:
+    """A check for CheckPool's tests, by kind: "hang" writes its process id to `path` and never returns; "wait"
+    returns 1.0 once the file `path` exists, which a "signal" check writes (so it returns only if another worker runs
+    that check meanwhile); "raise" raises; any other kind returns 0.5."""
+    if kind == "hang":
+        with open(path, "w") as file:
+            file.write(str(os.getpid()))
+        time.sleep(600)
+    if kind == "wait":
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return 1.0
+    if kind == "signal":
+        open(path, "w").close()
+        return 1.0
+    if kind == "raise":
+        raise ValueError("unparsable")
+    return 0.5

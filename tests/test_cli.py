@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.core.saving import load_hparams_from_yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli import main
@@ -227,12 +228,45 @@ def test_a_reward_component_from_the_config_trains_and_is_saved(tiny_arith_model
     reward = {"class_path": "bad_rewards.StartsWith", "init_args": {"prefix": "4"}}
     cli = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 1),
                 "--config", _reward_config(tmp_path, reward)])
-    assert isinstance(cli.model.reward_fn, TimedReward) and cli.model.reward_fn.name == "bad_rewards.StartsWith"
-    assert cli.model.reward_fn(["p"] * 3, ["42", "24", "4"]) == [1.0, 0.0, 1.0]
+    (built,) = cli.model.rewards
+    assert isinstance(built.fn, TimedReward) and built.fn.name == "bad_rewards.StartsWith"
+    assert built.fn(["p"] * 3, ["42", "24", "4"]) == [1.0, 0.0, 1.0]
     checkpoint = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0]
     assert torch.load(checkpoint, weights_only=False)["hyper_parameters"]["reward"] == reward
     (hparams,) = glob.glob(str(tmp_path / "**" / "hparams.yaml"), recursive=True)
     assert load_hparams_from_yaml(hparams)["reward"] == reward
+
+
+def test_several_weighted_rewards_are_each_logged_every_step_and_summed(tiny_arith_model, tmp_path):
+    # TRL's reward_funcs and reward_weights, from the config: each reward's mean and std over the completions
+    # (reward/<name>/mean, named as TRL names them), and train/reward_mean, the mean of Σ w_i·r_i.
+    config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
+    rewards = {"reward": ["conftest.odd_first_digit",
+                          {"class_path": "bad_rewards.StartsWith", "init_args": {"prefix": "="}},
+                          {"class_path": "bad_rewards.StartsWith", "init_args": {"prefix": "2"}}],
+               "reward_weights": [1.0, 0.5, -2.0]}
+    path = tmp_path / "rewards.yaml"
+    path.write_text(yaml.safe_dump({"model": rewards}))
+    cli = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path, 2), "--config", str(path)])
+    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    names = ["odd_first_digit", "StartsWith", "StartsWith_2"]
+    for name in names:
+        assert len(scalars[f"reward/{name}/mean"]) == len(scalars[f"reward/{name}/std"]) == 2, name  # every step
+    for step in range(2):
+        first, second, third = (scalars[f"reward/{name}/mean"][step] for name in names)
+        assert first > 0 and second > 0 and third > 0  # so that a weight left out would show
+        assert scalars["train/reward_mean"][step] == pytest.approx(first + 0.5 * second - 2.0 * third, abs=1e-6)
+    # saved as given, in the checkpoint and in the config written beside the logs (which a rerun can load)
+    hparams = torch.load(glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0],
+                         weights_only=False)["hyper_parameters"]
+    assert (hparams["reward"], hparams["reward_weights"]) == (rewards["reward"], rewards["reward_weights"])
+    (saved,) = glob.glob(str(tmp_path / "**" / "config.yaml"), recursive=True)
+    assert {key: yaml.safe_load(Path(saved).read_text())["model"][key] for key in rewards} == rewards
+    with pytest.raises(ValueError, match=r"model.reward_weights has 2 weights for the 3 rewards of model.reward"):
+        main(["--config", config, "--config", str(path), "--model.reward_weights", "[1.0, 2.0]",
+              "--trainer.logger", "false"], run=False)
 
 
 @pytest.mark.parametrize("reward, error, message", [

@@ -1,5 +1,6 @@
 """Two CPU processes (gloo) against one process on the same global batch, through the CLI."""
 
+import glob
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
 
@@ -47,6 +49,13 @@ def _grad_norms(root: Path) -> list[float]:
     return json.loads((root / "grad_norms.json").read_text())
 
 
+def _scalars(root: Path, tag: str) -> list[float]:
+    """One scalar's values, in step order, from the TensorBoard log of a run in `root` (rank 0 writes it)."""
+    events = EventAccumulator(glob.glob(str(root / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
 def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
     single = _fit(_without_kl_control("tiny_arith.yaml", tmp_path / "single.yaml"), tiny_arith_model, tmp_path / "1")
     double = _fit(_without_kl_control("tiny_arith_ddp.yaml", tmp_path / "ddp.yaml"), tiny_arith_model, tmp_path / "2")
@@ -56,6 +65,10 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_mod
     assert _grad_norms(tmp_path / "2") == pytest.approx(_grad_norms(tmp_path / "1"), rel=1e-5)
     for name in single:
         torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)
+    # each reward's mean and std are over the global batch (a mean of the ranks' stds would differ)
+    for tag in ("reward/odd_first_digit/mean", "reward/odd_first_digit/std", "train/reward_mean"):
+        one, two = _scalars(tmp_path / "1", tag), _scalars(tmp_path / "2", tag)
+        assert len(one) == 3 and two == pytest.approx(one, rel=1e-6), tag
 
 
 def _dense_on_two_processes(path: Path) -> str:

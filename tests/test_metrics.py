@@ -44,10 +44,10 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(tiny_arith_model, tmp_pa
     score = RLVRModule._rollout_and_score
 
     def recording(self, batch, n, sampling, step):
-        rollout, rewards = score(self, batch, n, sampling, step)
+        rollout, *rewards = score(self, batch, n, sampling, step)
         if step >= 0:
             seen.append(rollout)
-        return rollout, rewards
+        return rollout, *rewards
 
     monkeypatch.setattr(RLVRModule, "_rollout_and_score", recording)
     cli = main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 2), "--model.log_completions_every", "1"])

@@ -1,6 +1,7 @@
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from typing import get_args
@@ -9,12 +10,15 @@ import psutil
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from transformers import AutoTokenizer
 
 from lightning_logra.data.module import ArithDataModule
 import bad_rewards
 from lightning_logra import rewards
-from lightning_logra.module import RLVRModule, reward_tensor
+from lightning_logra.module import RLVRModule, reward_metrics, reward_tensor
 from lightning_logra.rewards import (
+    CheckPool,
     MathAnswer,
     RewardName,
     TimedReward,
@@ -23,6 +27,7 @@ from lightning_logra.rewards import (
     get_reward,
     math_answer,
     resolve_reward,
+    resolve_rewards,
 )
 
 
@@ -73,6 +78,20 @@ def test_math_answer_takes_numeric_gold():
     assert math_answer(["p"], [r"\boxed{12}"], answer=[12]) == [1.0]
 
 
+def _as_messages(completions):
+    """TRL's conversational form of completions: each a list of one assistant message."""
+    return [[{"role": "assistant", "content": completion}] for completion in completions]
+
+
+def test_built_in_rewards_take_conversational_completions():
+    completions = [" 64\n", "512", r"so \boxed{0.5}"]
+    answers = ["64", "521", r"\frac{1}{2}"]
+    assert exact_match(["p"] * 3, _as_messages(completions), answer=answers) == [1.0, 0.0, 0.0]
+    assert math_answer(["p"] * 3, _as_messages(completions), answer=answers) == [0.0, 0.0, 1.0]
+    assert MathAnswer()([[{"role": "user", "content": "1/2?"}]], _as_messages([r"\boxed{0.5}"]),
+                        answer=["1/2"]) == [1.0]
+
+
 def _in_thread(fn, *args, **kwargs):
     """fn's return value, computed on a thread other than the main one (as Lightning and loaders may call it);
     an exception in the thread is re-raised here."""
@@ -102,17 +121,46 @@ def test_math_answer_off_the_main_thread():
 def test_math_answer_cuts_off_a_slow_check_and_recovers(caplog):
     # A real pathological answer, not a mock: sympy tries to settle 10^(10^10) = 1 and does not return for
     # minutes (math-verify's own alarm-based timeout, which cannot be used on this thread, is what normally stops
-    # it). The check must be abandoned at the timeout, score 0.0, and leave a working verifier for the next answer.
-    # The timeout is set as a config sets it, through the class form's init_arg.
-    completions = [r"\boxed{10^{10^{10}}}", r"\boxed{2}"]
+    # it). The check must be abandoned at the timeout and score 0.0, while the other worker judges the other answers;
+    # the next batch finds a working pool. The settings are set as a config sets them, through the class's init_args.
+    reward = MathAnswer(timeout_s=1.0, workers=2)
+    completions = [r"\boxed{10^{10^{10}}}", r"\boxed{2}", r"\boxed{0.5}", "Answer: 3", r"\boxed{\sqrt{8}}"]
+    answers = ["1", "2", r"\frac{1}{2}", "4", r"2\sqrt{2}"]
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
-        scores = _in_thread(MathAnswer(timeout_s=1.0), ["p", "p"], completions, answer=["1", "2"])
+        scores = _in_thread(reward, ["p"] * 5, completions, answer=answers)
     elapsed = time.monotonic() - start
-    assert scores == [0.0, 1.0]
+    assert scores == [0.0, 1.0, 1.0, 0.0, 1.0]
     assert any("exceeded 1.0 s" in record.getMessage() for record in caplog.records)
-    # 1 s of timeout plus starting a fresh verifier process; the uncut check would take minutes.
+    # 1 s of timeout plus starting the verifier processes; the uncut check would take minutes.
     assert elapsed < 30
+    assert reward(["p"] * 2, [r"\boxed{7}", r"\boxed{8}"], answer=["7", "9"]) == [1.0, 0.0]
+
+
+def test_a_check_pool_checks_in_parallel_and_replaces_only_a_stuck_worker(tmp_path, caplog):
+    # bad_rewards.pool_check: a "wait" check returns (1.0) only if another worker runs the "signal" check while it
+    # waits, so checks that ran one at a time would score it 0.0 at its timeout. The "hang" check never returns.
+    pool = CheckPool(bad_rewards.pool_check, workers=3, warmup=("warm", ""), name="test checker",
+                     start_error="bad_rewards must be importable")
+    try:
+        assert pool.score([("ok", "")] * 4, timeout_s=60.0) == [0.5] * 4  # starts the workers
+        workers = {worker._process.pid for worker in pool._workers}
+        hung, signal = str(tmp_path / "hung.pid"), str(tmp_path / "signal")
+        items = [("hang", hung), ("wait", signal), ("ok", ""), None, ("signal", signal), ("raise", ""), ("ok", "")]
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
+            scores = pool.score(items, timeout_s=5.0)
+        elapsed = time.monotonic() - start
+        assert scores == [0.0, 1.0, 0.5, 0.0, 1.0, 0.0, 0.5]  # None and a check that raises score 0.0
+        assert elapsed < 5.0 + 10  # cut off at its timeout: the hung check alone would take 10 minutes
+        assert any("test checker exceeded 5.0 s on ('hang'" in r.getMessage() for r in caplog.records)
+        stuck = int(open(hung).read())
+        assert stuck in workers and not psutil.pid_exists(stuck)  # killed
+        # only that worker was replaced, and the pool goes on
+        assert pool.score([("ok", "")] * 3, timeout_s=60.0) == [0.5] * 3
+        assert len(workers & {worker._process.pid for worker in pool._workers}) == 2
+    finally:
+        pool.close()
 
 
 def test_get_reward():
@@ -154,9 +202,10 @@ def test_a_custom_reward_past_its_deadline_is_stopped_and_the_batch_scores_none(
 
 def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
     module = RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=60.0)
-    assert isinstance(module.reward_fn, TimedReward)
-    assert module.reward_fn(["p", "p"], ["12", "3"], answer=["12", "4"]) == [1.0, 0.0]
-    assert RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=None).reward_fn is exact_match
+    (reward,) = module.rewards
+    assert isinstance(reward.fn, TimedReward)
+    assert reward.fn(["p", "p"], ["12", "3"], answer=["12", "4"]) == [1.0, 0.0]
+    assert RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=None).rewards[0].fn is exact_match
 
 
 def test_a_class_reward_keeps_its_settings_in_its_reward_process():
@@ -187,13 +236,103 @@ def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
 def test_reward_output_is_checked_and_a_nan_drops_only_its_group():
     with pytest.raises(ValueError, match=r"model.reward 'r' returned 7 rewards for 8 completions \(2 prompts × 4 "
                                          r"samples\): it must return one per completion"):
-        reward_tensor([1.0] * 7, "r", 2, 4)
-    with pytest.raises(ValueError, match=r"model.reward 'r' must return a list of 8 numbers"):
-        reward_tensor(1.0, "r", 2, 4)
-    rewards, missing, dropped = reward_tensor([1, None, 0, 1, 1, 0, math.nan, 1, 0, 1, 1, 0], "r", 3, 4)
+        reward_tensor([[1.0] * 7], ["r"], [1.0], 2, 4)
+    with pytest.raises(ValueError, match=r"model.reward 's' must return a list of 8 numbers"):
+        reward_tensor([[1.0] * 8, 1.0], ["r", "s"], [1.0, 1.0], 2, 4)
+    rewards, values, missing, dropped = reward_tensor([[1, None, 0, 1, 1, 0, math.nan, 1, 0, 1, 1, 0]], ["r"], [1.0],
+                                                      3, 4)
     assert rewards.tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0]  # None earns 0; the NaN's group is all 0
     assert missing.tolist() == [False, True] + [False] * 4 + [True] + [False] * 5
     assert dropped.tolist() == [False, True, False]
+    assert values.shape == (12, 1) and values[1, 0].isnan() and values[4, 0] == 1  # as returned, None as NaN
+
+
+def test_weighted_rewards_combine_as_trl_does():
+    # Σ w_i·r_i over the functions that rated the completion (None skipped); none rated it: no reward (0.0 here).
+    first = [1.0, None, 0.0, None, 0.25, 1.0]
+    second = [0.5, 1.0, None, None, -1.0, 0.0]
+    rewards, values, missing, dropped = reward_tensor([first, second], ["a", "b"], [2.0, -0.5], 3, 2)
+    # 2·1 − 0.5·0.5 = 1.75; −0.5·1; 2·0; no rating; 2·0.25 − 0.5·(−1) = 1.0; 2·1 − 0.5·0 = 2.0
+    assert rewards.tolist() == [1.75, -0.5, 0.0, 0.0, 1.0, 2.0]
+    assert missing.tolist() == [False, False, False, True, False, False]
+    assert not dropped.any()
+    assert values[:, 1].isnan().tolist() == [False, False, True, True, False, False]
+    # a NaN (not a None) from any one function drops its group, whatever the other functions said
+    rewards, _, missing, dropped = reward_tensor([first, [math.nan] + second[1:]], ["a", "b"], [2.0, -0.5], 3, 2)
+    assert rewards.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 2.0]
+    assert dropped.tolist() == [True, False, False]
+
+
+def test_each_reward_is_summarized_over_the_completions_it_rated():
+    values = torch.tensor([[1.0, math.nan, 3.0], [0.0, math.nan, math.nan], [math.nan, math.nan, math.nan],
+                           [1.0, math.nan, math.nan]])  # (4 completions, 3 rewards), NaN where a reward said None
+    metrics = reward_metrics(values, ["a", "b", "c"], SingleDeviceStrategy(device="cpu"))
+    assert set(metrics) == {f"reward/{key}/{stat}" for key in "abc" for stat in ("mean", "std")}
+    # a: 1, 0, 1 → mean 2/3, std √((1/9 + 4/9 + 1/9) / 2) = √(1/3); b rated nothing; c rated one completion
+    assert float(metrics["reward/a/mean"]) == pytest.approx(2 / 3)
+    assert float(metrics["reward/a/std"]) == pytest.approx(math.sqrt(1 / 3))
+    assert float(metrics["reward/c/mean"]) == 3.0
+    for nan in ("reward/b/mean", "reward/b/std", "reward/c/std"):
+        assert math.isnan(float(metrics[nan])), nan
+
+
+def test_a_list_of_rewards_with_weights_resolves_with_unique_metric_names():
+    rewards = resolve_rewards(["exact_match", bad_rewards.StartsWith("4"), bad_rewards.StartsWith("2"),
+                               "lightning_logra.rewards.MathAnswer"], [1.0, 0.5, -1, 2.0], timeout_s=None)
+    assert [r.key for r in rewards] == ["exact_match", "StartsWith", "StartsWith_2", "MathAnswer"]
+    assert [r.weight for r in rewards] == [1.0, 0.5, -1.0, 2.0]
+    assert [r.name for r in rewards][::3] == ["exact_match", "lightning_logra.rewards.MathAnswer"]
+    assert rewards[0].fn is exact_match and rewards[2].fn(["p"], ["24"]) == [1.0]
+    (single,) = resolve_rewards("math_answer", None, timeout_s=60.0)  # one reward, as before: weight 1.0
+    assert (single.key, single.weight, isinstance(single.fn, TimedReward)) == ("math_answer", 1.0, True)
+    with pytest.raises(ValueError, match=r"model.reward_weights has 1 weights for the 2 rewards of model.reward: "
+                                         r"give one weight per reward"):
+        resolve_rewards(["exact_match", "math_answer"], [1.0], timeout_s=None)
+    with pytest.raises(ValueError, match=r"model.reward_weights must be finite numbers, got \[1.0, nan\]"):
+        resolve_rewards(["exact_match", "math_answer"], [1.0, math.nan], timeout_s=None)
+    with pytest.raises(ValueError, match=r"model.reward is an empty list"):
+        resolve_rewards([], None, timeout_s=None)
+    with pytest.raises(ValueError, match=r"MathAnswer's workers must be a positive number of processes, got 0"):
+        MathAnswer(workers=0)
+
+
+@pytest.mark.parametrize("chat_template", [False, True], ids=["text", "conversational"])
+def test_rewards_get_trl_arguments_completions_as_text_or_messages_and_their_token_ids(tiny_arith_model, tmp_path,
+                                                                                     chat_template):
+    # TRL's reward signature: prompts, completions (strings, or each a list of one assistant message when a chat
+    # template is applied), completion_ids (each completion's tokens, without padding) and the other columns.
+    model = tiny_arith_model
+    if chat_template:  # the embedded tokenizer has no chat template: one that renders the messages' text as it is
+        model = str(tmp_path / "with_template")
+        shutil.copytree(tiny_arith_model, model)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+        tokenizer.save_pretrained(model)
+    recorder = bad_rewards.RecordCalls()
+    module = RLVRModule(model, reward=recorder, reward_timeout_s=None, chat_template=chat_template,
+                        num_generations=3, max_new_tokens=6, temperature=1.0)
+    module.configure_model()
+    batch = {"prompt": ["12+34=", "81+19="], "answer": ["64", "10"]}
+    module._rollout_and_score(batch, 3, module.sampling, step=-1)
+    (call,) = recorder.calls
+    assert set(call) == {"prompts", "completions", "completion_ids", "answer"}
+    assert call["prompts"] == ["12+34="] * 3 + ["81+19="] * 3 and call["answer"] == ["64"] * 3 + ["10"] * 3
+    texts = []
+    for completion in call["completions"]:
+        if chat_template:
+            assert isinstance(completion, list) and len(completion) == 1 and completion[0]["role"] == "assistant"
+            completion = completion[0]["content"]
+        assert isinstance(completion, str)
+        texts.append(completion)
+    tokenizer = module.tokenizer
+    stops = set(module._stop_token_ids())
+    assert len(call["completion_ids"]) == 6
+    for ids, text in zip(call["completion_ids"], texts, strict=True):
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+        # no padding: every token is generated, and the completion either ran to the length limit or ends at its stop
+        assert 1 <= len(ids) <= 6 and not stops & set(ids[:-1])
+        assert len(ids) == 6 or ids[-1] in stops
+    assert any(texts), "the random model generated only special tokens: the check of the text compared nothing"
 
 
 def _fit(model_path, reward, steps=2, **kwargs):

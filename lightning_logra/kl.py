@@ -9,7 +9,11 @@ parameters) and a subset D of the batch's responses:
 
 The proposed model is evaluated without modifying any weight: a sketched layer's output under Δ is
 y − η·(x·Aᵀ)·Uᵀ, added by a forward hook, and densely trained parameters are swapped for their proposed values
-(θ + α·Δ) by `functional_call`.
+(θ + α·Δ) for the pass.
+
+Neither side's full-vocabulary log-probs are held: each pass keeps the decoder's last hidden states (n·C × h) and
+the LM head, and the KL is accumulated a chunk of tokens at a time (`mean_token_kl`), so the check's transient is a
+chunk × V, not 2 × n × C × V (about 5 GB at 2 responses × 2k tokens over a 152k vocabulary).
 
 With bf16/fp16 weights both forward passes run in fp32 end to end (`float32_compute`): a perturbation of relative
 size 1e-6 added into a bf16 residual stream (8 significant bits) would be lost in its rounding, and q would measure
@@ -26,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
+from lightning_logra.batch import positions
+from lightning_logra.logprobs import compute_dtype, plain_head
 from lightning_logra.loss import completion_logits
 from lightning_logra.sketch.rounding import LOW_PRECISION
 from lightning_logra.update import Update
@@ -98,62 +103,114 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
             restore(module)
 
 
-def _completion_logprobs(
-    policy: nn.Module, responses: Responses, temperature: float, dense: Mapping[str, torch.Tensor] | None = None,
-    alpha: float = 1.0,
-) -> torch.Tensor:
-    """log π(· | ctx) over the full vocabulary (n, C, V), fp32, at the temperature. `dense` {parameter name: value
-    at α = 1} replaces those parameters by θ + α·(value − θ) for this pass (the others stay in place)."""
-    model = policy
-    if dense:
-        params = dict(policy.named_parameters())
-        # lerp is exact at α = 1: the optimizer's own step, not θ + (value − θ) rounded twice.
-        shifted = {name: torch.lerp(params[name].detach(), value, alpha) for name, value in dense.items()}
-        model = lambda **kw: functional_call(policy, shifted, args=(), kwargs=kw)  # noqa: E731
+@contextmanager
+def dense_values(policy: nn.Module, dense: Mapping[str, torch.Tensor], alpha: float = 1.0) -> Iterator[None]:
+    """Within the block, each named parameter holds θ + α·(value − θ) (`dense` gives the values at α = 1); the
+    parameters' own tensors are swapped back afterwards, untouched (no arithmetic on them)."""
+    params = dict(policy.named_parameters())
+    saved = {}
+    try:
+        for name, value in dense.items():
+            # lerp is exact at α = 1: the optimizer's own step, not θ + (value − θ) rounded twice.
+            saved[name] = params[name].data
+            params[name].data = value if alpha == 1.0 else torch.lerp(saved[name], value, alpha)
+        yield
+    finally:
+        for name, data in saved.items():
+            params[name].data = data
+
+
+@dataclass
+class NextTokens:
+    """What fixes π(· | ctx) at every completion position: the decoder's last hidden states and the LM head that maps
+    them to logits, so that the log-softmax is computed a chunk of tokens at a time (a model whose head is not plain
+    keeps its full logits instead). Never holds n × C × V numbers unless `logits` is set."""
+
+    hidden: torch.Tensor | None = None  # (n·C, h) fp32
+    weight: torch.Tensor | None = None  # (V, h) the head's weight, as it was when measured
+    bias: torch.Tensor | None = None  # (V,)
+    logits: torch.Tensor | None = None  # (n·C, V) fp32: the full path
+
+    def log_softmax(self, rows: torch.Tensor, temperature: float, weight: torch.Tensor | None) -> torch.Tensor:
+        """log π(· | ctx) (len(rows), V) at the temperature; `weight`: the head's weight in the compute dtype."""
+        if self.logits is not None:
+            logits = self.logits[rows]
+        else:
+            bias = None if self.bias is None else self.bias.to(weight.dtype)
+            logits = nn.functional.linear(self.hidden[rows].to(weight.dtype), weight, bias)  # (c, V)
+        return torch.log_softmax(logits / temperature, dim=-1)
+
+    def compute_weight(self) -> torch.Tensor | None:
+        """The head's weight in fp32 (fp64 kept), made once per KL computation: a bf16 head's fp32 copy is V·h·4
+        bytes, where full log-softmax tensors of both sides would be 2·n·C·V·4."""
+        return None if self.weight is None else self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+
+
+def next_tokens(policy: nn.Module, responses: Responses) -> NextTokens:
+    """The policy's `NextTokens` on `responses` (inside `low_rank_perturbation` / `dense_values`: the proposed
+    policy's). bf16/fp16 models are evaluated in fp32 end to end (`float32_compute`)."""
     low_precision = any(p.dtype in LOW_PRECISION for p in policy.parameters())
+    head = plain_head(policy)
+    ids = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
+    width = responses.completion_ids.shape[1]
     with float32_compute(policy) if low_precision else contextlib.nullcontext():
-        logits = completion_logits(model, responses.prompt_ids, responses.prompt_mask, responses.completion_ids,
-                                   responses.completion_mask)
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+        if head is None:
+            logits = completion_logits(policy, *ids)  # (n, C, V)
+            return NextTokens(logits=logits.reshape(-1, logits.shape[-1]).to(compute_dtype(logits.dtype)))
+        ids_mask = torch.cat([responses.prompt_mask, responses.completion_mask], dim=1)
+        hidden = policy.get_decoder()(input_ids=torch.cat([responses.prompt_ids, responses.completion_ids], dim=1),
+                                      attention_mask=ids_mask, position_ids=positions(ids_mask)).last_hidden_state
+    hidden = hidden[:, -width - 1 : -1]  # (n, C, h): the position before each completion token predicts it
+    # A head trained densely changes in place when the update is applied: keep the one measured here.
+    weight = head.weight.detach().clone() if head.weight.requires_grad else head.weight.detach()
+    bias = None if head.bias is None else head.bias.detach().clone()
+    return NextTokens(hidden.reshape(-1, hidden.shape[-1]).to(compute_dtype(hidden.dtype)), weight, bias)
 
 
-def mean_token_kl(logp: torch.Tensor, logq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over masked positions of KL(p ‖ q) = Σ_v p_v (log p_v − log q_v); logp, logq (n, C, V), mask (n, C)."""
-    kl = (logp.exp() * (logp - logq)).sum(-1)  # (n, C)
-    mask = mask.to(kl.dtype)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+def mean_token_kl(p: NextTokens, q: NextTokens, mask: torch.Tensor, temperature: float = 1.0,
+                  chunk_tokens: int = 1024) -> torch.Tensor:
+    """Mean over the masked positions (mask (n, C)) of KL(p ‖ q) = Σ_v p_v (log p_v − log q_v), full vocabulary,
+    accumulated `chunk_tokens` positions at a time."""
+    rows = mask.reshape(-1).nonzero().squeeze(-1)  # the completion tokens only
+    weight_p = p.compute_weight()
+    weight_q = weight_p if q.weight is p.weight else q.compute_weight()
+    total = torch.zeros((), dtype=torch.float64, device=mask.device)
+    for chunk in rows.split(chunk_tokens):
+        logp = p.log_softmax(chunk, temperature, weight_p)  # (c, V)
+        logq = q.log_softmax(chunk, temperature, weight_q)
+        total += (logp.exp() * (logp - logq)).sum().double()
+    return total / max(rows.numel(), 1)  # float64
 
 
 @torch.no_grad()
 def predicted_kl(
     policy: nn.Module, proposal: Update, responses: Responses, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, log-probs of the current policy (n, C, V)): q is the KL of the whole proposal (sketched and dense
-    parts) at α = 1 on `responses`. The current log-probs are returned so that the realized KL after the update
-    needs one forward pass, not two."""
-    current = _completion_logprobs(policy, responses, temperature)
-    with low_rank_perturbation(policy, proposal):
-        proposed = _completion_logprobs(policy, responses, temperature, proposal.dense)
-    return mean_token_kl(current, proposed, responses.completion_mask), current
+) -> tuple[torch.Tensor, NextTokens]:
+    """(q, the current policy's `NextTokens`): q is the KL of the whole proposal (sketched and dense parts) at
+    α = 1 on `responses`. The current policy's state is returned so that the realized KL after the update needs one
+    forward pass, not two."""
+    current = next_tokens(policy, responses)
+    with low_rank_perturbation(policy, proposal), dense_values(policy, proposal.dense):
+        proposed = next_tokens(policy, responses)
+    return mean_token_kl(current, proposed, responses.completion_mask, temperature), current
 
 
 @torch.no_grad()
 def intended_kl(
-    policy: nn.Module, proposal: Update, responses: Responses, before: torch.Tensor, alpha: float,
+    policy: nn.Module, proposal: Update, responses: Responses, before: NextTokens, alpha: float,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """The exact KL of the step α·Δ, before it is merged: what the realized KL would be without any rounding of
     the merge (with stochastic rounding into bf16 the realized KL adds the rounding noise on top)."""
-    with low_rank_perturbation(policy, proposal, alpha):
-        stepped = _completion_logprobs(policy, responses, temperature, proposal.dense, alpha)
-    return mean_token_kl(before, stepped, responses.completion_mask)
+    with low_rank_perturbation(policy, proposal, alpha), dense_values(policy, proposal.dense, alpha):
+        stepped = next_tokens(policy, responses)
+    return mean_token_kl(before, stepped, responses.completion_mask, temperature)
 
 
 @torch.no_grad()
-def realized_kl(policy: nn.Module, responses: Responses, before: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def realized_kl(policy: nn.Module, responses: Responses, before: NextTokens, temperature: float = 1.0) -> torch.Tensor:
     """KL(π_before ‖ π_now) on the same responses, after the update was applied."""
-    after = _completion_logprobs(policy, responses, temperature)
-    return mean_token_kl(before, after, responses.completion_mask)
+    return mean_token_kl(before, next_tokens(policy, responses), responses.completion_mask, temperature)
 
 
 def step_scale(q: float, budget: float, alpha_max: float) -> float:

@@ -25,7 +25,7 @@ from lightning_logra.loss import completion_logits, token_entropy, token_logprob
 log = logging.getLogger(__name__)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 logits (as the full path's `.float()`), fp64 kept for float64 references."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -36,7 +36,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature: float, chunk: int):
-        logprobs = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden.dtype), device=hidden.device)
+        logprobs = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden.dtype), device=hidden.device)
         entropy = torch.empty_like(logprobs)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
@@ -56,8 +56,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         hidden, weight, bias, tokens = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=_compute_dtype(weight.dtype)) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=_compute_dtype(bias.dtype)) if need_bias else None
+        grad_weight = torch.zeros_like(weight, dtype=compute_dtype(weight.dtype)) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=compute_dtype(bias.dtype)) if need_bias else None
         device_type, autocast, autocast_dtype = ctx.autocast
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
@@ -80,7 +80,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 def _log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  temperature: float) -> torch.Tensor:
     logits = nn.functional.linear(hidden, weight, bias)  # (c, V) in the head's dtype, as the model's own head
-    return torch.log_softmax(logits.to(_compute_dtype(logits.dtype)) / temperature, dim=-1)
+    return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
 
 
 def plain_head(policy: nn.Module) -> nn.Linear | None:

@@ -9,7 +9,8 @@ from conftest import SKETCH_TARGETS, make_tiny_qwen2
 from lightning_logra.loss import completion_logits
 from lightning_logra.kl import (
     Responses,
-    _completion_logprobs,
+    NextTokens,
+    next_tokens,
     intended_kl,
     low_rank_perturbation,
     mean_token_kl,
@@ -73,7 +74,7 @@ def test_a_whole_proposal_sketched_and_dense_equals_a_weight_copy():
         _merge_into(copied, proposal, alpha)
         with torch.no_grad():
             copied.model.norm.weight.lerp_(proposal.dense["model.norm.weight"], alpha)
-        current = _completion_logprobs(model, responses, 1.0)
+        current = next_tokens(model, responses)
         exact = realized_kl(copied, responses, current)
         if alpha == 1.0:
             q, _ = predicted_kl(model, proposal, responses)
@@ -93,11 +94,11 @@ def test_kl_is_quadratic_in_the_step_for_small_steps():
     proposal = _random_proposal(handles, 0.02)
     responses = _responses()
     with torch.no_grad():
-        base = _completion_logprobs(model, responses, 1.0, None)
+        base = next_tokens(model, responses)
         kls = []
         for alpha in (0.1, 0.2):
             with low_rank_perturbation(model, proposal, alpha):
-                kls.append(mean_token_kl(base, _completion_logprobs(model, responses, 1.0, None),
+                kls.append(mean_token_kl(base, next_tokens(model, responses),
                                          responses.completion_mask).item())
     assert kls[1] / kls[0] == pytest.approx(4.0, rel=0.05)
 
@@ -179,9 +180,9 @@ def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
     responses = _responses()
     q, current = predicted_kl(model, proposal, responses)
     q_ref, current_ref = predicted_kl(reference, proposal, responses)
-    assert current.dtype == torch.float32 and 0 < float(q_ref) < 1e-8
+    assert current.hidden.dtype == torch.float32 and 0 < float(q_ref) < 1e-8
     assert float(q) == pytest.approx(float(q_ref), rel=1e-3)
-    torch.testing.assert_close(current, current_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(current.hidden, current_ref.hidden, rtol=0, atol=1e-5)
     # the parameters are bf16 again afterwards, and nothing else was left behind
     assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "sketch_param" not in n)
     assert not any(hasattr(m, "_float32_saved") for m in model.modules())
@@ -277,3 +278,32 @@ def test_alpha_scales_the_whole_update_dense_parameters_included(tmp_path, confi
         assert float(error.norm()) <= 1e-3 * float(step.norm()) + float(resolution.norm()), name
         assert float(step.norm()) > 20 * float(resolution.norm()), name  # a step fp32 resolves: the check has teeth
     assert float(metrics["kl/realized"]) == pytest.approx(float(metrics["kl/predicted"]), rel=0.3)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_the_kl_in_chunks_equals_the_kl_of_full_log_softmax_tensors(chunk):
+    # float64: the chunked sum over the completion tokens is the masked mean of Σ_v p (log p − log q) over
+    # (n, C, V) tensors built whole, for any chunk size; and a head that is not plain takes the full-logits path.
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.1, torch.float64)
+    responses = _responses()
+    args = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
+    with torch.no_grad():
+        logp = torch.log_softmax(completion_logits(model, *args) / 0.7, -1)
+        with low_rank_perturbation(model, proposal):
+            logq = torch.log_softmax(completion_logits(model, *args) / 0.7, -1)
+    mask = responses.completion_mask.double()
+    expected = ((logp.exp() * (logp - logq)).sum(-1) * mask).sum() / mask.sum()
+    before = next_tokens(model, responses)
+    with torch.no_grad(), low_rank_perturbation(model, proposal):
+        after = next_tokens(model, responses)
+    assert before.logits is None and before.hidden.shape == (4 * 6, 64)  # hidden states, no (n, C, V) tensor
+    got = mean_token_kl(before, after, responses.completion_mask, 0.7, chunk_tokens=chunk)
+    assert float(got) == pytest.approx(float(expected), rel=1e-10)
+    model.config.final_logit_softcapping = 30.0  # not a plain head (Qwen2 ignores it; the check does not)
+    full = next_tokens(model, responses)
+    assert full.hidden is None and full.logits.shape == (4 * 6, 97)
+    assert float(mean_token_kl(full, after, responses.completion_mask, 0.7, chunk)) == pytest.approx(float(expected),
+                                                                                                      rel=1e-10)
+

@@ -198,8 +198,9 @@ class RLVRModule(LightningModule):
             lr, weight_decay: the dense AdamW used without `SketchStrategy` (the baseline).
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
             eval_temperature: 0 means greedy pass@1 in validate/test.
-            chat_template: wrap each prompt as a user message with the tokenizer's chat template; rewards then get
-                each completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
+            chat_template: wrap each text prompt as a user message with the tokenizer's chat template (a
+                conversational prompt, a list of messages, always goes through the template); rewards then get each
+                completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
             seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
             export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
                 exports later with `python -m lightning_logra.export`).
@@ -283,14 +284,15 @@ class RLVRModule(LightningModule):
 
     # ---- one RL iteration ---------------------------------------------------------------------------------------
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        if self.hparams.chat_template:
-            return [
-                self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
-                for p in prompts
-            ]
-        return self.tokenizer(prompts)["input_ids"]
+    def encode_prompts(self, prompts: list[str] | list[list[dict[str, str]]]) -> list[list[int]]:
+        """The token ids the rollout engine receives for each prompt. A conversation (a list of {"role", "content"}
+        messages, TRL's conversational format) goes through the tokenizer's chat template whole, a system message
+        included; a text prompt goes in as it is, or as the one user message of a chat with `chat_template`."""
+        if not self.hparams.chat_template and all(isinstance(p, str) for p in prompts):
+            return self.tokenizer(prompts)["input_ids"]
+        chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        return [self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+                for chat in chats]
 
     def _rollout_and_score(
         self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int
@@ -301,7 +303,10 @@ class RLVRModule(LightningModule):
         # one sharded over several processes, draws what the uninterrupted single-process run would have.
         count = len(batch["prompt"])
         seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
-        rollout = self.engine.generate(self._encode(batch["prompt"]), n, sampling, seeds).to(self.device)
+        # Token ids come with the batch when the data module tokenized the prompts (data.max_prompt_length).
+        batch = dict(batch)
+        prompt_ids = batch.pop("prompt_ids", None) or self.encode_prompts(batch["prompt"])
+        rollout = self.engine.generate(prompt_ids, n, sampling, seeds).to(self.device)
         # TRL's reward signature: the prompts (whatever the batch's prompt column holds: text, or messages), the
         # completions, their token ids without padding (a stop token included), and every other column, each
         # repeated per sample so that the reward sees lists aligned with the completions.

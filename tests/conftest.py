@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny models built from a config (no downloads exist here)."""
+"""Shared fixtures: tiny models built from a config (no downloads exist here), and prompt files."""
 
+import csv
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -118,3 +121,27 @@ class EngineSnapshot(Callback):
         self.engine_greedy = pl_module.engine.generate(prompts, 1, greedy, seeds).completion_ids
         policy = HFEngine(pl_module.policy, pl_module._stop_token_ids(), pl_module._pad_token_id())
         self.trainer_greedy = policy.generate(prompts, 1, greedy, seeds).completion_ids
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """`datasets` writes the Arrow copies of the files a test loads under the test's tmp dir, not the user's cache."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """`rows` written to `path` in the format its suffix names (.parquet, .json: one list, .csv, else JSONL)."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -64,6 +64,7 @@ def test_qwen1_5b_is_the_papers_design_choice_setting():
     assert config.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert (optimizer["lr"], optimizer["rounding"]) == (1e-6, "stochastic")  # bf16 weights at lr 1e-6
     assert cli.datamodule.preset == "dapo_math"
+    assert cli.datamodule.deduplicate  # DAPO-Math-17k's 1.79M rows are ~17k prompts repeated
 
 
 def _weights(module):

@@ -3,11 +3,16 @@
 The training stream is a pure function of (seed, step): batch b is a slice of the permutation of epoch
 b // batches_per_epoch, drawn from a generator seeded with seed + epoch. The loader starts at the trainer's
 global step, so a resumed run sees exactly the prompts an uninterrupted run would have seen.
+
+With `max_prompt_length`, each prompt is tokenized once, when its loader is made, by the model's own
+`encode_prompts` (what the rollout engine receives, chat template included); prompts over the limit are dropped
+there or keep their last tokens, and the batches carry the token ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +21,13 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_logra.data.arith import ArithPrompts
-from lightning_logra.data.prompts import PromptDataset
+from lightning_logra.data.prompts import LOCAL_FORMATS, DatasetSource, PromptDataset
+
+log = logging.getLogger(__name__)
+
+OverlongPolicy = Literal["drop", "truncate"]
+STAGE_KEYS = {"fit": "data.train", "validate": "data.val", "test": "data.test"}  # whose set each stage reads
+_ENCODE_BATCH = 1024  # prompts tokenized at a time when loaders are made
 
 
 class StepBatchSampler(Sampler[list[int]]):
@@ -52,17 +63,88 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {key: [row[key] for row in rows] for key in rows[0]}
 
 
+class TokenizedPrompts(Dataset):
+    """The rows of `dataset` at `indices`, each with its prompt's token ids under "prompt_ids" (the rollout engine's
+    input, used instead of tokenizing the prompt again)."""
+
+    def __init__(self, dataset: Dataset, indices: list[int], ids: list[torch.Tensor]) -> None:
+        self.dataset, self.indices = dataset, indices
+        # One flat tensor and offsets rather than a Python list per prompt: 17k prompts of 300 tokens held as Python
+        # ints would take about 200 MB.
+        self.offsets = torch.tensor([0, *(len(row) for row in ids)]).cumsum(0)
+        self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        return self.ids[self.offsets[index] : self.offsets[index + 1]].tolist()
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[self.indices[index]], "prompt_ids": self.prompt_ids(index)}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        wanted = [self.indices[i] for i in indices]
+        if hasattr(self.dataset, "__getitems__"):
+            rows = self.dataset.__getitems__(wanted)  # one Arrow read for a PromptDataset
+        else:
+            rows = [self.dataset[i] for i in wanted]
+        return [{**row, "prompt_ids": self.prompt_ids(i)} for row, i in zip(rows, indices)]
+
+
+def limit_prompt_length(dataset: Dataset, encode: Callable[[list[Any]], list[list[int]]], max_prompt_length: int,
+                        overlong_prompts: OverlongPolicy, where: str) -> TokenizedPrompts:
+    """Every prompt of `dataset` tokenized once by `encode`; those longer than `max_prompt_length` tokens dropped
+    ("drop") or cut to their last `max_prompt_length` tokens ("truncate": the end of a prompt, where the question
+    and the generation prompt are, is what the model answers). Logs how many, naming `where`."""
+    kept: list[int] = []
+    ids: list[torch.Tensor] = []
+    too_long, shortest = 0, None
+    batches = DataLoader(dataset, batch_size=_ENCODE_BATCH, collate_fn=collate_rows)
+    for index, row in enumerate(row for batch in batches for row in encode(batch["prompt"])):
+        shortest = len(row) if shortest is None else min(shortest, len(row))
+        if len(row) > max_prompt_length:
+            too_long += 1
+            if overlong_prompts == "drop":
+                continue
+            row = row[-max_prompt_length:]
+        kept.append(index)
+        ids.append(torch.tensor(row, dtype=torch.int64))
+    if not kept:
+        raise ValueError(f"{where}: every prompt is longer than data.max_prompt_length={max_prompt_length} tokens "
+                         f"(the shortest has {shortest}); raise data.max_prompt_length, or set "
+                         "data.overlong_prompts: truncate")
+    if too_long and overlong_prompts == "drop":
+        log.warning("%s: %d of %d prompts are longer than data.max_prompt_length=%d tokens and were dropped, %d left "
+                    "(data.overlong_prompts: truncate keeps their last tokens instead)", where, too_long, len(dataset),
+                    max_prompt_length, len(kept))
+    elif too_long:
+        log.warning("%s: %d of %d prompts are longer than data.max_prompt_length=%d tokens and keep only their last "
+                    "%d (data.overlong_prompts: drop leaves them out instead)", where, too_long, len(dataset),
+                    max_prompt_length, max_prompt_length)
+    return TokenizedPrompts(dataset, kept, ids)
+
+
 class RLVRDataModule(LightningDataModule):
     """Base: subclasses say where the train and evaluation prompts come from."""
 
-    def __init__(self, batch_size: int = 8, eval_batch_size: int = 64, seed: int = 0) -> None:
-        """batch_size: prompts per optimizer step over all processes (each rank takes an equal share)."""
+    def __init__(self, batch_size: int = 8, eval_batch_size: int = 64, seed: int = 0,
+                 max_prompt_length: int | None = None, overlong_prompts: OverlongPolicy = "drop") -> None:
+        """batch_size: prompts per optimizer step over all processes (each rank takes an equal share).
+        max_prompt_length, overlong_prompts: see `PromptDataModule`."""
         super().__init__()
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError("data.batch_size and data.eval_batch_size must be positive")
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be a positive number of tokens (or null: no limit), got "
+                             f"{max_prompt_length}")
+        if overlong_prompts not in ("drop", "truncate"):
+            raise ValueError(f"data.overlong_prompts must be 'drop' or 'truncate', got {overlong_prompts!r}")
         self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed
+        self.max_prompt_length, self.overlong_prompts = max_prompt_length, overlong_prompts
         self.train_set: Dataset | None = None
         self.eval_sets: dict[str, Dataset] = {}
+        self._within_length: dict[str, Dataset] = {}  # per stage, the sets after max_prompt_length (made once)
 
     def make_train_set(self) -> Dataset:
         raise NotImplementedError
@@ -78,17 +160,33 @@ class RLVRDataModule(LightningDataModule):
             if dataset is not None:
                 self.eval_sets[name] = dataset
 
+    def _within_prompt_length(self, dataset: Dataset, stage: str) -> Dataset:
+        """`dataset` with max_prompt_length applied, made when the first loader of `stage` is: the tokenizer is the
+        model's, loaded after `setup`."""
+        if self.max_prompt_length is None:
+            return dataset
+        if stage not in self._within_length:
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            if not hasattr(module, "encode_prompts"):
+                raise ValueError("data.max_prompt_length counts tokens with the model's encode_prompts: run the data "
+                                 "module in a Trainer with an RLVRModule, or set data.max_prompt_length: null")
+            self._within_length[stage] = limit_prompt_length(dataset, module.encode_prompts, self.max_prompt_length,
+                                                             self.overlong_prompts, STAGE_KEYS[stage])
+        return self._within_length[stage]
+
     def train_dataloader(self) -> DataLoader:
         # One batch is one optimizer step, so the global step is the index of the next batch.
         trainer = self.trainer
         start, rank, world = (trainer.global_step, trainer.global_rank, trainer.world_size) if trainer else (0, 0, 1)
-        sampler = StepBatchSampler(len(self.train_set), self.batch_size, self.seed, start, rank, world)
-        return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=collate_rows)
+        dataset = self._within_prompt_length(self.train_set, "fit")
+        sampler = StepBatchSampler(len(dataset), self.batch_size, self.seed, start, rank, world)
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
 
     def _eval_loader(self, stage: str) -> DataLoader | list:
         if stage not in self.eval_sets:
             return []  # no evaluation set configured: Lightning skips the loop
-        return DataLoader(self.eval_sets[stage], batch_size=self.eval_batch_size, collate_fn=collate_rows)
+        dataset = self._within_prompt_length(self.eval_sets[stage], stage)
+        return DataLoader(dataset, batch_size=self.eval_batch_size, collate_fn=collate_rows)
 
     def val_dataloader(self):
         return self._eval_loader("validate")
@@ -115,13 +213,32 @@ class ArithDataModule(RLVRDataModule):
 
 
 class PromptDataModule(RLVRDataModule):
-    """Prompts from local JSONL/JSON/Parquet files or HF datasets, with a column mapping or a format preset."""
+    """Prompts from the Hub or local files through `datasets.load_dataset`, with a column mapping or a format preset.
+
+    Args:
+        train, val, test: where each set comes from: a path (a hub id, a local folder, or a .jsonl/.json/.parquet/.csv
+            file), or a `DatasetSource` with the arguments of `datasets.load_dataset`: `{path: openai/gsm8k, name:
+            main}`, plus `data_files`, `revision`, `split`. val and test are optional.
+        preset, eval_preset: the column mapping of a known format ("dapo_math", "math500") for the training set and
+            for the evaluation sets. Without an eval_preset, the evaluation sets have the training set's columns.
+        prompt_key, answer_key: the training set's columns (dotted paths reach nested values); they override the
+            preset's.
+        template: the prompt text with "{prompt}" where the row's prompt goes (in a conversation, the last user
+            message), for every set.
+        split, eval_split: the split read when a source names none (a single local file has one split, "train").
+        limit, eval_limit: keep the first rows only.
+        deduplicate: drop rows whose prompt repeats an earlier row's (the first stays, in order; the count is logged).
+        max_prompt_length: the longest prompt, in tokens as the rollout engine receives them (chat template
+            included); null: no limit. Prompts are tokenized once, when the loaders are made.
+        overlong_prompts: what happens to a longer prompt: "drop" leaves it out of the set, "truncate" keeps its
+            last max_prompt_length tokens. Either way the count is logged.
+    """
 
     def __init__(
         self,
-        train: str,
-        val: str | None = None,
-        test: str | None = None,
+        train: str | DatasetSource,
+        val: str | DatasetSource | None = None,
+        test: str | DatasetSource | None = None,
         preset: Literal["dapo_math", "math500"] | None = None,
         eval_preset: Literal["dapo_math", "math500"] | None = None,
         prompt_key: str | None = None,
@@ -131,29 +248,38 @@ class PromptDataModule(RLVRDataModule):
         eval_split: str = "test",
         limit: int | None = None,
         eval_limit: int | None = None,
+        deduplicate: bool = True,
+        max_prompt_length: int | None = None,
+        overlong_prompts: OverlongPolicy = "drop",
         batch_size: int = 8,
         eval_batch_size: int = 64,
         seed: int = 0,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, seed)
+        super().__init__(batch_size, eval_batch_size, seed, max_prompt_length, overlong_prompts)
+        self.sources = {stage: source if source is None or isinstance(source, DatasetSource) else DatasetSource(source)
+                        for stage, source in (("fit", train), ("validate", val), ("test", test))}
         # Fail at start-up, not after minutes of model loading, when a local file is missing.
-        for key, path in (("data.train", train), ("data.val", val), ("data.test", test)):
-            if path is not None and Path(path).suffix.lower() in (".jsonl", ".json", ".parquet"):
-                if not Path(path).is_file():
-                    raise FileNotFoundError(f"{key}: no such file {path!r}; give the path of a JSONL/JSON/Parquet file")
-        self.paths = {"validate": val, "test": test}
-        self.train, self.preset, self.eval_preset = train, preset, eval_preset
+        for stage, source in self.sources.items():
+            if source is not None and Path(source.path).suffix.lower() in LOCAL_FORMATS:
+                if not Path(source.path).expanduser().is_file():
+                    raise FileNotFoundError(f"{STAGE_KEYS[stage]}: no such file {source.path!r}; give the path of a "
+                                            f"{'/'.join(sorted(LOCAL_FORMATS))} file")
+        self.preset, self.eval_preset = preset, eval_preset
         self.prompt_key, self.answer_key, self.template = prompt_key, answer_key, template
         self.split, self.eval_split, self.limit, self.eval_limit = split, eval_split, limit, eval_limit
+        self.deduplicate = deduplicate
 
     def make_train_set(self) -> Dataset:
-        return PromptDataset(self.train, self.prompt_key, self.answer_key, self.split, self.template, self.limit,
-                             self.preset)
+        return PromptDataset(self.sources["fit"], self.prompt_key, self.answer_key, self.split, self.template,
+                             self.limit, self.preset, self.deduplicate, config_key=STAGE_KEYS["fit"])
 
     def make_eval_set(self, stage: str) -> Dataset | None:
-        path = self.paths[stage]
-        if path is None:
+        source = self.sources[stage]
+        if source is None:
             return None
-        # Evaluation sets (MATH-500, ...) have their own columns: only the preset and the template carry over.
-        return PromptDataset(path, split=self.eval_split, template=self.template, limit=self.eval_limit,
-                             preset=self.eval_preset)
+        # An evaluation set with a format of its own (MATH-500 beside DAPO-Math) names it in eval_preset; without
+        # one it is another split of the training data, with the same columns.
+        keys = (None, None, self.eval_preset) if self.eval_preset else (self.prompt_key, self.answer_key, self.preset)
+        prompt_key, answer_key, preset = keys
+        return PromptDataset(source, prompt_key, answer_key, self.eval_split, self.template, self.eval_limit, preset,
+                             self.deduplicate, config_key=STAGE_KEYS[stage])

@@ -1,152 +1,246 @@
-"""Prompt datasets for RLVR: rows of ``{"prompt": str, "answer": str, ...}`` from local files or the HF Hub.
+"""Prompt datasets for RLVR: Arrow-backed rows with a ``prompt`` and an ``answer``, loaded by ``datasets``.
 
-The trainer samples completions for ``prompt`` and hands ``answer`` (and every other column) to the reward
-function. Prompts stay plain text: the trainer applies the tokenizer's chat template, so a chat-format row keeps
-only its user message here.
+Every source goes through ``datasets.load_dataset``: a hub dataset with its subset (config) name, files, revision
+and split, a local folder laid out like a hub repository (or written by ``save_to_disk``), or one local
+JSONL/JSON/Parquet/CSV file. The rows stay in Arrow; a training step reads only its own batch of them.
+
+The trainer samples completions for ``prompt`` and hands ``answer`` (and every other column) to the reward function.
+A prompt is text, or a conversation: a list of ``{"role", "content"}`` messages (TRL's conversational format), which
+the trainer passes whole through the tokenizer's chat template, a system message included.
 """
 
 import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from torch.utils.data import Dataset
 
+log = logging.getLogger(__name__)
+
 # (prompt_key, answer_key) of the formats users know.
 PRESETS: dict[str, tuple[str, str]] = {
     # BytedTsinghua-SIA/DAPO-Math-17k: "prompt" is a chat whose user message already asks for a final
-    # "Answer: $Answer" line; the gold answer sits in "reward_model": {"ground_truth": ...}.
+    # "Answer: $Answer" line; the gold answer sits in "reward_model": {"ground_truth": ...}. Its 1.79M rows are
+    # about 17k prompts repeated about 100 times each, which `deduplicate` (on by default) undoes.
     "dapo_math": ("prompt", "reward_model.ground_truth"),
     # HuggingFaceH4/MATH-500: flat columns problem / solution / answer / subject / level / unique_id.
     "math500": ("problem", "answer"),
 }
 
-_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+# A path with one of these suffixes is one local file, read by the `datasets` builder of that format.
+LOCAL_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
 _KEY_HINT = "dotted paths such as 'reward_model.ground_truth' reach nested values"
+_SCAN_BATCH = 10_000  # rows read into Python at a time while checking and deduplicating
 
 
-def _read_local(path: Path, limit: int | None) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path} (absolute: {path.resolve()})")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        # Imported here so that JSON files need no pyarrow.
-        import pyarrow.parquet as pq
+@dataclass
+class DatasetSource:
+    """Where a prompt set comes from: the arguments of ``datasets.load_dataset(path, name, data_files=...,
+    revision=..., split=...)``.
 
-        table = pq.read_table(path)
-        return (table if limit is None else table.slice(0, limit)).to_pylist()
-    with path.open(encoding="utf-8") as f:
-        if suffix == ".json":
-            rows = json.load(f)
-            if not isinstance(rows, list):
-                raise ValueError(f"{path}: expected a JSON list of objects, got a {type(rows).__name__}")
-        else:
-            rows = []
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from None
-    return rows[:limit]
+    Args:
+        path: a hub dataset ("openai/gsm8k"), a local folder (a hub-style repository, or one written by
+            ``save_to_disk``), one local .jsonl/.json/.parquet/.csv file, or a builder name ("json", "parquet",
+            "csv") with ``data_files``.
+        name: the subset (config) name of a dataset that has several ("main" or "socratic" for openai/gsm8k).
+        data_files: which files of the repository or folder to read: a path or glob, a list of them, or
+            {split: files}.
+        revision: a branch, tag or commit of a hub dataset; pin a commit for a run that must be reproducible.
+        split: the split to read, or a slice of one ("train[:1000]"). None: ``data.split`` for training,
+            ``data.eval_split`` for val/test; a single local file has one split, "train".
+    """
+
+    path: str
+    name: str | None = None
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    revision: str | None = None
+    split: str | None = None
 
 
-def _read_hub(name: str, split: str, limit: int | None) -> list[dict[str, Any]]:
-    # Imported only here: local files need no `datasets`, whose import alone takes seconds.
+def _load_rows(source: DatasetSource, default_split: str, config_key: str):
+    """The rows of ``source`` as a ``datasets.Dataset``; errors a config can fix name ``config_key``."""
+    # Imported only here: the import alone takes seconds.
     from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
 
-    dataset = load_dataset(name, split=split)
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset))))
-    return dataset.to_list()
+    path = Path(source.path).expanduser()
+    builder = LOCAL_FORMATS.get(path.suffix.lower())
+    if builder is not None:
+        if not path.is_file():
+            raise FileNotFoundError(f"{config_key}: no such file {source.path!r} (absolute: {path.resolve()}); give "
+                                    f"the path of a {'/'.join(sorted(LOCAL_FORMATS))} file")
+        if source.data_files is not None:
+            raise ValueError(f"{config_key}: path {source.path!r} is a file, so data_files has nothing to choose "
+                             "from; set path to a folder or to a builder name ('json', 'parquet', 'csv')")
+        if source.revision is not None:
+            raise ValueError(f"{config_key}: revision {source.revision!r} applies to hub datasets; the local file "
+                             f"{source.path!r} has no revisions")
+        if source.name is not None:
+            raise ValueError(f"{config_key}: name {source.name!r} picks a subset of a dataset that has several; the "
+                             f"local file {source.path!r} is one set")
+        args, kwargs = (builder,), {"data_files": str(path), "split": source.split or "train"}
+    else:
+        if source.revision is not None and path.exists():
+            raise ValueError(f"{config_key}: revision {source.revision!r} applies to hub datasets; the local folder "
+                             f"{source.path!r} has no revisions")
+        args = (source.path, source.name)
+        kwargs = {"data_files": source.data_files, "revision": source.revision, "split": source.split or default_split}
+    try:
+        return load_dataset(*args, **kwargs)
+    except ValueError as error:
+        # A missing or unknown subset name, an unknown split, a file without rows: all fixed in the config.
+        raise ValueError(f"{config_key}: {error}\n({config_key} takes path, name, data_files, revision and split, "
+                         "the arguments of datasets.load_dataset)") from error
+    except FileNotFoundError as error:
+        # A hub dataset that is not there (or not reachable offline), data_files that match nothing.
+        raise FileNotFoundError(f"{config_key}: {error}") from error
+    except DatasetGenerationError as error:
+        # A file that does not parse; the cause names the row.
+        raise ValueError(f"{config_key}: {source.path}: {error.__cause__ or error}") from error
 
 
-def _lookup(row: dict[str, Any], key: str, key_arg: str, where: str) -> Any:
-    """The value at ``key`` (dotted for nested mappings) in ``row``; a missing column names the key, where it was
+def _feature_at(features: Any, key: str, key_arg: str, where: str) -> Any:
+    """The feature (column type) at ``key``, dotted for nested structs; a missing column names the key, where it was
     looked for, and the columns that are there."""
-    value: Any = row
+    feature = features
     parts = key.split(".")
     for depth, part in enumerate(parts):
         parent = ".".join(parts[:depth])
-        if not isinstance(value, dict):
-            raise ValueError(f"{key_arg}={key!r}: {parent!r} in {where} is a {type(value).__name__}, not a mapping "
-                             f"with a {part!r} column ({_KEY_HINT})")
-        if part not in value:
+        if not isinstance(feature, dict):  # datasets describes a struct column as a dict of its fields
+            raise ValueError(f"{key_arg}={key!r}: {parent!r} in {where} is a {feature}, not a mapping with a "
+                             f"{part!r} column ({_KEY_HINT})")
+        if part not in feature:
             inside = f"under {parent!r} " if parent else ""
             raise ValueError(f"{key_arg}={key!r}: no column {part!r} {inside}in {where}; available: "
-                             f"{sorted(value)}. Set {key_arg} to one of them ({_KEY_HINT})")
+                             f"{sorted(feature)}. Set {key_arg} to one of them ({_KEY_HINT})")
+        feature = feature[part]
+    return feature
+
+
+def _value_at(row: dict[str, Any], key: str) -> Any:
+    """The value at ``key`` (dotted for nested structs); None where it or a struct above it is null."""
+    value: Any = row
+    for part in key.split("."):
+        if value is None:
+            return None
         value = value[part]
     return value
 
 
-def _prompt_text(value: Any, key: str, where: str) -> str:
-    """A prompt column is text, or a chat (list of {"role", "content"} messages) whose last user message is the
-    prompt."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        for message in reversed(value):
-            if isinstance(message, dict) and message.get("role") == "user":
-                return message["content"]
-        raise ValueError(f"prompt_key={key!r} in {where} is a list with no {{'role': 'user', ...}} message")
-    raise ValueError(f"prompt_key={key!r} in {where} is a {type(value).__name__}; expected text or a chat "
-                     "(a list of {'role', 'content'} messages)")
+def _is_text(feature: Any) -> bool:
+    return getattr(feature, "dtype", None) in ("string", "large_string")
+
+
+def _is_conversation(feature: Any) -> bool:
+    """A list column of {"role", "content"} structs."""
+    messages = getattr(feature, "feature", None)
+    return isinstance(messages, dict) and {"role", "content"} <= messages.keys()
+
+
+def _prompt_key_of(prompt: str | list[dict[str, Any]]) -> str:
+    """What two prompts must share to be the same prompt: the text, or every message's fields and values."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def _apply_template(prompt: str | list[dict[str, Any]], template: str) -> str | list[dict[str, Any]]:
+    """``template`` with the prompt in place of ``{prompt}``; in a conversation, around the last user message."""
+    if isinstance(prompt, str):
+        return template.replace("{prompt}", prompt)
+    last_user = max(i for i, message in enumerate(prompt) if message["role"] == "user")
+    message = prompt[last_user]
+    return [*prompt[:last_user], {**message, "content": template.replace("{prompt}", message["content"])},
+            *prompt[last_user + 1 :]]
 
 
 class PromptDataset(Dataset):
-    """A map-style dataset of prompt rows: ``prompt`` (str), ``answer`` (str) and the row's other columns.
+    """A map-style dataset of prompt rows: ``prompt`` (text or a conversation), ``answer`` (text) and the row's other
+    columns, read from an Arrow-backed ``datasets.Dataset`` (``self.rows``) a batch at a time.
 
-    ``path_or_name`` is a local ``.jsonl`` / ``.json`` (a list of objects) / ``.parquet`` file, read directly, or
-    anything else, passed to ``datasets.load_dataset(path_or_name, split=split)`` (``split`` is ignored for local
-    files). ``prompt_key`` and ``answer_key`` pick the columns (dotted paths reach nested values); left None, they
-    come from ``preset`` ("dapo_math" or "math500"), else are "prompt" and "answer". ``template``, if given, is the
-    prompt text with ``{prompt}`` where the row's prompt goes; other braces in it are kept as they are, so
-    ``"... within \\boxed{}.\\n{prompt}"`` works. ``limit`` keeps the first rows only.
+    ``source`` is a ``DatasetSource``, or its path alone. ``prompt_key`` and ``answer_key`` pick the columns (dotted
+    paths reach nested values); left None, they come from ``preset`` ("dapo_math" or "math500"), else are "prompt"
+    and "answer". ``template``, if given, is the prompt text with ``{prompt}`` where the row's prompt goes (in a
+    conversation: the last user message's text); other braces in it are kept as they are, so
+    ``"... within \\boxed{}.\\n{prompt}"`` works. ``deduplicate`` drops rows whose prompt repeats an earlier row's
+    (the first occurrence stays, in order). ``limit`` keeps the first rows only (after deduplication).
+    ``split`` is the split read when the source names none. ``config_key`` ("data.train") names the setting in
+    errors.
     """
 
-    def __init__(self, path_or_name: str, prompt_key: str | None = None, answer_key: str | None = None,
+    def __init__(self, source: str | DatasetSource, prompt_key: str | None = None, answer_key: str | None = None,
                  split: str = "train", template: str | None = None, limit: int | None = None,
-                 preset: Literal["dapo_math", "math500"] | None = None) -> None:
+                 preset: Literal["dapo_math", "math500"] | None = None, deduplicate: bool = True,
+                 config_key: str = "data.train") -> None:
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; known presets: {sorted(PRESETS)}")
         if template is not None and "{prompt}" not in template:
             raise ValueError(f"template {template!r} has no '{{prompt}}' placeholder for the prompt text")
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be a positive number of rows (or null: all of them), got {limit}")
         preset_prompt_key, preset_answer_key = PRESETS[preset] if preset is not None else ("prompt", "answer")
-        prompt_key = prompt_key or preset_prompt_key
-        answer_key = answer_key or preset_answer_key
+        self.prompt_key = prompt_key or preset_prompt_key
+        self.answer_key = answer_key or preset_answer_key
+        self.template = template
+        self.source = source if isinstance(source, DatasetSource) else DatasetSource(source)
 
-        path = Path(path_or_name)
-        if path.suffix.lower() in _LOCAL_SUFFIXES:
-            rows = _read_local(path, limit)
-        else:
-            rows = _read_hub(path_or_name, split, limit)
-        if not rows:
-            raise ValueError(f"prompt dataset {path_or_name!r} (split {split!r}) has no rows")
+        rows = _load_rows(self.source, split, config_key)
+        where = f"{config_key} ({self.source.path})"
+        if len(rows) == 0:
+            raise ValueError(f"{where} has no rows")
+        prompt_feature = _feature_at(rows.features, self.prompt_key, "prompt_key", where)
+        _feature_at(rows.features, self.answer_key, "answer_key", where)
+        if not (_is_text(prompt_feature) or _is_conversation(prompt_feature)):
+            raise ValueError(f"prompt_key={self.prompt_key!r} in {where} is a {prompt_feature}; expected text or a "
+                             "conversation (a list of {'role', 'content'} messages)")
+        keep = self._scan(rows, deduplicate, where)
+        if limit is not None:
+            keep = keep[:limit]
+        # select() keeps the Arrow table and adds an index mapping: nothing is copied into Python.
+        self.rows = rows if len(keep) == len(rows) else rows.select(keep)
 
-        self.examples: list[dict[str, Any]] = []
-        for index, row in enumerate(rows):
-            where = f"row {index} of {path_or_name}"
-            if not isinstance(row, dict):
-                raise ValueError(f"{where} is a {type(row).__name__}, not an object of columns")
-            prompt = _prompt_text(_lookup(row, prompt_key, "prompt_key", where), prompt_key, where)
-            answer = _lookup(row, answer_key, "answer_key", where)
-            if answer is None:
-                raise ValueError(f"answer_key={answer_key!r} is empty (null) in {where}")
-            if template is not None:
-                prompt = template.replace("{prompt}", prompt)
-            # Answers are compared as text by the rewards; numeric gold (12) becomes "12".
-            example = {**row, "prompt": prompt, "answer": str(answer)}
-            # A batch hands the reward one list per column, so every row must have the same columns; checked here
-            # rather than at the first batch that mixes two kinds of rows, which may come late in a run.
-            if self.examples and example.keys() != self.examples[0].keys():
-                first = self.examples[0].keys()
-                raise ValueError(
-                    f"{where} has other columns than row 0: missing {sorted(first - example.keys())}, extra "
-                    f"{sorted(example.keys() - first)}. Every row needs the same columns (the reward takes each "
-                    "column as a list): add the missing ones (null is fine) or remove the extra ones")
-            self.examples.append(example)
+    def _scan(self, rows, deduplicate: bool, where: str) -> list[int]:
+        """One pass over the prompt and answer columns: every row checked, and the indices of the rows to keep."""
+        columns = sorted({self.prompt_key.split(".")[0], self.answer_key.split(".")[0]})
+        keep: list[int] = []
+        seen: set[str] = set()
+        batches = rows.select_columns(columns).iter(batch_size=_SCAN_BATCH)
+        each_row = (dict(zip(batch, values)) for batch in batches for values in zip(*batch.values()))
+        for index, row in enumerate(each_row):
+            prompt = _value_at(row, self.prompt_key)
+            if prompt is None:
+                raise ValueError(f"prompt_key={self.prompt_key!r} is empty (null) in row {index} of {where}")
+            if not isinstance(prompt, str) and not any(message["role"] == "user" for message in prompt):
+                raise ValueError(f"prompt_key={self.prompt_key!r} in row {index} of {where} is a conversation "
+                                 "with no {'role': 'user', ...} message")
+            if _value_at(row, self.answer_key) is None:
+                raise ValueError(f"answer_key={self.answer_key!r} is empty (null) in row {index} of {where}")
+            if deduplicate:
+                key = _prompt_key_of(prompt)
+                if key in seen:
+                    continue
+                seen.add(key)
+            keep.append(index)
+        if len(keep) < len(rows):
+            log.warning("%s: %d of %d rows repeat an earlier row's prompt and were dropped, %d prompts left "
+                        "(deduplicate: false keeps them)", where, len(rows) - len(keep), len(rows), len(keep))
+        return keep
+
+    def _format(self, row: dict[str, Any]) -> dict[str, Any]:
+        prompt = _value_at(row, self.prompt_key)
+        if self.template is not None:
+            prompt = _apply_template(prompt, self.template)
+        # Answers are compared as text by the rewards; numeric gold (12) becomes "12".
+        return {**row, "prompt": prompt, "answer": str(_value_at(row, self.answer_key))}
 
     def __len__(self) -> int:
-        return len(self.examples)
+        return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.examples[index]
+        return self._format(self.rows[index])
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        # A DataLoader asks for a whole batch at once: one Arrow read instead of one per row.
+        columns = self.rows[indices]  # {column: [value per index]}
+        return [self._format(dict(zip(columns, values))) for values in zip(*columns.values())]

@@ -1,0 +1,172 @@
+"""Prompts as the rollout engine receives them: conversations through the chat template whole (system message
+included), and data.max_prompt_length with its two policies, drop and truncate."""
+
+import logging
+
+import pytest
+from conftest import write_rows
+from lightning.pytorch import Callback, Trainer
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from lightning_logra.data.arith import build_tokenizer
+from lightning_logra.data.module import PromptDataModule, TokenizedPrompts, collate_rows, limit_prompt_length
+from lightning_logra.data.prompts import PromptDataset
+from lightning_logra.module import RLVRModule
+
+pytestmark = pytest.mark.usefixtures("hf_cache")
+
+SPECIALS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+VOCAB = {token: i for i, token in enumerate([*SPECIALS, "\n", *(chr(c) for c in range(32, 127))])}
+# Each message as <|role|>content and a newline, then the assistant's turn: a chat template small enough to write the
+# expected token ids by hand.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of printable ASCII and newline, the role markers as special tokens."""
+    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(SPECIALS)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                      unk_token="<unk>", padding_side="left")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def ids(*pieces: str) -> list[int]:
+    """The expected ids, written out: a role marker is one token, any other text one token per character."""
+    return [token for piece in pieces for token in ([VOCAB[piece]] if piece in SPECIALS else [VOCAB[c] for c in piece])]
+
+
+def encoder(chat_template: bool) -> RLVRModule:
+    """The module's own encode_prompts with the chat tokenizer (no weights are needed to tokenize)."""
+    module = RLVRModule("test/tokenizer-only", chat_template=chat_template, reward_timeout_s=None)
+    module.tokenizer = chat_tokenizer()
+    return module
+
+
+def test_a_conversation_goes_through_the_chat_template_whole_system_message_included(tmp_path):
+    chat = [SYSTEM, {"role": "user", "content": "2+2?"}]
+    path = write_rows(tmp_path / "chat.parquet", [{"prompt": chat, "answer": "4"}])
+    data = PromptDataModule(train=str(path), template="{prompt} Box it.", batch_size=1)
+    data.setup("fit")
+    batch = collate_rows(data.train_set.__getitems__([0]))
+    expected = ids("<|system|>", "Be brief.\n", "<|user|>", "2+2? Box it.\n", "<|assistant|>")
+    # With or without model.chat_template: a conversation is always templated (TRL's conversational format).
+    for chat_template in (True, False):
+        assert encoder(chat_template).encode_prompts(batch["prompt"]) == [expected]
+
+
+def test_text_prompts_as_they_are_or_as_one_user_message():
+    assert encoder(chat_template=False).encode_prompts(["2+2?", "1"]) == [ids("2+2?"), ids("1")]
+    assert encoder(chat_template=True).encode_prompts(["2+2?"]) == [ids("<|user|>", "2+2?\n", "<|assistant|>")]
+
+
+def prompt_set(tmp_path, prompts: list[str]) -> PromptDataset:
+    return PromptDataset(str(write_rows(tmp_path / "p.jsonl", [{"prompt": p, "answer": "1"} for p in prompts])))
+
+
+def test_drop_leaves_out_the_prompts_over_the_limit_and_says_how_many(tmp_path, caplog):
+    dataset = prompt_set(tmp_path, ["abcd", "abcdefg", "ab", "abcdef", "abcde"])
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        limited = limit_prompt_length(dataset, encoder(False).encode_prompts, 5, "drop", "data.train")
+    rows = limited.__getitems__(list(range(len(limited))))
+    assert [row["prompt"] for row in rows] == ["abcd", "ab", "abcde"]  # the rest in their order
+    assert [row["prompt_ids"] for row in rows] == [ids("abcd"), ids("ab"), ids("abcde")]
+    assert limited[2] == rows[2]
+    assert ("data.train: 2 of 5 prompts are longer than data.max_prompt_length=5 tokens and were dropped, 3 left"
+            in caplog.text)
+
+
+def test_truncate_keeps_the_last_tokens_of_the_templated_prompt(tmp_path, caplog):
+    dataset = prompt_set(tmp_path, ["abcdefgh", "ab"])
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        limited = limit_prompt_length(dataset, encoder(True).encode_prompts, 6, "truncate", "data.val")
+    # "<|user|>abcdefgh\n<|assistant|>" is 11 tokens: the last 6 are the end of the question and the generation prompt.
+    assert [limited[0]["prompt_ids"], limited[1]["prompt_ids"]] == [ids("efgh\n", "<|assistant|>"),
+                                                                    ids("<|user|>", "ab\n", "<|assistant|>")]
+    assert limited[0]["prompt"] == "abcdefgh"  # the reward still sees the whole prompt
+    assert "data.val: 1 of 2 prompts are longer than data.max_prompt_length=6 tokens and keep only their last 6" in (
+        caplog.text)
+
+
+def test_limits_that_leave_nothing_or_make_no_sense_fail_naming_the_key(tmp_path):
+    dataset = prompt_set(tmp_path, ["abcd", "abc"])
+    with pytest.raises(ValueError, match=r"data.train: every prompt is longer than data.max_prompt_length=2 tokens "
+                                         r"\(the shortest has 3\)"):
+        limit_prompt_length(dataset, encoder(False).encode_prompts, 2, "drop", "data.train")
+    path = str(tmp_path / "p.jsonl")
+    with pytest.raises(ValueError, match="data.max_prompt_length must be a positive number of tokens"):
+        PromptDataModule(train=path, max_prompt_length=0)
+    with pytest.raises(ValueError, match="data.overlong_prompts must be 'drop' or 'truncate', got 'cut'"):
+        PromptDataModule(train=path, overlong_prompts="cut")
+    data = PromptDataModule(train=path, max_prompt_length=3, batch_size=1)
+    data.setup("fit")
+    with pytest.raises(ValueError, match="data.max_prompt_length counts tokens with the model's encode_prompts"):
+        data.train_dataloader()  # no Trainer, no tokenizer
+
+
+class PromptsSeen(Callback):
+    """The token ids the rollout engine was given, and the columns of each batch."""
+
+    def __init__(self) -> None:
+        self.engine_prompts: list[list[int]] = []
+        self.batches: list[dict] = []
+
+    def on_fit_start(self, trainer, pl_module):
+        self._wrap(pl_module)
+
+    def on_validation_start(self, trainer, pl_module):
+        self._wrap(pl_module)
+
+    def _wrap(self, pl_module):
+        generate = pl_module.engine.generate
+        if getattr(generate, "recorded", False):
+            return
+
+        def recorded_generate(prompt_ids, *args):
+            self.engine_prompts.extend(prompt_ids)
+            return generate(prompt_ids, *args)
+
+        recorded_generate.recorded = True
+        pl_module.engine.generate = recorded_generate
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(dict(batch))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.batches.append(dict(batch))
+
+
+@pytest.mark.parametrize("policy", ["drop", "truncate"])
+def test_a_run_rolls_out_only_prompts_within_the_limit(tmp_path, tiny_arith_model, policy):
+    # The embedded task's tokenizer has one token per character: "12+34=" is 6 tokens, "123+456=" 8.
+    prompts = ["12+34=", "123+456=", "1+2=", "98+76=", "5+5=", "1234+5="]
+    path = write_rows(tmp_path / "p.jsonl", [{"prompt": p, "answer": "1"} for p in prompts])
+    data = PromptDataModule(train=str(path), val=str(path), batch_size=2, eval_batch_size=6, max_prompt_length=6,
+                            overlong_prompts=policy)
+    module = RLVRModule(tiny_arith_model, reward="conftest.odd_first_digit", num_generations=2, max_new_tokens=2,
+                        reward_timeout_s=None)
+    seen = PromptsSeen()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=100, check_val_every_n_epoch=None,
+                      num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[seen])
+    trainer.fit(module, data)
+    trainer.validate(module, data, verbose=False)
+    tokenizer = build_tokenizer()
+    full = {p: tokenizer(p)["input_ids"] for p in prompts}
+    if policy == "drop":
+        expected = {p: full[p] for p in prompts if len(full[p]) <= 6}
+    else:
+        expected = {p: full[p][-6:] for p in prompts}
+    training_set = data.train_dataloader().dataset  # the set made at fit start (made once, kept)
+    assert isinstance(training_set, TokenizedPrompts) and len(training_set) == len(expected)
+    rows = [row for batch in seen.batches for row in zip(batch["prompt"], batch["prompt_ids"])]
+    assert len(rows) == 2 * 2 + len(expected)  # 2 training steps of 2 prompts, then the whole validation set
+    assert all(ids == expected[prompt] for prompt, ids in rows)
+    # The engine got those ids: the module did not tokenize the prompts again.
+    assert seen.engine_prompts == [ids for _, ids in rows]

@@ -9,8 +9,9 @@ sketch carriers, which exist only once the sketches are installed, so no optimiz
 This is the order Fabric already asks for when a strategy changes the model's parameters (FSDP: `setup_module`,
 then build the optimizer, then `setup_optimizers`). The strategy builds the optimizers from its `SketchConfig`
 (`build_optimizers`: SketchSGD or SketchAdam, plus an AdamW over the densely trained parameters when `train_rest`
-or `train_bias`) and keeps them in `strategy.optimizers`. An optimizer built by the user is refused rather than
-ignored: it would hold the dense weights that the sketches have just frozen.
+or `train_bias`) and keeps them in `strategy.optimizers`, and their `lr_schedule` in `strategy.lr_schedulers` (one
+per optimizer: call `.step()` on each after every update you apply). An optimizer built by the user is refused
+rather than ignored: it would hold the dense weights that the sketches have just frozen.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SketchFabricStrategy(SingleDeviceStrategy):
         self.config = sketch or SketchConfig()
         self.handles: dict[str, SketchedLinear] = {}
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []
         self._parallel_devices: list[torch.device] | None = None
 
     # As in Lightning's parallel strategies: Fabric's accelerator connector fills an empty `parallel_devices` with
@@ -71,6 +73,7 @@ class SketchFabricStrategy(SingleDeviceStrategy):
                              "from its SketchConfig")
         handles = self.config.install(module)
         self.optimizers = self.config.build_optimizers(module, handles)  # may refuse (bf16 with train_rest)
+        self.lr_schedulers = self.config.build_schedulers(self.optimizers)
         self.handles = handles
         return module
 

@@ -39,6 +39,7 @@ from lightning_logra.loss import (
 )
 from lightning_logra.rewards import Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
+from lightning_logra.schedule import LRSchedule
 from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.strategy import SketchTraining
 from lightning_logra.update import Update, apply_dense_, propose_dense
@@ -167,6 +168,7 @@ class RLVRModule(LightningModule):
         micro_batch_size: int = 8,
         lr: float = 1e-6,
         weight_decay: float = 0.0,
+        lr_schedule: LRSchedule = LRSchedule(),
         max_grad_norm: float | None = 1.0,
         eval_temperature: float = 0.0,
         eval_max_new_tokens: int | None = None,
@@ -195,12 +197,31 @@ class RLVRModule(LightningModule):
             reward_weights: one weight per reward of the list (None: 1.0 each); the total reward of a completion is
                 Σ w_i·r_i over the rewards that did not return None for it (TRL's `reward_weights`).
             num_generations: completions sampled per prompt (the group size G).
-            lr, weight_decay: the dense AdamW used without `SketchStrategy` (the baseline).
+            temperature: the sampling temperature of the rollouts; the loss's log-probs are taken at it too.
+            top_p: nucleus sampling of the rollouts: sample from the smallest set of tokens with this much
+                probability (1 samples from all).
+            max_new_tokens: the longest completion sampled in training.
+            loss_type: the policy-gradient loss: `dapo` (token-level mean over the batch), `grpo` (mean per
+                sequence, then over sequences) or `dr_grpo` (sum over tokens / (sequences × max_new_tokens)).
+            scale_rewards: divide each group's advantages by the group's reward standard deviation (GRPO); false
+                only subtracts the group's mean (Dr. GRPO).
+            micro_batch_size: completions per forward/backward pass; their gradients accumulate into one update.
+            lr: the learning rate of the dense AdamW of a run without a sketch strategy (the baseline); with a
+                sketch strategy the CLI refuses it, and `trainer.strategy.init_args.sketch.optimizer.init_args.lr`
+                and `sketch.rest_lr` act.
+            weight_decay: the dense AdamW's weight decay (the baseline); under a sketch strategy
+                `sketch.rest_weight_decay` acts instead.
+            lr_schedule: warm-up and decay of the dense AdamW's learning rate, by applied update
+                (`lightning_logra.schedule.LRSchedule`); under a sketch strategy `sketch.lr_schedule` acts instead.
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
             eval_temperature: 0 means greedy pass@1 in validate/test.
+            eval_max_new_tokens: the longest completion in validate/test; None takes max_new_tokens.
+            dtype: the dtype the policy's weights are loaded in (`bfloat16` with `trainer.precision: bf16-true`).
             chat_template: wrap each text prompt as a user message with the tokenizer's chat template (a
                 conversational prompt, a list of messages, always goes through the template); rewards then get each
                 completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
+            gradient_checkpointing: recompute activations in the backward pass instead of keeping them (less
+                memory, more compute).
             seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
             export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
                 exports later with `python -m lightning_logra.export`).
@@ -235,6 +256,7 @@ class RLVRModule(LightningModule):
         self.policy: torch.nn.Module | None = None
         self.tokenizer = None
         self.engine: RolloutEngine | None = engine
+        self.lr_schedule = lr_schedule
         self._controller = None  # the run's StepSizeController callback, found when fitting starts
         self.num_tokens = 0  # prompt + completion tokens trained on so far, all ranks (checkpointed)
 
@@ -278,9 +300,10 @@ class RLVRModule(LightningModule):
         return sorted(i for i in ids if i is not None)
 
     def configure_optimizers(self):
-        # The dense baseline; SketchStrategy replaces it.
+        # The dense baseline; SketchStrategy replaces it (and its schedule: sketch.lr_schedule).
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return {"optimizer": optimizer, "lr_scheduler": self.lr_schedule.scheduler(optimizer)}
 
     # ---- one RL iteration ---------------------------------------------------------------------------------------
 
@@ -359,6 +382,9 @@ class RLVRModule(LightningModule):
         generated = time.perf_counter()
         loss, mismatch, entropy = self._backward(rollout, rewards)
         grad_norm, update, alpha = self._update(rollout)
+        optimizers = self.optimizers()
+        lr = (optimizers[0] if isinstance(optimizers, list) else optimizers).param_groups[0]["lr"]  # this step's η
+        self._advance_lr_schedules(applied=update is not None)  # logs train/lr
         elapsed = time.perf_counter() - start
         lengths = rollout.completion_lengths.float()
         terminated = rollout.terminated(self._stop_token_ids()).float()
@@ -366,8 +392,6 @@ class RLVRModule(LightningModule):
         # Prompt + completion tokens of every sample, all ranks (TRL's num_tokens).
         strategy = self.trainer.strategy
         self.num_tokens += int(strategy.reduce((rollout.prompt_mask.sum() + lengths.sum()).float(), reduce_op="sum"))
-        optimizers = self.optimizers()
-        lr = (optimizers[0] if isinstance(optimizers, list) else optimizers).param_groups[0]["lr"]  # η
         metrics = {
             "train/reward_std": rewards.std(),
             "train/frac_reward_zero_std": (groups.std(1) == 0).float().mean(),
@@ -376,8 +400,7 @@ class RLVRModule(LightningModule):
             "train/update_skipped": float(update is None),
             "train/entropy": entropy,  # mean over the tokens trained on (samples with a nonzero advantage)
             "train/num_tokens": float(self.num_tokens),
-            # η, and the step actually taken α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
-            "train/lr": lr,
+            # The step actually taken, α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
             "train/effective_lr": alpha * lr,
             "completions/mean_length": lengths.mean(),
             "completions/min_length": lengths.min(),
@@ -513,6 +536,19 @@ class RLVRModule(LightningModule):
         return grad_norm, Update(low_rank=dict(sketch[0].last_updates) if sketch else {},
                                  dense={names[p]: p.detach() for opt, _ in dense
                                         for group in opt.param_groups for p in group["params"]}), alpha
+
+    def _advance_lr_schedules(self, applied: bool) -> None:
+        """Log the learning rates this step's update was proposed with (`train/lr`: the sketch optimizer's, or the
+        dense baseline's AdamW; `train/rest_lr`: the AdamW of `sketch.train_rest`), then advance the schedules —
+        after an applied update only: a skipped one changed no weight, so it spends none of the warm-up or decay."""
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        for key, optimizer in zip(("train/lr", "train/rest_lr"), optimizers):
+            self.log(key, optimizer.param_groups[0]["lr"])
+        schedulers = self.lr_schedulers()
+        if applied and schedulers is not None:
+            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+                scheduler.step()
 
     def _sum_and_clip(self, params: list[torch.Tensor]) -> torch.Tensor:
         """Sum the gradients over ranks (sketch strategies: once per step), then clip them all together; returns

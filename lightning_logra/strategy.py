@@ -10,6 +10,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
 from lightning_logra.checkpoint import AtomicCheckpointIO
@@ -20,8 +21,9 @@ from lightning_logra.sketch.linear import SketchedLinear
 
 class SketchTraining:
     """What both strategies share, and what the module relies on: install the sketches into the module's `policy`
-    at fit set-up, build the sketch optimizer (plus AdamW for non-target parameters if `sketch.train_rest`) instead
-    of the module's `configure_optimizers` (its dense baseline), and `sum_gradients` once per step."""
+    at fit set-up, build the sketch optimizer (plus AdamW for non-target parameters if `sketch.train_rest`) and
+    their `sketch.lr_schedule` instead of the module's `configure_optimizers` (its dense baseline), and
+    `sum_gradients` once per step."""
 
     config: SketchConfig
     handles: dict[str, SketchedLinear]
@@ -37,7 +39,8 @@ class SketchTraining:
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         self.optimizers = self.config.build_optimizers(self.policy, self.handles)
-        self.lr_scheduler_configs = []
+        # Lightning checkpoints and restores these; under manual optimization the module steps them.
+        self.lr_scheduler_configs = [LRSchedulerConfig(s) for s in self.config.build_schedulers(self.optimizers)]
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Sum the gradients of `params` over the ranks, once per step before clipping (one process: nothing)."""
@@ -52,14 +55,19 @@ class SketchStrategy(SketchTraining, SingleDeviceStrategy):
 
     strategy_name = "logra_sketch"
 
-    def __init__(self, sketch: SketchConfig | None = None, device: str | None = None) -> None:
-        """device: None takes the Trainer's (`trainer.accelerator` and `trainer.devices`)."""
+    def __init__(self, sketch: SketchConfig = SketchConfig(), device: str | None = None) -> None:
+        """
+        Args:
+            sketch: which matrices are sketched, at what rank, and the sketch optimizer (`SketchConfig`).
+            device: the device to train on, e.g. `cuda:1`; None takes the Trainer's (`trainer.accelerator` and
+                `trainer.devices`).
+        """
         super().__init__(checkpoint_io=AtomicCheckpointIO())
         # As in Lightning's parallel strategies: the Trainer's accelerator connector fills an empty `parallel_devices`
         # with the devices that `accelerator` and `devices` select, and one given here makes it check the accelerator
         # against it instead.
         self.parallel_devices = None if device is None else [torch.device(device)]
-        self.config = sketch or SketchConfig()
+        self.config = sketch
         self.handles = {}
 
     @property
@@ -84,10 +92,16 @@ class SketchDDPStrategy(SketchTraining, DDPStrategy):
 
     strategy_name = "logra_sketch_ddp"
 
-    def __init__(self, sketch: SketchConfig | None = None, process_group_backend: str | None = None,
+    def __init__(self, sketch: SketchConfig = SketchConfig(), process_group_backend: str | None = None,
                  **kwargs) -> None:
+        """
+        Args:
+            sketch: which matrices are sketched, at what rank, and the sketch optimizer (`SketchConfig`).
+            process_group_backend: torch.distributed's backend (`gloo` on CPUs, `nccl` on GPUs); None picks it
+                from the device.
+        """
         super().__init__(process_group_backend=process_group_backend, checkpoint_io=AtomicCheckpointIO(), **kwargs)
-        self.config = sketch or SketchConfig()
+        self.config = sketch
         self.handles = {}
         self.last_allreduce_bytes = self.dense_allreduce_bytes = 0
 

@@ -183,7 +183,7 @@ def test_export_reloads_and_generates_the_same_greedy_text(tiny_arith_model, tmp
     "override, error, message",
     [
         (["--model.rnak", "3"], SystemExit, "rnak"),
-        (["--trainer.strategy.init_args.sketch.rank", "500"], ValueError, "rank=500 must be smaller"),
+        (["--trainer.strategy.init_args.sketch.rank", "500"], ValueError, "sketch.rank: 500 must be smaller"),
         (["--trainer.strategy.init_args.sketch.target_modules", "[qq_proj]"], ValueError, "target_modules: 'qq_proj'"),
         (["--model.model", "./no/such/model"], FileNotFoundError, "model.model"),
         (["--trainer.strategy.init_args.sketch.optimizer.rounding", "up"], SystemExit, "sketch.optimizer.rounding"),

@@ -61,7 +61,7 @@ def test_clear_errors_for_bad_targets(tiny_qwen2):
         install_sketches(tiny_qwen2, ["qproj"], rank=4)
     with pytest.raises(TypeError, match="not an nn.Linear"):
         install_sketches(tiny_qwen2, ["mlp"], rank=4)
-    with pytest.raises(ValueError, match=r"rank=64 must be smaller than in_features=64 of .*q_proj.*r < k"):
+    with pytest.raises(ValueError, match=r"rank: 64 must be smaller than in_features=64 of .*q_proj.*r < k"):
         install_sketches(tiny_qwen2, ["q_proj"], rank=64)
     with pytest.raises(ValueError, match="shared by"):
         install_sketches(tiny_qwen2, ["lm_head"], rank=4)

@@ -4,22 +4,49 @@ strategies and plain-PyTorch users: install the sketches, freeze the rest, build
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lightning_logra.sketch.install import install_sketches, sketch_carriers
+from lightning_logra.schedule import LRSchedule
+from lightning_logra.sketch.install import install_sketches, select_targets, sketch_carriers
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchOptimizerFactory
 from lightning_logra.sketch.rounding import LOW_PRECISION
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Where a LightningCLI config sets a SketchConfig: errors name their field under it.
+CONFIG_KEY = "trainer.strategy.init_args.sketch"
 
 
 @dataclass
 class SketchConfig:
+    """How the policy is trained with sketches: which matrices, at what rank, by which sketch optimizer.
+
+    Args:
+        target_modules: the nn.Linear layers to sketch, by the last components of their names (`q_proj` selects
+            every `...self_attn.q_proj`); every pattern must select at least one layer.
+        rank: r, the rank of each d×r sketch; it must be smaller than in_features (k) of every target matrix.
+        seed: the seed of the random projections A (one per matrix, derived from it).
+        distribution: the entries of A: `rademacher` (±1/√r, the paper's) or `gaussian` (N(0, 1/r)).
+        optimizer: the sketch optimizer, a `class_path` (`lightning_logra.sketch.SketchAdam`, `SketchSGD` or a
+            subclass of `SketchOptimizer`) with its `init_args`: `lr` (η of the sketched matrices), its own
+            settings, and `refresh_every`, `rounding`, `factor_dtype`.
+        lr_schedule: warm-up and decay of the learning rates (the sketch optimizer's and `rest_lr`), by applied
+            update; see `lightning_logra.schedule.LRSchedule`.
+        cache_projection: keep each A (r×k) in memory; false regenerates it from its seed at every use.
+        train_bias: train the biases of the sketched layers densely (AdamW at rest_lr).
+        train_rest: train every other parameter (embeddings, norms, ...) densely with AdamW at rest_lr;
+            otherwise they are frozen.
+        rest_lr: the learning rate of the AdamW over densely trained parameters (train_bias, train_rest).
+        rest_weight_decay: the weight decay of the AdamW over densely trained parameters.
+    """
+
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     rank: int = 64
     seed: int = 0
@@ -27,11 +54,33 @@ class SketchConfig:
     # The sketch optimizer: a SketchOptimizer subclass, with its hyperparameters bound by a config's init_args
     # (lr, betas, ..., refresh_every, rounding, factor_dtype); it is given the sketched layers when training starts.
     optimizer: SketchOptimizerFactory = SketchAdam
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
     cache_projection: bool = True
     train_bias: bool = False  # biases of sketched layers, trained densely
     train_rest: bool = False  # every other parameter (embeddings, norms, ...) trained densely with AdamW
     rest_lr: float = 1e-6
     rest_weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Checked when a config is parsed, before anything is built; the checks that need the model's shapes are
+        # in check_targets.
+        if self.rank < 1:
+            raise ValueError(f"{CONFIG_KEY}.rank must be a positive integer (the rank r of each d×r sketch, smaller "
+                             f"than in_features of every target), got {self.rank}")
+        if not self.target_modules:
+            raise ValueError(f"{CONFIG_KEY}.target_modules is empty: name the linear layers to sketch, e.g. "
+                             "[q_proj, v_proj]")
+        if not (math.isfinite(self.rest_lr) and self.rest_lr > 0):
+            raise ValueError(f"{CONFIG_KEY}.rest_lr must be a positive learning rate, got {self.rest_lr}")
+        if not self.rest_weight_decay >= 0:
+            raise ValueError(f"{CONFIG_KEY}.rest_weight_decay must be 0 or positive, got {self.rest_weight_decay}")
+
+    def check_targets(self, model: nn.Module) -> None:
+        """Refuse, naming the key, what install() would refuse: a pattern that selects nothing or something other
+        than an nn.Linear, a tied weight, a rank not below a target's in_features. The model's weights need not
+        exist: a skeleton on the meta device (built from its config.json) has the names and shapes."""
+        with _named_keys():
+            select_targets(model, self.target_modules, self.rank)
 
     def hparams(self) -> dict[str, Any]:
         """The settings as flat hyperparameters for the loggers (TensorBoard's HParams view tells runs apart by
@@ -44,6 +93,7 @@ class SketchConfig:
 
     def install(self, model: nn.Module) -> dict[str, SketchedLinear]:
         """Install the sketches; freeze every other parameter unless `train_rest`."""
+        self.check_targets(model)
         handles = install_sketches(
             model, self.target_modules, self.rank, self.seed, self.distribution,
             cache_projection=self.cache_projection, train_bias=self.train_bias,
@@ -74,6 +124,20 @@ class SketchConfig:
                 "(model.dtype float32 with trainer.precision bf16-mixed) or leave train_rest and train_bias off"
             )
         return [sketch, torch.optim.AdamW(dense, lr=self.rest_lr, weight_decay=self.rest_weight_decay)]
+
+    def build_schedulers(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.lr_scheduler.LambdaLR]:
+        """One `lr_schedule` scheduler per optimizer, advanced by whoever applies the updates (the module)."""
+        return [self.lr_schedule.scheduler(optimizer) for optimizer in optimizers]
+
+
+@contextmanager
+def _named_keys() -> Iterator[None]:
+    """select_targets' errors begin with the argument they are about ("rank: ...", "target_modules: ..."); said
+    under the config key, a user finds the line to change."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"{CONFIG_KEY}.{err}") from None
 
 
 def _describe(factory: SketchOptimizerFactory) -> tuple[str, dict[str, Any]]:

@@ -55,7 +55,9 @@ def install_sketches(
 def select_targets(model: nn.Module, target_modules: Sequence[str], rank: int) -> dict[str, nn.Linear]:
     """{name: nn.Linear} of every module `target_modules` selects, in module order; an error naming the pattern for
     one that selects nothing, something other than an nn.Linear, a layer already sketched, a weight shared with
-    another module, or a matrix whose in_features is not larger than `rank`."""
+    another module, or a matrix whose in_features is not larger than `rank`. Each message begins with the argument
+    it is about ("target_modules: ", "rank: "), so a caller can say where that argument is set. Only names and
+    shapes are read: the model may be a skeleton on the meta device."""
     modules = dict(model.named_modules())
     owners: dict[int, list[str]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
@@ -86,8 +88,9 @@ def _check_target(module: nn.Module, name: str, pattern: str, rank: int, owners:
         # The sketch (d×r) replaces the gradient (d×k): it saves memory exactly when r < k. r ≥ d is fine (k/v
         # projections with few KV heads have small d), since A still compresses the k inputs.
         raise ValueError(
-            f"rank={rank} must be smaller than in_features={module.in_features} of {name!r}: the d×r sketch "
-            f"replaces the d×k gradient, so it saves memory only when r < k; lower the rank or drop this target"
+            f"rank: {rank} must be smaller than in_features={module.in_features} of {name!r}: the d×r sketch "
+            f"replaces the d×k gradient, so it saves memory only when r < k; lower the rank below "
+            f"{module.in_features} or drop {pattern!r} from target_modules"
         )
     tied = owners.get(id(module.weight), [])
     if len(tied) > 1:

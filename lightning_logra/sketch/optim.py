@@ -298,6 +298,16 @@ class SketchSGD(SketchOptimizer):
 
     def __init__(self, layers: Layers, lr: float, momentum: float = 0.0, refresh_every: int | None = None,
                  rounding: Rounding = "stochastic", factor_dtype: FactorDtype = "float32") -> None:
+        """
+        Args:
+            lr: η, the learning rate of the sketched matrices.
+            momentum: heavy-ball momentum β in [0, 1); 0 steps along the sketch itself.
+            refresh_every: a new projection A (and a fresh state) every this many applied updates; None keeps A
+                fixed (the paper's default).
+            rounding: how merges round into bf16/fp16 weights: `stochastic` (unbiased; a no-op for fp32) or
+                `nearest` (loses most of each update at RL learning rates).
+            factor_dtype: the dtype of F = α·η·U, merged and sent to a rollout engine (`bfloat16` halves the sync).
+        """
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         super().__init__(layers, dict(lr=lr, momentum=momentum), refresh_every, rounding, factor_dtype)
@@ -330,6 +340,17 @@ class SketchAdam(SketchOptimizer):
         rounding: Rounding = "stochastic",
         factor_dtype: FactorDtype = "float32",
     ) -> None:
+        """
+        Args:
+            lr: η, the learning rate of the sketched matrices.
+            betas: the decay rates of Adam's first and second moments, each in [0, 1).
+            eps: added to √v̂ in the denominator.
+            refresh_every: a new projection A (and a fresh state) every this many applied updates; None keeps A
+                fixed (the paper's default).
+            rounding: how merges round into bf16/fp16 weights: `stochastic` (unbiased; a no-op for fp32) or
+                `nearest` (loses most of each update at RL learning rates).
+            factor_dtype: the dtype of F = α·η·U, merged and sent to a rollout engine (`bfloat16` halves the sync).
+        """
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if eps <= 0:

@@ -1,0 +1,78 @@
+"""Settings checked once the config is parsed, before any data, weights or rollout engine is loaded.
+
+Without these, a sketch target that does not exist or a rank too large for a matrix failed only when the sketches
+were installed: after the data module's set-up, the policy's weights and (with vLLM) an engine had been loaded,
+minutes into a large run. The model's `config.json` is enough to know its layers: the checks run on a skeleton of
+the model built on the meta device (names and shapes, no memory), with the same `select_targets` that installing
+the sketches runs later. And settings that the run would accept and then ignore are refused, naming the setting
+that does act.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_logra.module import RLVRModule
+from lightning_logra.sketch.config import CONFIG_KEY
+from lightning_logra.strategy import SketchTraining
+
+# The module's dense-optimizer settings, and what acts instead of each under a sketch strategy.
+_DENSE_ONLY = {
+    "lr": f"{CONFIG_KEY}.optimizer.init_args.lr (the sketched matrices) and {CONFIG_KEY}.rest_lr (parameters "
+          "trained densely with train_rest / train_bias)",
+    "weight_decay": f"{CONFIG_KEY}.rest_weight_decay (parameters trained densely)",
+    "lr_schedule": f"{CONFIG_KEY}.lr_schedule",
+}
+
+
+def check_before_loading(module: RLVRModule, trainer: Trainer) -> None:
+    """What a fit with a sketch strategy would refuse or ignore, checked without loading anything; each error names
+    its config key and the fix. Called by the CLI once its classes are built, before `fit`."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, SketchTraining):
+        return
+    _check_dense_settings_unused(module)
+    skeleton = policy_skeleton(module.hparams.model)
+    if skeleton is not None:
+        strategy.config.check_targets(skeleton)
+
+
+def _check_dense_settings_unused(module: RLVRModule) -> None:
+    """The module's lr, weight_decay and lr_schedule set the dense baseline's AdamW; a sketch strategy builds its own
+    optimizers, so a value other than the default would be ignored: refused instead."""
+    defaults = inspect.signature(RLVRModule.__init__).parameters
+    current = {"lr": module.hparams.lr, "weight_decay": module.hparams.weight_decay,
+               "lr_schedule": module.lr_schedule}
+    for key, acting in _DENSE_ONLY.items():
+        if current[key] != defaults[key].default:
+            raise ValueError(
+                f"model.{key}: set to {current[key]}, but a sketch strategy would ignore it (it sets the dense "
+                f"baseline's AdamW); set {acting} instead, and leave model.{key} out"
+            )
+
+
+def policy_skeleton(model: str) -> nn.Module | None:
+    """The policy's modules with their names and shapes, on the meta device, from its config.json alone. None when
+    no config.json is on this machine (a hub id not downloaded yet): the model's loading then fails or fetches it,
+    and installing the sketches checks the same things."""
+    path = Path(model)
+    if path.is_dir():
+        config_file = path / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            config_file = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a hub id either; the module's loading names model.model
+            return None
+    if not isinstance(config_file, (str, Path)) or not Path(config_file).is_file():
+        return None
+    config = AutoConfig.from_pretrained(Path(config_file).parent)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,147 @@
+"""Settings refused before anything expensive: bad sketch settings fail right after the model's config.json is read
+(no weights, no data set-up, no engine), options that would be ignored are refused, and every option is documented
+in --help."""
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from cli import main
+from lightning_logra.data.module import ArithDataModule
+from lightning_logra.module import RLVRModule
+from lightning_logra.schedule import LRSchedule
+from lightning_logra.sketch.config import SketchConfig
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+KEY = "trainer.strategy.init_args.sketch"
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fails the test if the policy's weights are loaded or the data module is set up."""
+
+    def load_weights(*args, **kwargs):
+        raise AssertionError("the policy's weights were loaded")
+
+    def set_up_data(*args, **kwargs):
+        raise AssertionError("the data module was set up")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load_weights)
+    monkeypatch.setattr(ArithDataModule, "setup", set_up_data)
+
+
+def _fit(model_path, root, *overrides, config="tiny_arith.yaml", run=True):
+    args = ["--config", str(CONFIGS / config), "--model.model", model_path, "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(root), *overrides]
+    return main(["fit", *args] if run else args, run=run)
+
+
+# The test model (tiny_arith_model): q/k/v/o/gate/up read 128 inputs, down_proj 256; lm_head is tied to the embedding.
+@pytest.mark.parametrize("override, error, message", [
+    (["--trainer.strategy.init_args.sketch.rank", "0"], ValueError,
+     f"{KEY}.rank must be a positive integer (the rank r of each d×r sketch, smaller than in_features of every "
+     "target), got 0"),
+    (["--trainer.strategy.init_args.sketch.rank", "-3"], ValueError, f"{KEY}.rank must be a positive integer"),
+    (["--trainer.strategy.init_args.sketch.rank", "128"], ValueError,
+     f"{KEY}.rank: 128 must be smaller than in_features=128 of 'model.layers.0.self_attn.q_proj': the d×r sketch "
+     "replaces the d×k gradient, so it saves memory only when r < k; lower the rank below 128 or drop 'q_proj' from "
+     "target_modules"),
+    (["--trainer.strategy.init_args.sketch.target_modules", "[qq_proj]"], ValueError,
+     f"{KEY}.target_modules: 'qq_proj' matches no module of Qwen2ForCausalLM; linear layers it has: ['down_proj', "
+     "'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"),
+    (["--trainer.strategy.init_args.sketch.target_modules", "[mlp]"], TypeError,
+     f"{KEY}.target_modules: 'mlp' matches 'model.layers.0.mlp', a Qwen2MLP, not an nn.Linear; use a more specific "
+     "pattern"),
+    (["--trainer.strategy.init_args.sketch.target_modules", "[lm_head]"], ValueError,
+     f"{KEY}.target_modules: the weight of 'lm_head' is shared by ['model.embed_tokens.weight', 'lm_head.weight']"),
+    (["--trainer.strategy.init_args.sketch.target_modules", "[]"], ValueError, f"{KEY}.target_modules is empty"),
+], ids=["rank 0", "negative rank", "rank = k", "unknown target", "not a Linear", "tied weight", "no targets"])
+def test_bad_sketch_settings_fail_before_weights_or_data_load(tiny_arith_model, tmp_path, nothing_loads, override,
+                                                              error, message):
+    with pytest.raises(error) as info:
+        _fit(tiny_arith_model, tmp_path, *override)
+    assert message in str(info.value)
+
+
+def test_the_largest_rank_that_fits_passes_the_checks(tiny_arith_model, tmp_path, nothing_loads):
+    # rank 127 < k = 128 for every target: the check's boundary is exactly the installer's rule r < k.
+    cli = _fit(tiny_arith_model, tmp_path, "--trainer.strategy.init_args.sketch.rank", "127", run=False)
+    assert cli.trainer.strategy.config.rank == 127 and cli.model.policy is None
+
+
+@pytest.mark.parametrize("override, key, value, message", [
+    (["--model.lr", "1e-3"], "lr", 1e-3,
+     f"model.lr: set to 0.001, but a sketch strategy would ignore it (it sets the dense baseline's AdamW); set "
+     f"{KEY}.optimizer.init_args.lr (the sketched matrices) and {KEY}.rest_lr"),
+    (["--model.weight_decay", "0.1"], "weight_decay", 0.1,
+     f"model.weight_decay: set to 0.1, but a sketch strategy would ignore it (it sets the dense baseline's AdamW); "
+     f"set {KEY}.rest_weight_decay"),
+    (["--model.lr_schedule.warmup_steps", "5"], "lr_schedule", LRSchedule(warmup_steps=5),
+     f"model.lr_schedule: set to {LRSchedule(warmup_steps=5)}, but a sketch strategy would ignore it (it sets the "
+     f"dense baseline's AdamW); set {KEY}.lr_schedule instead"),
+], ids=["lr", "weight_decay", "lr_schedule"])
+def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(tiny_arith_model, tmp_path, nothing_loads,
+                                                                     override, key, value, message):
+    with pytest.raises(ValueError) as info:
+        _fit(tiny_arith_model, tmp_path, *override)
+    assert message in str(info.value)
+    # In a dense run they are what acts (tiny_arith_dense.yaml sets model.lr 1e-4 itself).
+    dense = _fit(tiny_arith_model, tmp_path, *override, config="tiny_arith_dense.yaml", run=False)
+    assert (dense.model.lr_schedule if key == "lr_schedule" else dense.model.hparams[key]) == value
+
+
+@pytest.mark.parametrize("option", [["--optimizer", "torch.optim.Adam"],
+                                    ["--lr_scheduler", "torch.optim.lr_scheduler.StepLR"]])
+def test_lightning_cli_optimizer_options_do_not_exist(tiny_arith_model, tmp_path, capsys, option):
+    # LightningCLI's own --optimizer / --lr_scheduler would be accepted and dropped (the strategy or the module
+    # builds the optimizers, and Lightning steps no scheduler under manual optimization): they are not offered.
+    with pytest.raises(SystemExit):
+        _fit(tiny_arith_model, tmp_path, *option)
+    assert f"unrecognized arguments: {option[0]}" in capsys.readouterr().err
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """{option: what --help says about it}: an entry starts at a line "  --option ..." and goes on over the lines
+    indented further."""
+    entries: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  --"):
+            name, _, rest = line.strip().partition(" ")
+            current = entries.setdefault(name.rstrip(","), [rest])
+        elif current is not None and line.startswith("    "):
+            current.append(line.strip())
+        else:
+            current = None
+    return {name: " ".join(lines) for name, lines in entries.items()}
+
+
+def _description_words(entry: str) -> int:
+    """Words of prose in a help entry, leaving out the metavar (LR, {true,false}, [ITEM,...]) and the type line."""
+    prose = re.split(r"\((required, )?type: ", entry)[0]
+    return sum(bool(re.fullmatch(r"[a-z][a-z'-]*", word.strip(".,;:()"))) for word in prose.split())
+
+
+def test_every_module_and_sketch_option_has_a_description_in_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    module_help = _help_entries(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main(["fit", "--trainer.strategy.help", "lightning_logra.strategy.SketchStrategy"])
+    strategy_help = _help_entries(capsys.readouterr().out)
+
+    schedule = [f.name for f in dataclasses.fields(LRSchedule)]
+    module = [f"--model.{name}" for name in inspect.signature(RLVRModule.__init__).parameters
+              if name not in ("self", "lr_schedule")] + [f"--model.lr_schedule.{name}" for name in schedule]
+    sketch = [f"--trainer.strategy.sketch.{f.name}" for f in dataclasses.fields(SketchConfig)
+              if f.name != "lr_schedule"]
+    sketch += [f"--trainer.strategy.sketch.lr_schedule.{name}" for name in schedule]
+    assert set(module) <= set(module_help) and set(sketch) <= set(strategy_help)
+    undocumented = [o for o in module if _description_words(module_help[o]) < 3]
+    undocumented += [o for o in sketch if _description_words(strategy_help[o]) < 3]
+    assert not undocumented
+    assert not any(o.startswith(("--optimizer", "--lr_scheduler")) for o in module_help)

@@ -1,0 +1,158 @@
+"""Learning-rate schedules: the factor of each update; one schedule over every optimizer of a sketch run (the sketch
+optimizer and the AdamW of train_rest), of the dense baseline and of a Fabric run; held on skipped updates; logged
+as train/lr; continued exactly by a resumed run."""
+
+import glob
+import math
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.fabric import Fabric
+from lightning.pytorch import Callback, Trainer
+
+from cli import main
+from conftest import SKETCH_TARGETS, PoisonSketchAt, make_tiny_qwen2
+from lightning_logra.data.module import ArithDataModule
+from lightning_logra.fabric import SketchFabricStrategy
+from lightning_logra.module import RLVRModule
+from lightning_logra.schedule import LRSchedule
+from lightning_logra.sketch import SketchAdam, SketchSGD, sketched_layers
+from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.strategy import SketchStrategy
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def test_factor_warms_up_linearly_then_decays_to_the_floor():
+    # Warm-up over 4 updates: (i + 1) / 4. Cosine from update 4 to 8: 0.1 + 0.9·½(1 + cos(π·(i − 4)/4)); then 0.1.
+    cosine = LRSchedule(warmup_steps=4, decay="cosine", total_steps=8, min_lr_ratio=0.1)
+    half_cos = [0.5 * (1 + math.cos(math.pi * p / 4)) for p in range(4)]  # 1, 0.8536, 0.5, 0.1464
+    expected = [0.25, 0.5, 0.75, 1.0] + [0.1 + 0.9 * h for h in half_cos] + [0.1, 0.1]
+    assert [cosine.factor(i) for i in range(10)] == pytest.approx(expected, abs=1e-12)
+    # Linear from the first update to 4, down to 0: 1, 3/4, 1/2, 1/4, 0, 0.
+    linear = LRSchedule(decay="linear", total_steps=4)
+    assert [linear.factor(i) for i in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    assert [LRSchedule(warmup_steps=2).factor(i) for i in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [LRSchedule().factor(i) for i in range(3)] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(warmup_steps=-1), "lr_schedule.warmup_steps must be 0 or a positive number of updates, got -1"),
+    (dict(decay="cosine"), "lr_schedule.total_steps: decay 'cosine' needs the update at which it reaches its floor"),
+    (dict(warmup_steps=5, decay="linear", total_steps=5), "larger than warmup_steps=5"),
+    (dict(min_lr_ratio=1.5), "lr_schedule.min_lr_ratio must be in [0, 1], got 1.5"),
+    (dict(decay="step"), "lr_schedule.decay must be constant, linear or cosine, got 'step'"),
+])
+def test_bad_schedules_are_refused_naming_the_setting(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        LRSchedule(**kwargs)
+    assert message in str(info.value)
+
+
+class Record(Callback):
+    """Per training step: each optimizer's lr as the step starts, the logged train/lr and train/rest_lr, the
+    sketches the sketch optimizer is given, and the update applied."""
+
+    def __init__(self) -> None:
+        self.lrs, self.logged, self.sketches, self.updates = [], [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append([opt.param_groups[0]["lr"] for opt in trainer.optimizers])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # the first optimizer's step only
+        self.sketches.append({f"{n}.weight": h.sketch.clone() for n, h in sketched_layers(pl_module.policy).items()
+                              if h.sketch is not None})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.logged.append([float(metrics[key]) for key in ("train/lr", "train/rest_lr") if key in metrics])
+        self.updates.append(outputs["update"])
+
+
+def _module(model_path, **kwargs):
+    return RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
+                      micro_batch_size=16, max_grad_norm=None, reward_timeout_s=None, **kwargs)
+
+
+def _trainer(steps, callbacks, strategy="auto"):
+    return Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   limit_val_batches=0, strategy=strategy, callbacks=callbacks)
+
+
+def test_a_sketch_run_schedules_both_optimizers_by_applied_update(tiny_arith_model):
+    # Warm-up over 2 updates, then linear decay to ½ at update 4: f = ½, 1, 1, ¾, ½. The update of step 1 is skipped
+    # (a NaN sketch): it is taken at f(1) but changes nothing, so step 2 is taken at f(1) again, and so on.
+    schedule = LRSchedule(warmup_steps=2, decay="linear", total_steps=4, min_lr_ratio=0.5)
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchSGD, lr=0.1), lr_schedule=schedule,
+                          train_rest=True, rest_lr=1e-3)
+    record = Record()
+    trainer = _trainer(5, [PoisonSketchAt(step=1), record], SketchStrategy(config))
+    trainer.fit(_module(tiny_arith_model), ArithDataModule(batch_size=4))
+    factors = [0.5, 1.0, 1.0, 1.0, 0.75]  # f(0), f(1) skipped, f(1), f(2), f(3)
+    assert record.lrs == [[pytest.approx(0.1 * f, rel=1e-12), pytest.approx(1e-3 * f, rel=1e-12)] for f in factors]
+    assert record.logged == [pytest.approx(lrs, rel=1e-6) for lrs in record.lrs]  # train/lr, train/rest_lr
+    assert [update is None for update in record.updates] == [False, True, False, False, False]
+    # The merged factor is the scheduled η times U = S (SketchSGD, α = 1): the schedule is what the update used.
+    for factor, sketches, update in zip(factors, record.sketches, record.updates):
+        if update is not None:
+            for name, delta in update.low_rank.items():
+                torch.testing.assert_close(delta.factor, 0.1 * factor * sketches[name], rtol=1e-6, atol=0)
+    assert [config.scheduler.last_epoch for config in trainer.lr_scheduler_configs] == [4, 4]  # 4 applied updates
+
+
+def test_the_dense_baseline_follows_its_own_schedule(tiny_arith_model):
+    record = Record()
+    module = _module(tiny_arith_model, lr=1e-2, lr_schedule=LRSchedule(warmup_steps=3))
+    _trainer(4, [record]).fit(module, ArithDataModule(batch_size=4))
+    assert record.lrs == [[pytest.approx(1e-2 * f, rel=1e-12)] for f in (1 / 3, 2 / 3, 1.0, 1.0)]
+    assert record.logged == [pytest.approx(lrs, rel=1e-6) for lrs in record.lrs]
+
+
+def test_fabric_gets_one_scheduler_per_optimizer():
+    config = SketchConfig(SKETCH_TARGETS, rank=4, optimizer=partial(SketchAdam, lr=1e-2), train_rest=True,
+                          rest_lr=1e-3, lr_schedule=LRSchedule(warmup_steps=4))
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=SketchFabricStrategy(config))
+    fabric.setup(make_tiny_qwen2())
+    optimizers = fabric.setup_optimizers(*fabric.strategy.optimizers)
+    assert [o.param_groups[0]["lr"] for o in optimizers] == [pytest.approx(2.5e-3), pytest.approx(2.5e-4)]
+    for scheduler in fabric.strategy.lr_schedulers:
+        scheduler.step()
+    assert [o.param_groups[0]["lr"] for o in optimizers] == [pytest.approx(5e-3), pytest.approx(5e-4)]
+
+
+def _resumable_run(model_path, root, steps, *extra):
+    # tiny_arith.yaml without the KL controller: under a binding KL budget α·η does not depend on η (README), so a
+    # wrong learning rate would not show in the weights.
+    overrides = root.parent / f"{root.name}.yaml"
+    overrides.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"save_last": True, "every_n_train_steps": 1}}]}}))
+    sketch = "--trainer.strategy.init_args.sketch"
+    return main(["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), "--config", str(overrides),
+                 "--model.model", model_path, "--model.reward", "conftest.odd_first_digit",
+                 "--trainer.max_steps", str(steps), "--trainer.logger", "false",
+                 "--trainer.default_root_dir", str(root),
+                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                 "--data.init_args.batch_size", "4", "--data.init_args.eval_limit", "8",
+                 f"{sketch}.train_rest", "true", f"{sketch}.rest_lr", "1e-3",
+                 f"{sketch}.lr_schedule.warmup_steps", "2", f"{sketch}.lr_schedule.decay", "cosine",
+                 f"{sketch}.lr_schedule.total_steps", "4", f"{sketch}.lr_schedule.min_lr_ratio", "0.1", *extra])
+
+
+def test_a_resumed_run_continues_the_schedule_exactly(tiny_arith_model, tmp_path):
+    straight = _resumable_run(tiny_arith_model, tmp_path / "a", 4)
+    _resumable_run(tiny_arith_model, tmp_path / "b", 2)
+    (checkpoint,) = glob.glob(str(tmp_path / "b" / "**" / "last.ckpt"), recursive=True)
+    resumed = _resumable_run(tiny_arith_model, tmp_path / "c", 4, "--ckpt_path", checkpoint)
+    for a, b in zip(straight.trainer.lr_scheduler_configs, resumed.trainer.lr_scheduler_configs):
+        assert a.scheduler.last_epoch == b.scheduler.last_epoch == 4
+        assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
+    # At update 4 the cosine has reached its floor: 0.1 of the sketch optimizer's 1e-3 and of rest_lr's 1e-3.
+    assert [o.param_groups[0]["lr"] for o in resumed.trainer.optimizers] == [pytest.approx(1e-4), pytest.approx(1e-4)]
+    a, b = straight.model.policy.state_dict(), resumed.model.policy.state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

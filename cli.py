@@ -1,22 +1,7 @@
-"""The command line: `python cli.py fit --config configs/tiny_arith.yaml`, plus validate / test / --print_config."""
+"""`python cli.py fit --config configs/tiny_arith.yaml` from the repository: the same command line as the installed
+`lightning-logra` console script (`lightning_logra/cli.py`)."""
 
-from lightning.pytorch.cli import LightningCLI
-
-from lightning_logra.data.module import RLVRDataModule
-from lightning_logra.module import RLVRModule
-
-
-def main(args=None, run: bool = True) -> LightningCLI:
-    return LightningCLI(
-        RLVRModule,
-        RLVRDataModule,
-        subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf"},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-    )
-
+from lightning_logra.cli import main
 
 if __name__ == "__main__":
     main()

@@ -6,10 +6,15 @@ only its user message here.
 """
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 from torch.utils.data import Dataset
+
+from lightning_logra.waits import waiting_for
+
+log = logging.getLogger(__name__)
 
 # (prompt_key, answer_key) of the formats users know.
 PRESETS: dict[str, tuple[str, str]] = {
@@ -115,10 +120,10 @@ class PromptDataset(Dataset):
         answer_key = answer_key or preset_answer_key
 
         path = Path(path_or_name)
-        if path.suffix.lower() in _LOCAL_SUFFIXES:
-            rows = _read_local(path, limit)
-        else:
-            rows = _read_hub(path_or_name, split, limit)
+        local = path.suffix.lower() in _LOCAL_SUFFIXES
+        # A hub dataset may download for minutes on its first use (and `datasets` alone takes seconds to import).
+        with waiting_for(f"loading prompts from {path_or_name}" + ("" if local else f" (split {split!r})"), log):
+            rows = _read_local(path, limit) if local else _read_hub(path_or_name, split, limit)
         if not rows:
             raise ValueError(f"prompt dataset {path_or_name!r} (split {split!r}) has no rows")
 

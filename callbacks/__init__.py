@@ -2,6 +2,10 @@
 
 from lightning_logra.callbacks.kl_budget import PredictedKLBudget
 from lightning_logra.callbacks.memory import MemoryProfiler
+from lightning_logra.callbacks.progress import StepProgressBar
+from lightning_logra.callbacks.run_directory import RunDirectory
+from lightning_logra.callbacks.summary import SketchModelSummary
 from lightning_logra.callbacks.weight_sync import RolloutWeightSync
 
-__all__ = ["MemoryProfiler", "PredictedKLBudget", "RolloutWeightSync"]
+__all__ = ["MemoryProfiler", "PredictedKLBudget", "RolloutWeightSync", "RunDirectory", "SketchModelSummary",
+           "StepProgressBar"]

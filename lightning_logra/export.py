@@ -36,7 +36,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightning_logra.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-logra export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by `fit` (e.g. .../last.ckpt)")
     parser.add_argument("--out", required=True, help="the folder to write the transformers model into")
     args = parser.parse_args(argv)

@@ -37,12 +37,14 @@ from lightning_logra.loss import (
     mismatch_metrics,
     token_weights,
 )
+from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.schedule import LRSchedule
 from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.strategy import SketchTraining
 from lightning_logra.update import Update, apply_dense_, propose_dense
+from lightning_logra.waits import waiting_for
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +148,9 @@ def _check_settings(hp: Any) -> None:
     if hp.export_every is not None and hp.export_dir is None:
         raise ValueError("model.export_every needs model.export_dir: the folder the step-NNNNNN exports go into")
     # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
-    if not Path(hp.model).exists() and (hp.model.startswith((".", "/", "~")) or hp.model.count("/") > 1):
-        raise FileNotFoundError(f"model.model: no such model directory {hp.model!r}")
+    if not Path(model_path(hp.model)).exists() and (hp.model.startswith((".", "/", "~")) or hp.model.count("/") > 1):
+        raise FileNotFoundError(f"model.model: no such model directory {hp.model!r} (looked for from {Path.cwd()}, "
+                                f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")
 
 
 class RLVRModule(LightningModule):
@@ -187,7 +190,8 @@ class RLVRModule(LightningModule):
     ) -> None:
         """
         Args:
-            model: a transformers causal LM: a local directory or a hub name.
+            model: a transformers causal LM: a local directory or a hub name. A path inside the package
+                (`lightning_logra/data/tiny_arith`, the embedded model) is found from any working directory.
             reward: a built-in reward name (`exact_match`, `math_answer`), a dotted path to a function
                 `fn(prompts, completions, completion_ids, **columns) -> list[float | None]` (TRL's reward
                 signature), or a component, `class_path` and `init_args`, whose instances are called so
@@ -272,17 +276,17 @@ class RLVRModule(LightningModule):
                 # (or one shared engine) is not built yet.
                 raise ValueError("model.engine: an engine with its own weights runs on a single device for now; "
                                  "use trainer.devices 1, or the in-process engine (model.engine: null) with DDP")
-            self.engine.start(self.hparams.model, self._pad_token_id(), self._stop_token_ids())
+            self.engine.start(model_path(self.hparams.model), self._pad_token_id(), self._stop_token_ids())
 
     def _load_policy(self) -> None:
-        path, hp = self.hparams.model, self.hparams
+        path, hp = model_path(self.hparams.model), self.hparams
         if not Path(path).exists():
             check_hub_model(path)
         elif not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        dtype = getattr(torch, hp.dtype)
-        self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+        with waiting_for(f"loading the model {hp.model}", log):  # a hub model may download for minutes first
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, hp.dtype)).train()
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False

@@ -78,7 +78,7 @@ def test_resume_continues_exactly(tiny_arith_model, tmp_path, precision):
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
     straight = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 4), *precision])
     first = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2), *precision])
-    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "last.ckpt"), recursive=True)
+    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "checkpoints" / "last.ckpt"), recursive=True)  # not latest/
     assert len(checkpoint) == 1 and torch.load(checkpoint[0], weights_only=False)["global_step"] == 2
     resumed = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "c", 4), *precision,
                     "--ckpt_path", checkpoint[0]])

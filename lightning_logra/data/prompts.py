@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from torch.utils.data import Dataset
 
+from lightning_logra.waits import waiting_for
+
 log = logging.getLogger(__name__)
 
 # (prompt_key, answer_key) of the formats users know.
@@ -185,7 +187,9 @@ class PromptDataset(Dataset):
         self.template = template
         self.source = source if isinstance(source, DatasetSource) else DatasetSource(source)
 
-        rows = _load_rows(self.source, split, config_key)
+        # A hub dataset may download for minutes on its first use (and `datasets` alone takes seconds to import).
+        with waiting_for(f"loading prompts for {config_key} from {self.source.path}", log):
+            rows = _load_rows(self.source, split, config_key)
         where = f"{config_key} ({self.source.path})"
         if len(rows) == 0:
             raise ValueError(f"{where} has no rows")

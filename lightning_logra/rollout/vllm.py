@@ -25,6 +25,7 @@ from lightning_logra.batch import Rollout, left_pad
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 from lightning_logra.update import Update
+from lightning_logra.waits import waiting_for
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +133,15 @@ class VLLMEngine(RolloutEngine):
             ) from err
         # vLLM reads this when the engine is built: "0" keeps the engine core in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
-        self.llm = LLM(
-            model=self.model_path,
-            worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature, as the trainer computes
-            **self.options,
-        )
+        # With vLLM's own logs at WARNING, the engine's start (30 s on the CPU, minutes on a GPU with CUDA graphs)
+        # would otherwise pass in silence.
+        with waiting_for(f"starting the vLLM engine for {self.model_path}", log):
+            self.llm = LLM(
+                model=self.model_path,
+                worker_extension_cls=WORKER_EXTENSION,
+                logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature, as the trainer computes
+                **self.options,
+            )
         self._asleep = False
         self._rpc("logra_watch_trainer", os.getpid())
 

@@ -1,0 +1,113 @@
+"""The command line: `lightning-logra fit --config tiny_arith` (or `python cli.py ...` in the repository), plus
+validate / test / --print_config, and `lightning-logra export --ckpt_path ... --out DIR`.
+
+`--config` takes a file, or a shipped config by name from any directory (`tiny_arith`, `tiny_arith.yaml` or
+`configs/tiny_arith.yaml`; see `lightning_logra.paths`). Every run also gets, unless its config says otherwise, a
+progress bar that counts steps (`StepProgressBar`), a model summary that counts what sketches train
+(`SketchModelSummary`), and `RunDirectory` (`runs/<name>/latest`; no empty folder left by a failed run).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_logra.callbacks import RunDirectory, SketchModelSummary, StepProgressBar
+from lightning_logra.checks import check_before_loading
+from lightning_logra.data.module import RLVRDataModule
+from lightning_logra.module import RLVRModule
+from lightning_logra.paths import config_path
+
+
+class RLVRCLI(LightningCLI):
+    def after_instantiate_classes(self) -> None:
+        # The config's classes are built, nothing is loaded yet: settings that would fail or be ignored once data,
+        # weights and an engine are loaded fail now (`validate` / `test` install no sketches).
+        if self.subcommand in (None, "fit"):
+            check_before_loading(self.model, self.trainer)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        configured = config["trainer"].get("callbacks") or []
+        configured = list(configured) if isinstance(configured, list) else [configured]
+        defaults = default_callbacks(config["trainer"], configured)
+        if any(isinstance(callback, ModelSummary) for callback in defaults):
+            # Ours is in the list: without this, Lightning announces that it skips adding its own.
+            kwargs.setdefault("enable_model_summary", False)
+        return super().instantiate_trainer(callbacks=configured + defaults, **kwargs)
+
+
+def default_callbacks(trainer: Any, configured: list[Callback]) -> list[Callback]:
+    """The callbacks every run of the command line adds to those its config (`trainer`) lists, where the config
+    neither lists one of the kind nor turns the kind off (Lightning refuses a bar it was told not to show)."""
+    def wanted(kind: type, flag: str) -> bool:
+        off = trainer.get(flag) is False or trainer.get("barebones")
+        return not off and not any(isinstance(callback, kind) for callback in configured)
+
+    defaults: list[Callback] = []
+    if wanted(RunDirectory, "logger"):
+        defaults.append(RunDirectory())
+    if wanted(ProgressBar, "enable_progress_bar"):
+        defaults.append(StepProgressBar())
+    if wanted(ModelSummary, "enable_model_summary"):
+        defaults.append(SketchModelSummary())
+    return defaults
+
+
+def _with_shipped_configs(args: list[str]) -> list[str]:
+    """`args` with every `--config` value that names a shipped config replaced by that config's path."""
+    out, expect_value = [], False
+    for arg in args:
+        if expect_value:
+            arg = config_path(arg)
+        elif arg.startswith("--config="):
+            arg = "--config=" + config_path(arg.removeprefix("--config="))
+        expect_value = arg in ("-c", "--config")
+        out.append(arg)
+    return out
+
+
+def _show_info_logs() -> None:
+    """The project's INFO lines (what a long wait is waiting for) on stderr, as Lightning shows its own, unless the
+    application configured logging itself."""
+    package = logging.getLogger("lightning_logra")
+    package.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not package.handlers:
+        package.addHandler(logging.StreamHandler())
+
+
+def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
+    """The command line on `args` (default: the process's arguments); `run=False` parses and instantiates only."""
+    _show_info_logs()
+    if args is None:
+        # Rewritten in place rather than passed as `args`, which LightningCLI warns about beside a command line.
+        sys.argv[1:] = _with_shipped_configs(sys.argv[1:])
+    return RLVRCLI(
+        RLVRModule,
+        RLVRDataModule,
+        subclass_mode_data=True,
+        parser_kwargs={"parser_mode": "omegaconf"},
+        save_config_kwargs={"overwrite": True},
+        # The optimizers come from the module (model.lr, model.lr_schedule) or the sketch strategy (sketch.*):
+        # LightningCLI's own --optimizer / --lr_scheduler would be accepted and dropped, so they do not exist.
+        auto_configure_optimizers=False,
+        args=None if args is None else _with_shipped_configs(list(args)),
+        run=run,
+    )
+
+
+def console_main() -> None:
+    """The `lightning-logra` console script: LightningCLI's fit / validate / test, and `export` (a checkpoint to a
+    transformers folder, `lightning_logra.export`). It returns None: the script exits with what this returns, and a
+    returned LightningCLI would be printed and turned into exit status 1."""
+    if sys.argv[1:2] == ["export"]:
+        from lightning_logra.export import main as export
+
+        export(sys.argv[2:])
+        return
+    main()

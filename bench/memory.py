@@ -37,6 +37,7 @@ import torch
 from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
 from lightning_logra.callbacks.memory import GIB, StepSampler, process_rss_reader
+from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
 from lightning_logra.sketch import SketchAdam, SketchSGD
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
@@ -72,12 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # A sketch's rank must stay below every target's in_features (LoRA and GaLore need it below both sides:
     # k_proj and v_proj are only 128 rows in 0.5B, 2 kv heads × 64, and 64 in tiny).
     parser.add_argument("--rank", type=int, help="of LoRA, GaLore and the sketches; default 64, 16 for tiny")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's); fewer keep a "
+                        "long-sequence, full-vocabulary step short where the logits are what is measured")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (advantages are group-normalized)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--completion-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="the first one is warm-up")
+    parser.add_argument("--logprob-chunk", type=int, default=1024,
+                        help="tokens whose full-vocabulary logits exist at a time (the trainer's "
+                             "model.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at once")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
@@ -129,7 +135,8 @@ def weights_kind(method: str, dtype: str) -> str:
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     dtype = torch.float32 if weights_kind(args.method or "", args.dtype).startswith("fp32") else DTYPES[args.dtype]
-    return qwen2_model(args.shape, dtype, args.prompt_len + args.completion_len)
+    layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    return qwen2_model(args.shape, dtype, args.prompt_len + args.completion_len, **layers)
 
 
 def fixed_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -191,9 +198,14 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     return model, [GaLoreAdamW([group], lr=args.lr)]
 
 
-def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
     """−Σ coef·log π over the batch's completion tokens (the logits are dropped before the caller's backward, as a
-    trainer's micro-batch loop drops them when they go out of scope)."""
+    trainer's micro-batch loop drops them when they go out of scope). `chunk_tokens` > 0: the trainer's chunked
+    path (`lightning_logra.logprobs`), whose logits exist that many tokens at a time."""
+    if chunk_tokens > 0:
+        logprobs, _ = completion_logprobs(policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                          batch["completion_mask"], chunk_tokens=chunk_tokens)
+        return -(batch["coef"] * logprobs).sum()
     logits = completion_logits(
         policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
     )  # (m, C, V)
@@ -201,9 +213,10 @@ def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
 
 
 def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int,
-               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, chunk_tokens: int = 0) -> None:
     for start in range(0, batch["coef"].shape[0], micro_batch):
-        backward(policy_loss(policy, {key: value[start:start + micro_batch] for key, value in batch.items()}))
+        micro = {key: value[start:start + micro_batch] for key, value in batch.items()}
+        backward(policy_loss(policy, micro, chunk_tokens))
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -225,7 +238,8 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
             self.automatic_optimization = False
 
         def training_step(self, _, batch_idx):
-            train_step(self.policy, [self.optimizers()], self.batch, args.micro_batch, self.manual_backward)
+            train_step(self.policy, [self.optimizers()], self.batch, args.micro_batch, self.manual_backward,
+                       args.logprob_chunk)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(range(args.steps), batch_size=1)
@@ -276,7 +290,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         sampler.start()
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-            train_step(policy, optimizers, batch, args.micro_batch)
+            train_step(policy, optimizers, batch, args.micro_batch, chunk_tokens=args.logprob_chunk)
         seconds.append(time.perf_counter() - start)
         average, peak = sampler.stop()
         averages.append(average)
@@ -370,14 +384,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
-        "seed")}
+        "seed", "logprob_chunk", "layers")}
     settings["torch_threads"] = torch.get_num_threads()
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "settings": settings}, indent=2) + "\n")
-    title = (f"Qwen2.5-{args.shape} shape, {args.dtype}, rank {args.rank}, {args.batch} × "
-             f"({args.prompt_len}+{args.completion_len}) tokens, micro-batch {args.micro_batch}")
+    depth = "" if args.layers is None else f" ({args.layers} layers)"
+    title = (f"Qwen2.5-{args.shape} shape{depth}, {args.dtype}, rank {args.rank}, {args.batch} × "
+             f"({args.prompt_len}+{args.completion_len}) tokens, micro-batch {args.micro_batch}, "
+             f"log-prob chunk {args.logprob_chunk or 'off'}")
     plot(rows, title, args.plot)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 

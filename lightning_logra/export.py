@@ -26,7 +26,9 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> Path:
         raise FileNotFoundError(f"--ckpt_path: no such checkpoint {str(ckpt_path)!r}")
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     # The base model (config, tokenizer) comes from the path the run trained; the reward is not needed to export.
-    module = RLVRModule.load_from_checkpoint(ckpt_path, map_location="cpu", reward="exact_match",
+    # weights_only=False: the checkpoint's hyperparameters hold the run's own objects (an LRSchedule, say), and it is
+    # the user's own checkpoint (loaded in full just above).
+    module = RLVRModule.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False, reward="exact_match",
                                              reward_timeout_s=None)
     dtype = checkpoint.get(KEY, {}).get("weights_dtype")  # format 1 has no record: the module's dtype
     if dtype is not None:

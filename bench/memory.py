@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--completion-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="the first one is warm-up")
-    parser.add_argument("--logprob-chunk", type=int, default=1024,
+    parser.add_argument("--logprob-chunk", type=int, default=256,
                         help="tokens whose full-vocabulary logits exist at a time (the trainer's "
                              "model.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at once")
     parser.add_argument("--lr", type=float, default=1e-6)

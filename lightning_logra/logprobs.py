@@ -42,7 +42,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + chunk)
             logp = _log_softmax(hidden[rows], weight, bias, temperature)  # (c, V)
             logprobs[rows] = logp.gather(-1, tokens[rows, None]).squeeze(-1)
-            entropy[rows] = -(logp.exp() * logp).sum(-1)
+            entropy[rows] = -_rowwise_dot(logp.exp(), logp)
+            del logp  # at most two (c, V) tensors at a time: the logits and their log-softmax, or that and p
         ctx.save_for_backward(hidden, weight, bias, tokens)
         ctx.temperature, ctx.chunk = temperature, chunk
         # Recompute in backward under the autocast the forward ran in (bf16-mixed), so both see the same logits.
@@ -62,11 +63,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast):
-                logp = _log_softmax(hidden[rows], weight, bias, ctx.temperature)  # (c, V)
-            # d log p(token) / d logits = (onehot(token) − p) / T
-            grad_logits = -logp.exp()
-            grad_logits.scatter_add_(-1, tokens[rows, None], torch.ones_like(grad_logits[:, :1]))
-            grad_logits *= (grad_logprobs[rows] / ctx.temperature)[:, None]  # (c, V)
+                logits = _logits(hidden[rows], weight, bias, ctx.temperature)  # (c, V)
+            # d log p(token) / d logits = (onehot(token) − p) / T, built in p's own storage
+            grad_logits = torch.softmax(logits, dim=-1)
+            del logits
+            scale = (grad_logprobs[rows] / ctx.temperature)[:, None].to(grad_logits.dtype)  # (c, 1)
+            grad_logits.mul_(-scale).scatter_add_(-1, tokens[rows, None], scale)  # (c, V)
             if need_hidden:
                 grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # (c, h)
             if need_weight:
@@ -77,10 +79,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 
 
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """(c, V) logits / T in fp32 (fp64 kept), computed in the head's dtype as the model's own head computes them."""
+    logits = nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(compute_dtype(logits.dtype))  # a new tensor unless already fp32: in-place below is safe
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
 def _log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  temperature: float) -> torch.Tensor:
-    logits = nn.functional.linear(hidden, weight, bias)  # (c, V) in the head's dtype, as the model's own head
-    return torch.log_softmax(logits.to(compute_dtype(logits.dtype)) / temperature, dim=-1)
+    return torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)  # the logits are freed on return
+
+
+def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_v a[i, v]·b[i, v] (c,) as a batched matrix product: no (c, V) product tensor."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
 
 
 def plain_head(policy: nn.Module) -> nn.Linear | None:
@@ -100,7 +113,7 @@ def completion_logprobs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int | None = 1024,
+    chunk_tokens: int | None = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(token) (n, C), token entropy (n, C), no gradient) of each completion token at the temperature.
 

@@ -186,7 +186,7 @@ class RLVRModule(LightningModule):
         max_unlearnable_steps: int | None = None,
         log_completions_every: int | None = 50,
         export_every: int | None = None,
-        logprob_chunk_tokens: int | None = 1024,
+        logprob_chunk_tokens: int | None = 256,
     ) -> None:
         """
         Args:

@@ -44,24 +44,24 @@ class Recorder(Callback):
 GOLDEN = {
     "tiny_arith": {
         "steps": [
-            {"kl/q": 0.24068357050418854, "kl/alpha": 0.14413245022296906, "train/reward_mean": 0.484375,
-             "train/loss": -0.1712203025817871, "train/grad_norm": 2.8450350761413574},
-            {"kl/q": 0.10316690057516098, "kl/alpha": 0.220001220703125, "train/reward_mean": 0.3125,
-             "train/loss": -0.18735381960868835, "train/grad_norm": 1.6494375467300415},
-            {"kl/q": 0.06202193722128868, "kl/alpha": 0.2835518717765808, "train/reward_mean": 0.265625,
-             "train/loss": -0.09054061025381088, "train/grad_norm": 2.308978319168091},
+            {"kl/q": 0.24068361520767212, "kl/alpha": 0.14413243532180786, "train/reward_mean": 0.484375,
+             "train/loss": -0.17122025787830353, "train/grad_norm": 2.8450348377227783},
+            {"kl/q": 0.10316683351993561, "kl/alpha": 0.22000129520893097, "train/reward_mean": 0.3125,
+             "train/loss": -0.18735386431217194, "train/grad_norm": 1.6494375467300415},
+            {"kl/q": 0.0620218962430954, "kl/alpha": 0.283551961183548, "train/reward_mean": 0.265625,
+             "train/loss": -0.09054061770439148, "train/grad_norm": 2.308978796005249},
         ],
-        "delta_weighted_sum": -0.012594099370838004,
-        "delta_norm": 0.35988452561642587,
+        "delta_weighted_sum": -0.012594680725528017,
+        "delta_norm": 0.35988459615929513,
     },
     "tiny_arith_dense": {
         "steps": [
-            {"train/reward_mean": 0.484375, "train/loss": -0.1712203025817871, "train/grad_norm": 3.911797046661377},
-            {"train/reward_mean": 0.296875, "train/loss": -0.1895434707403183, "train/grad_norm": 2.1808769702911377},
-            {"train/reward_mean": 0.1875, "train/loss": -0.066836878657341, "train/grad_norm": 3.863445520401001},
+            {"train/reward_mean": 0.484375, "train/loss": -0.17122027277946472, "train/grad_norm": 3.9117965698242188},
+            {"train/reward_mean": 0.296875, "train/loss": -0.18954341113567352, "train/grad_norm": 2.180875539779663},
+            {"train/reward_mean": 0.1875, "train/loss": -0.0668368861079216, "train/grad_norm": 3.863443374633789},
         ],
-        "delta_weighted_sum": 0.13395415162464178,
-        "delta_norm": 0.1716295541184492,
+        "delta_weighted_sum": 0.13395234603806272,
+        "delta_norm": 0.17162955391068982,
     },
 }
 

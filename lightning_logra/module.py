@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 import torch
 from lightning.pytorch import LightningModule
@@ -37,8 +34,9 @@ from lightning_logra.loss import (
     mismatch_metrics,
     token_weights,
 )
-from lightning_logra.paths import PACKAGE_DIR, model_path
+from lightning_logra.paths import PACKAGE_DIR, check_hub_model, model_path
 from lightning_logra.rewards import Reward, RewardFn, RewardName, resolve_rewards
+from lightning_logra.scoring import reward_metrics, reward_tensor
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.schedule import LRSchedule
 from lightning_logra.sketch.optim import SketchOptimizer
@@ -47,80 +45,6 @@ from lightning_logra.update import Update, apply_dense_, propose_dense
 from lightning_logra.waits import waiting_for
 
 log = logging.getLogger(__name__)
-
-
-def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], prompts: int,
-                  n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reward functions' outputs checked and combined, as TRL's GRPOTrainer combines them: the total reward of a
-    completion is Σ_i w_i·r_i over the functions that did not return None for it (a sum that skips NaNs).
-
-    Returns (total rewards (prompts·n,), each function's rewards (prompts·n, functions) with NaN for None, which
-    completions have no usable total (prompts·n,), which groups were dropped (prompts,)).
-
-    A completion for which every function returned None has no reward (TRL's NaN): it earns 0.0, as a single
-    function's None always has here. A NaN or infinite reward drops its whole group: the group's rewards are all set
-    to 0.0, so that its advantages are 0 and it adds nothing to the gradient, while the other groups still train."""
-    count = prompts * n
-    columns, nones = [], []
-    for output, name in zip(outputs, names, strict=True):
-        try:
-            output = list(output)
-            columns.append([float("nan") if r is None else float(r) for r in output])
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
-                             f"completion; got {type(output).__name__} ({err})") from None
-        if len(output) != count:
-            raise ValueError(f"model.reward {name!r} returned {len(output)} rewards for {count} completions "
-                             f"({prompts} prompts × {n} samples): it must return one per completion, in order")
-        nones.append([r is None for r in output])
-    values = torch.tensor(columns, dtype=torch.float32).T  # (N, F)
-    none = torch.tensor(nones).T  # (N, F)
-    total = (values * torch.tensor(weights, dtype=torch.float32)).nansum(1)  # (N,)
-    broken = (~values.isfinite() & ~none).any(1) | ~total.isfinite()  # a NaN or inf, not a None
-    missing = none.all(1) | broken
-    dropped = broken.view(prompts, n).any(1)
-    total[missing] = 0.0
-    total.view(prompts, n)[dropped] = 0.0
-    return total, values, missing, dropped
-
-
-def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict[str, torch.Tensor]:
-    """reward/<key>/mean and reward/<key>/std of each function's rewards over the global batch (`values` (N, F), NaN
-    where a function returned None), leaving out the Nones as TRL does: NaN where a function rated nothing (or,
-    for the std, one completion). Exact over ranks: counts and sums are reduced, not each rank's mean."""
-    rated = values.isfinite()
-    rewards = torch.where(rated, values, 0.0).double()
-    sums = torch.stack([rated.sum(0).double(), rewards.sum(0), (rewards * rewards).sum(0)])  # (3, F)
-    count, total, squares = strategy.reduce(sums, reduce_op="sum")
-    mean = total / count
-    std = ((squares - count * mean * mean) / (count - 1)).clamp(min=0).sqrt()  # Bessel's correction, as torch.std
-    metrics = {}
-    for i, key in enumerate(keys):
-        metrics[f"reward/{key}/mean"], metrics[f"reward/{key}/std"] = mean[i].float(), std[i].float()
-    return metrics
-
-
-def check_hub_model(model: str) -> None:
-    """For a `model` that is not a local directory (a hub id): fail at once, naming the key, when it is not in the hub
-    cache and the hub cannot be reached. Without this a mistyped name (`tiny_arth`) is retried for about a minute,
-    then fails with an error that does not say which setting is wrong."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    try:
-        if isinstance(try_to_load_from_cache(model, "config.json"), str):
-            return  # downloaded before: loads without the network
-    except ValueError:
-        pass  # not a valid hub id either; the message below says what to give
-    where = (f"model.model: {model!r} is not a directory here ({Path.cwd()}) nor in the hub cache, and the hub "
-             "cannot be reached")
-    fix = "give the path of a save_pretrained folder, or a hub id with the network on"
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise FileNotFoundError(f"{where} (HF_HUB_OFFLINE is set): {fix}")
-    host = urlparse(constants.ENDPOINT).hostname
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as err:
-        raise FileNotFoundError(f"{where} ({host}: {err}): {fix}") from None
 
 
 def _check_settings(hp: Any) -> None:

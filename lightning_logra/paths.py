@@ -2,12 +2,16 @@
 package) and the shipped configs (beside it, in the source checkout that the README's editable install uses).
 
 The shipped configs write the embedded model as `lightning_logra/data/tiny_arith`, the path a reader sees in the
-repository; `model_path` finds it in the installed package when the run starts somewhere else.
+repository; `model_path` finds it in the installed package when the run starts somewhere else. A model that is no
+local folder is a hub id: `check_hub_model` says at once when it cannot be had.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE_DIR.parent / "configs"
@@ -40,3 +44,26 @@ def config_path(value: str) -> str:
 def shipped_configs() -> list[str]:
     """The names `--config` takes for the shipped configs (empty when the package is not run from a checkout)."""
     return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
+
+
+def check_hub_model(model: str) -> None:
+    """For a `model` that is not a local directory (a hub id): fail at once, naming the key, when it is not in the hub
+    cache and the hub cannot be reached. Without this a mistyped name (`tiny_arth`) is retried for about a minute,
+    then fails with an error that does not say which setting is wrong."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return  # downloaded before: loads without the network
+    except ValueError:
+        pass  # not a valid hub id either; the message below says what to give
+    where = (f"model.model: {model!r} is not a directory here ({Path.cwd()}) nor in the hub cache, and the hub "
+             "cannot be reached")
+    fix = "give the path of a save_pretrained folder, or a hub id with the network on"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise FileNotFoundError(f"{where} (HF_HUB_OFFLINE is set): {fix}")
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as err:
+        raise FileNotFoundError(f"{where} ({host}: {err}): {fix}") from None

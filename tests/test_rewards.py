@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from lightning_logra.data.module import ArithDataModule
 import bad_rewards
 from lightning_logra import rewards
-from lightning_logra.module import RLVRModule, reward_metrics, reward_tensor
+from lightning_logra.module import RLVRModule
+from lightning_logra.scoring import reward_metrics, reward_tensor
 from lightning_logra.rewards import (
     CheckPool,
     MathAnswer,

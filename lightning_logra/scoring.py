@@ -1,0 +1,59 @@
+"""From the reward functions' outputs to the batch's rewards: checked, combined with their weights as TRL's
+GRPOTrainer combines them, and each function's mean and std for the logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], prompts: int,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reward functions' outputs checked and combined, as TRL's GRPOTrainer combines them: the total reward of a
+    completion is Σ_i w_i·r_i over the functions that did not return None for it (a sum that skips NaNs).
+
+    Returns (total rewards (prompts·n,), each function's rewards (prompts·n, functions) with NaN for None, which
+    completions have no usable total (prompts·n,), which groups were dropped (prompts,)).
+
+    A completion for which every function returned None has no reward (TRL's NaN): it earns 0.0, as a single
+    function's None always has here. A NaN or infinite reward drops its whole group: the group's rewards are all set
+    to 0.0, so that its advantages are 0 and it adds nothing to the gradient, while the other groups still train."""
+    count = prompts * n
+    columns, nones = [], []
+    for output, name in zip(outputs, names, strict=True):
+        try:
+            output = list(output)
+            columns.append([float("nan") if r is None else float(r) for r in output])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
+                             f"completion; got {type(output).__name__} ({err})") from None
+        if len(output) != count:
+            raise ValueError(f"model.reward {name!r} returned {len(output)} rewards for {count} completions "
+                             f"({prompts} prompts × {n} samples): it must return one per completion, in order")
+        nones.append([r is None for r in output])
+    values = torch.tensor(columns, dtype=torch.float32).T  # (N, F)
+    none = torch.tensor(nones).T  # (N, F)
+    total = (values * torch.tensor(weights, dtype=torch.float32)).nansum(1)  # (N,)
+    broken = (~values.isfinite() & ~none).any(1) | ~total.isfinite()  # a NaN or inf, not a None
+    missing = none.all(1) | broken
+    dropped = broken.view(prompts, n).any(1)
+    total[missing] = 0.0
+    total.view(prompts, n)[dropped] = 0.0
+    return total, values, missing, dropped
+
+
+def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict[str, torch.Tensor]:
+    """reward/<key>/mean and reward/<key>/std of each function's rewards over the global batch (`values` (N, F), NaN
+    where a function returned None), leaving out the Nones as TRL does: NaN where a function rated nothing (or,
+    for the std, one completion). Exact over ranks: counts and sums are reduced, not each rank's mean."""
+    rated = values.isfinite()
+    rewards = torch.where(rated, values, 0.0).double()
+    sums = torch.stack([rated.sum(0).double(), rewards.sum(0), (rewards * rewards).sum(0)])  # (3, F)
+    count, total, squares = strategy.reduce(sums, reduce_op="sum")
+    mean = total / count
+    std = ((squares - count * mean * mean) / (count - 1)).clamp(min=0).sqrt()  # Bessel's correction, as torch.std
+    metrics = {}
+    for i, key in enumerate(keys):
+        metrics[f"reward/{key}/mean"], metrics[f"reward/{key}/std"] = mean[i].float(), std[i].float()
+    return metrics

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_logra.module import RLVRModule
+from lightning_logra.paths import model_path
 from lightning_logra.sketch.config import CONFIG_KEY
 from lightning_logra.strategy import SketchTraining
 
@@ -61,6 +62,7 @@ def policy_skeleton(model: str) -> nn.Module | None:
     """The policy's modules with their names and shapes, on the meta device, from its config.json alone. None when
     no config.json is on this machine (a hub id not downloaded yet): the model's loading then fails or fetches it,
     and installing the sketches checks the same things."""
+    model = model_path(model)  # the embedded model from any working directory, as the module loads it
     path = Path(model)
     if path.is_dir():
         config_file = path / "config.json"

@@ -18,6 +18,12 @@ themselves (its merge rounds stochastically). The table's "weights" column says 
 A step is the forward, loss, backward over all micro-batches, the optimizer step and zero_grad. Memory is the
 process's resident set size sampled during each step: the peak is the maximum over all steps (the first included,
 where the optimizers allocate their state), the average and the median step time leave the first step out.
+
+`--device cuda` builds the model on the GPU and measures with the CUDA allocator instead, as
+`lightning_logra.callbacks.MemoryProfiler` does on a GPU: the average samples `torch.cuda.memory_allocated` (the
+bytes tensors hold, not what the caching allocator keeps in reserve), the peak is `torch.cuda.max_memory_allocated`
+since before the first step (exact, where samples can miss a short spike), and each step ends with
+`torch.cuda.synchronize` so that its time is the GPU's, not the time to queue its kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pathlib import Path
 import torch
 from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
-from lightning_logra.callbacks.memory import GIB, StepSampler, process_rss_reader
+from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
 from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
 from lightning_logra.sketch import SketchAdam, SketchSGD
@@ -84,10 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--logprob-chunk", type=int, default=256,
                         help="tokens whose full-vocabulary logits exist at a time (the trainer's "
                              "model.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at once")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations in the backward pass (model.gradient_checkpointing in a config)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the model on the GPU, memory from the CUDA allocator (else process RSS)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/out/memory.png"))
+    parser.add_argument("--no-plot", action="store_true", help="no plot (matplotlib need not be installed)")
     # set by the parent for a worker
     parser.add_argument("--method", choices=METHODS + EXTRA_METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -101,22 +112,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch must be a multiple of --group and of --micro-batch")
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is warm-up")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     return args
 
 
 # ---------------------------------------------------------------- worker: one method in this process
 
 
-def qwen2_model(shape: str, dtype: torch.dtype, max_positions: int, **overrides) -> torch.nn.Module:
-    """A Qwen2 with random weights in the shape of a Qwen2.5 size (`SHAPES`), built directly in `dtype`: a 7B model
-    built in fp32 first (30 GB) would not fit this machine. `overrides` change config fields (fewer layers, say)."""
+def qwen2_model(shape: str, dtype: torch.dtype, max_positions: int, device: str = "cpu",
+                **overrides) -> torch.nn.Module:
+    """A Qwen2 with random weights in the shape of a Qwen2.5 size (`SHAPES`), built directly in `dtype` on `device`:
+    a 7B model built in fp32 first (30 GB) would not fit this machine, and one initialized on the CPU and then
+    copied to a GPU would spend minutes drawing random numbers. `overrides` change config fields (fewer layers)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**{**SHAPES[shape], **overrides}, max_position_embeddings=max_positions)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return Qwen2ForCausalLM(config)
+        with torch.device(device):
+            return Qwen2ForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
 
@@ -136,7 +152,11 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     dtype = torch.float32 if weights_kind(args.method or "", args.dtype).startswith("fp32") else DTYPES[args.dtype]
     layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
-    return qwen2_model(args.shape, dtype, args.prompt_len + args.completion_len, **layers)
+    model = qwen2_model(args.shape, dtype, args.prompt_len + args.completion_len, args.device, **layers)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()  # as RLVRModule does for model.gradient_checkpointing
+        model.config.use_cache = False
+    return model
 
 
 def fixed_batch(args: argparse.Namespace, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -258,12 +278,13 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
             self.seconds.append(time.perf_counter() - self._start)
 
     model = build_model(args)
-    batch = fixed_batch(args, model.config.vocab_size)
+    batch = {key: value.to(args.device) for key, value in fixed_batch(args, model.config.vocab_size).items()}
     profiler, timer = MemoryProfiler(), StepTimer()
     trainer = Trainer(
-        accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[timer, profiler],
-        strategy=SketchStrategy(SketchConfig(rank=args.rank, optimizer=partial(SketchSGD, lr=args.lr)), device="cpu"),
+        accelerator="gpu" if args.device == "cuda" else "cpu", max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, profiler],
+        strategy=SketchStrategy(SketchConfig(rank=args.rank, optimizer=partial(SketchSGD, lr=args.lr)),
+                                device="cuda:0" if args.device == "cuda" else "cpu"),
     )
     trainer.fit(Replay(model.train(), batch))
     averages = [average for average, _ in profiler.steps]
@@ -279,20 +300,30 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
 def run_worker(args: argparse.Namespace) -> dict:
     if args.method == "logra_lightning":
         return run_lightning_worker(args)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     model = build_model(args)
-    batch = fixed_batch(args, model.config.vocab_size)
+    batch = {key: value.to(device) for key, value in fixed_batch(args, model.config.vocab_size).items()}
     policy, optimizers = set_up(args.method, model, args)
     policy.train()
     mixed = weights_kind(args.method, args.dtype).startswith("fp32 master")
-    sampler = StepSampler(process_rss_reader())
+    sampler = StepSampler(cuda_allocated_reader(device) if cuda else process_rss_reader())
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)  # the model's construction is not a step
     averages, peaks, seconds = [], [], []
     for _ in range(args.steps):
         sampler.start()
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
             train_step(policy, optimizers, batch, args.micro_batch, chunk_tokens=args.logprob_chunk)
+        if cuda:
+            torch.cuda.synchronize(device)  # kernels run asynchronously: the step ends when the GPU is done
         seconds.append(time.perf_counter() - start)
         average, peak = sampler.stop()
+        if cuda:
+            # The allocator's high-water mark since the reset: the peak over the steps so far, exactly.
+            peak = torch.cuda.max_memory_allocated(device)
         averages.append(average)
         peaks.append(peak)
     return dict(
@@ -316,10 +347,15 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_method(method: str, argv: list[str]) -> dict:
+def run_method(method: str, argv: list[str], timeout_s: float | None = None) -> dict:
+    """One method's row, measured in a worker subprocess; an `error` row if it fails or runs past `timeout_s`."""
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--method", method, "--worker"]
     print(f"running {method} ...", file=sys.stderr, flush=True)
-    result = subprocess.run(command, capture_output=True, text=True, env=worker_env())
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, env=worker_env(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"{method} stopped after {timeout_s:.0f} s", file=sys.stderr, flush=True)
+        return dict(method=method, error=f"stopped after its time limit of {timeout_s:.0f} s")
     if result.returncode != 0:
         # A MemoryError or an allocator error ends the worker with a traceback; the kernel's OOM killer with -9.
         lines = result.stderr.strip().splitlines()
@@ -355,7 +391,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], title: str, path: Path) -> None:
+def plot(rows: list[dict], title: str, path: Path, device: str = "cpu") -> None:
     plt = pyplot()
 
     names = [row["method"] for row in rows]
@@ -367,7 +403,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     mem.bar([i - 0.2 for i in x], values("peak_gib"), width=0.4, label="peak")
     mem.bar([i + 0.2 for i in x], values("avg_gib"), width=0.4, label="average")
-    mem.set_ylabel("process RSS during a step, GiB")
+    mem.set_ylabel("CUDA allocated during a step, GiB" if device == "cuda" else "process RSS during a step, GiB")
     mem.legend()
     speed.bar(x, values("step_s"), color="tab:green")
     speed.set_ylabel("median step, s")
@@ -384,17 +420,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
-        "seed", "logprob_chunk", "layers")}
+        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device")}
     settings["torch_threads"] = torch.get_num_threads()
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "settings": settings}, indent=2) + "\n")
+    if args.no_plot:
+        print(f"wrote {args.out}", file=sys.stderr)
+        return
     depth = "" if args.layers is None else f" ({args.layers} layers)"
     title = (f"Qwen2.5-{args.shape} shape{depth}, {args.dtype}, rank {args.rank}, {args.batch} × "
              f"({args.prompt_len}+{args.completion_len}) tokens, micro-batch {args.micro_batch}, "
              f"log-prob chunk {args.logprob_chunk or 'off'}")
-    plot(rows, title, args.plot)
+    plot(rows, title, args.plot, args.device)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 
 

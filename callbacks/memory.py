@@ -39,6 +39,11 @@ def process_rss_reader() -> Callable[[], int]:
     return lambda: process.memory_info().rss
 
 
+def cuda_allocated_reader(device: torch.device) -> Callable[[], int]:
+    """A function returning the bytes the CUDA allocator has handed out on `device` (tensors alive, not its cache)."""
+    return lambda: torch.cuda.memory_allocated(device)
+
+
 class StepSampler:
     """Reads `read()` (bytes) every `interval_s` on a background thread between `start()` and `stop()`.
 
@@ -107,7 +112,7 @@ class MemoryProfiler(Callback):
         device = pl_module.device
         if device.type == "cuda" and torch.cuda.is_available():
             self._cuda = device
-            read = lambda: torch.cuda.memory_allocated(device)  # noqa: E731
+            read = cuda_allocated_reader(device)
         else:
             self._cuda = None
             read = process_rss_reader()

@@ -1,0 +1,456 @@
+"""The one-shot GPU check: everything this project has not yet measured on a GPU, in one command of about 5 minutes
+on one H100/H200-class GPU, with nothing but torch, transformers, lightning, peft and the project's pure-Python
+dependencies (no vLLM, no hub: random weights of published shapes, and the embedded tiny model).
+
+    python bench/gpu_check.py                                  # one CUDA GPU; writes bench/out/gpu_check.json
+    python bench/gpu_check.py --dry-run --out /tmp/check.json  # the same stages on the CPU, tiny shapes (CI)
+
+The checkout must be importable as installed (`pip install --no-deps --no-build-isolation -e .` needs no network),
+or through PYTHONPATH with `lightning_logra/callbacks` linked to `callbacks/`; the script says so if it is not.
+
+Stages, in order; each writes the whole report again (atomically) as soon as it has something, so a run cut short
+still reports what it measured, and a stage that fails is recorded with its error while the next one still runs:
+
+  environment    torch / CUDA versions, the GPU, which optional packages are importable
+  cuda_tests     the tests that skip without CUDA (files that check `cuda.is_available`), through pytest
+  memory_table   bench/memory.py with `--device cuda` at the Qwen2.5-1.5B and -7B shapes in bf16: dense AdamW (fp32
+                 master weights, bf16 autocast), LoRA and LoGRA (sketch Adam, the paper's), average and peak CUDA
+                 memory per GPU and step time, each method in its own subprocess; the paper's figures beside them
+  kl_control     how often the predicted-KL control acts (α < α_max) at configs/qwen1_5b.yaml's sketch and
+                 PredictedKLBudget settings, on the 1.5B shape with random weights and random rollouts
+  tiny_arith     configs/tiny_arith.yaml trained on the GPU for 50 steps (built in Python, not through the CLI: the
+                 GPU image may lack jsonargparse), reward at the start and at the end
+
+At the end the report is printed as markdown tables. `--dry-run` runs every stage on the CPU at the "tiny" shape
+with a few steps: what tests/test_gpu_check.py runs, so that the script keeps working while no GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import yaml
+
+import memory as bench_memory  # bench/memory.py (this script's folder is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith")
+MEMORY_METHODS = ("dense_adamw", "lora", "logra_adam")
+# The paper's memory table (GiB per GPU: step average, peak), for the rows measured here.
+PAPER_GIB = {
+    ("1.5b", "logra_adam"): (7.18, 8.66), ("1.5b", "dense_adamw"): (9.18, 9.19),
+    ("7b", "logra_adam"): (17.29, 22.26), ("7b", "dense_adamw"): (31.82, 31.85),
+}
+
+
+@dataclass
+class Plan:
+    """What each stage runs: `gpu()` for the real check, `dry()` for the CPU run a test makes."""
+
+    device: str
+    # memory_table: per shape, bench/memory.py's options besides --shape/--methods/--device
+    memory: dict[str, list[str]]
+    method_timeout_s: float  # one bench/memory.py worker
+    tests_timeout_s: float
+    kl_shape: str
+    kl_rank: int | None  # None: configs/qwen1_5b.yaml's rank
+    kl_batch: dict[str, int]  # batch, group, micro_batch, prompt_len, completion_len
+    kl_steps: int
+    kl_budget_s: float  # no new step starts after this
+    arith_steps: int
+    arith_budget_s: float  # the Trainer's max_time
+    fail_stage: str | None = field(default=None)  # a stage made to raise, to check that the others still run
+
+    @classmethod
+    def gpu(cls) -> Plan:
+        # The paper's sequence shape (256-token prompts, 1024-token completions) with one group of 8 samples per
+        # step: 8 sequences are enough for a step's memory (it is the micro-batch that sets the activations) and
+        # keep all six memory workers near 2–3 minutes together; 3 steps: the first (optimizer state allocated)
+        # and two more to average. The configs' micro-batches (4 for 1.5B, 2 for 7B) and gradient checkpointing.
+        # Rank 256 as in configs/qwen1_5b.yaml and qwen7b.yaml: below every target's in_features (k_proj and
+        # v_proj read the hidden size, 1536 and 3584), which a sketch needs.
+        common = ["--dtype", "bf16", "--rank", "256", "--batch", "8", "--group", "8", "--prompt-len", "256",
+                  "--completion-len", "1024", "--steps", "3", "--gradient-checkpointing"]
+        return cls(
+            device="cuda",
+            memory={"1.5b": [*common, "--micro-batch", "4"], "7b": [*common, "--micro-batch", "2"]},
+            method_timeout_s=240, tests_timeout_s=300,
+            kl_shape="1.5b", kl_rank=None,
+            kl_batch=dict(batch=8, group=8, micro_batch=4, prompt_len=256, completion_len=1024),
+            kl_steps=8, kl_budget_s=90,
+            arith_steps=50, arith_budget_s=180,
+        )
+
+    @classmethod
+    def dry(cls) -> Plan:
+        # Tiny shapes and few steps: every code path of the real check, on the CPU, in about a minute.
+        common = ["--dtype", "bf16", "--rank", "16", "--batch", "4", "--group", "4", "--micro-batch", "2",
+                  "--prompt-len", "8", "--completion-len", "8", "--steps", "2", "--gradient-checkpointing"]
+        return cls(
+            device="cpu",
+            memory={"tiny": common},
+            method_timeout_s=300, tests_timeout_s=300,
+            kl_shape="tiny", kl_rank=16,
+            kl_batch=dict(batch=4, group=4, micro_batch=2, prompt_len=8, completion_len=8),
+            kl_steps=3, kl_budget_s=120,
+            arith_steps=3, arith_budget_s=300,
+        )
+
+
+Progress = Callable[[dict], None]  # a stage hands its partial result to be written before it is done
+
+
+# ---------------------------------------------------------------- the stages
+
+
+def environment(plan: Plan, progress: Progress) -> dict:
+    result = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+                  cuda_available=torch.cuda.is_available(), device=plan.device)
+    for name in ("transformers", "lightning", "peft", "yaml", "jsonargparse", "omegaconf", "vllm", "matplotlib"):
+        try:
+            result[name] = getattr(importlib.import_module(name), "__version__", "importable")
+        except ImportError:
+            result[name] = None  # not installed: the stages that need it say so
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        result.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_gib=props.total_memory / 2**30,
+                      capability=f"{props.major}.{props.minor}", bf16=torch.cuda.is_bf16_supported())
+    try:
+        result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                          timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        result["commit"] = None  # a copy of the tree without git
+    return result
+
+
+def junit_outcomes(path: Path) -> list[dict]:
+    """Each test case of a pytest --junitxml report: its id, outcome and, unless it passed, the message."""
+    cases = []
+    for case in ElementTree.parse(path).iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome, message = {"failure": "failed"}.get(child.tag, child.tag), child.get("message", "")
+        cases.append(dict(test=f"{case.get('classname')}::{case.get('name')}", outcome=outcome, message=message[:500]))
+    return cases
+
+
+def cuda_tests(plan: Plan, progress: Progress) -> dict:
+    """The tests that need CUDA: those in files that ask `torch.cuda.is_available()`, selected by name (cuda or gpu).
+    They import cli.py, which needs jsonargparse; without it they fail to collect (counted as errors)."""
+    files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
+                   if "cuda.is_available" in path.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", *files, "-k", "cuda or gpu", "-q", "-p", "no:cacheprovider",
+                   f"--junitxml={report}"]
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=plan.tests_timeout_s)
+        cases = junit_outcomes(report) if report.exists() else []
+    counts = {outcome: sum(case["outcome"] == outcome for case in cases)
+              for outcome in ("passed", "failed", "error", "skipped")}
+    return dict(command=shlex.join(command[1:-1]), exit_code=run.returncode, **counts, tests=cases,
+                output_tail=run.stdout[-3000:] + run.stderr[-2000:])
+
+
+def memory_table(plan: Plan, progress: Progress) -> dict:
+    """bench/memory.py's workers, one subprocess per (shape, method); the rows are written as they come."""
+    result = dict(settings={shape: " ".join(options) for shape, options in plan.memory.items()}, rows=[])
+    for shape, options in plan.memory.items():
+        argv = ["--shape", shape, *options, "--device", plan.device]
+        for method in MEMORY_METHODS:
+            row = bench_memory.run_method(method, argv, timeout_s=plan.method_timeout_s)
+            paper = PAPER_GIB.get((shape, method))
+            if paper is not None:
+                row["paper_avg_gib"], row["paper_peak_gib"] = paper
+            result["rows"].append({"shape": shape, **row})
+            progress(result)
+    return result
+
+
+def class_from(path: str) -> type:
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def instantiate(spec: dict):
+    """A config's `{class_path, init_args}` value, built as the CLI builds it."""
+    return class_from(spec["class_path"])(**spec.get("init_args", {}))
+
+
+def sketch_config(spec: dict, rank: int | None = None):
+    """A config's `trainer.strategy.init_args.sketch` as a SketchConfig (its optimizer bound to its init_args)."""
+    from lightning_logra.sketch.config import SketchConfig
+
+    optimizer = spec["optimizer"]
+    options = {key: value for key, value in spec.items() if key != "optimizer"}
+    if rank is not None:
+        options["rank"] = rank
+    return SketchConfig(**options, optimizer=partial(class_from(optimizer["class_path"]), **optimizer["init_args"]))
+
+
+def kl_budget_args(config: dict) -> dict:
+    return next(callback["init_args"] for callback in config["trainer"]["callbacks"]
+                if callback["class_path"].endswith(".PredictedKLBudget"))
+
+
+def budget_settings(controller) -> dict:
+    keys = ("budget", "final_budget", "schedule", "anneal_steps", "alpha_max", "subset")
+    return {key: getattr(controller, key) for key in keys}
+
+
+def kl_control(plan: Plan, progress: Progress) -> dict:
+    """The sketch steps of configs/qwen1_5b.yaml without generation: fixed random rollouts (new ones each step),
+    sketches from the policy loss, gradient clipping at model.max_grad_norm, then what PredictedKLBudget does in a
+    run: q = predicted KL of the proposal on `subset` responses, α = min(α_max, √(δ/q)) at the step's δ, merge.
+
+    Random weights give near-uniform next-token distributions, unlike a trained model's: the rate measured here
+    says whether the control can act at these settings, not how often it acts in a real run."""
+    from lightning_logra.callbacks.kl_budget import PredictedKLBudget
+    from lightning_logra.kl import Responses, predicted_kl, step_scale
+    from lightning_logra.loss import group_advantages, token_weights
+    from lightning_logra.update import Update
+
+    config = yaml.safe_load((ROOT / "configs" / "qwen1_5b.yaml").read_text())
+    controller = PredictedKLBudget(**kl_budget_args(config))
+    sketch = sketch_config(config["trainer"]["strategy"]["init_args"]["sketch"], plan.kl_rank)
+    model_config = config["model"]
+    shape = argparse.Namespace(seed=0, **plan.kl_batch)
+    device = torch.device(plan.device)
+    start = time.perf_counter()
+    policy = bench_memory.qwen2_model(plan.kl_shape, torch.bfloat16, shape.prompt_len + shape.completion_len,
+                                      plan.device)
+    if model_config["gradient_checkpointing"]:
+        policy.gradient_checkpointing_enable()  # as RLVRModule does
+        policy.config.use_cache = False
+    policy.train()
+    (optimizer,) = sketch.build_optimizers(policy, sketch.install(policy))  # sketch Adam alone: the rest is frozen
+    sketches = [p for group in optimizer.param_groups for p in group["params"]]  # their .grad is the sketch
+    subset = controller.subset if isinstance(controller.subset, int) else max(1, round(controller.subset * shape.batch))
+    result = dict(shape=plan.kl_shape, rank=sketch.rank, optimizer=type(optimizer).__name__,
+                  lr=optimizer.param_groups[0]["lr"], budget=budget_settings(controller), subset=subset, steps=[])
+    for step in range(plan.kl_steps):
+        if time.perf_counter() - start > plan.kl_budget_s:
+            result["stopped"] = f"time budget of {plan.kl_budget_s:.0f} s reached after {step} steps"
+            break
+        shape.seed = step  # new rollouts every step, as a run has
+        rollouts = bench_memory.fixed_batch(shape, policy.config.vocab_size)
+        # Half of each group right, half wrong: fixed_batch's random rewards can make a whole group right (or
+        # wrong), whose advantages, and so the step's gradient, are zero; a real run leaves such groups out.
+        rewards = (torch.arange(shape.batch) % 2).float()
+        advantages = group_advantages(rewards, shape.group, scale=model_config["scale_rewards"])  # (n,)
+        weights = token_weights(rollouts["completion_mask"], model_config["loss_type"], shape.completion_len)
+        rollouts["coef"] = weights * advantages[:, None]  # (n, C)
+        batch = {key: value.to(device) for key, value in rollouts.items()}
+        for first in range(0, shape.batch, shape.micro_batch):
+            micro = {key: value[first:first + shape.micro_batch] for key, value in batch.items()}
+            bench_memory.policy_loss(policy, micro, model_config.get("logprob_chunk_tokens", 256)).backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(sketches, model_config["max_grad_norm"]))
+        if not optimizer.propose():
+            result["steps"].append(dict(step=step, skipped=True))
+            continue
+        responses = Responses(*(batch[key][:subset] for key in
+                                ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+        q, _ = predicted_kl(policy, Update(low_rank=optimizer.proposal()), responses, model_config["temperature"])
+        budget = controller.budget_at(step)
+        alpha = step_scale(float(q), budget, controller.alpha_max)
+        optimizer.apply(alpha)
+        result["steps"].append(dict(step=step, grad_norm=grad_norm, q=float(q), budget=budget, alpha=alpha,
+                                    acting=alpha < controller.alpha_max))
+        measured = [s for s in result["steps"] if not s.get("skipped")]
+        result["acting_rate"] = sum(s["acting"] for s in measured) / len(measured)
+        progress(result)
+    return result
+
+
+def tiny_arith(plan: Plan, progress: Progress) -> dict:
+    """configs/tiny_arith.yaml's module, data, sketch strategy and callbacks, built from the YAML in Python and
+    trained for `arith_steps` steps on `plan.device` (no logger, checkpoints or validation)."""
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lightning_logra.callbacks.memory import MemoryProfiler
+    from lightning_logra.module import RLVRModule
+    from lightning_logra.strategy import SketchStrategy
+
+    class Record(Callback):
+        """Each step's reward and whether the KL control acted (listed after PredictedKLBudget, which logs it)."""
+
+        def __init__(self) -> None:
+            self.rewards: list[float] = []
+            self.acting: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            metrics = trainer.callback_metrics
+            self.rewards.append(float(metrics["train/reward_mean"]))
+            if "kl/acting" in metrics:
+                self.acting.append(float(metrics["kl/acting"]))
+
+    config = yaml.safe_load((ROOT / "configs" / "tiny_arith.yaml").read_text())
+    trainer_config = config["trainer"]
+    # The project's own callbacks (PredictedKLBudget, MemoryProfiler); ModelCheckpoint is left out with the logger.
+    callbacks = [instantiate(spec) for spec in trainer_config["callbacks"]
+                 if spec["class_path"].startswith("lightning_logra.")]
+    record = Record()
+    cuda = plan.device == "cuda"
+    seed_everything(config["seed_everything"])
+    trainer = Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=1, max_steps=plan.arith_steps,
+        max_time=timedelta(seconds=plan.arith_budget_s), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[*callbacks, record],
+        strategy=SketchStrategy(sketch_config(trainer_config["strategy"]["init_args"]["sketch"])),
+    )
+    start = time.perf_counter()
+    trainer.fit(RLVRModule(**config["model"]), instantiate(config["data"]))
+    seconds = time.perf_counter() - start
+    tenth = max(1, len(record.rewards) // 10)
+    profiler = next((c for c in callbacks if isinstance(c, MemoryProfiler)), None)
+    return dict(
+        steps=trainer.global_step, seconds=seconds, rewards=record.rewards,
+        reward_first=sum(record.rewards[:tenth]) / tenth, reward_last=sum(record.rewards[-tenth:]) / tenth,
+        kl_acting_rate=sum(record.acting) / len(record.acting) if record.acting else None,
+        peak_gib=max(peak for _, peak in profiler.steps) if profiler and profiler.steps else None,
+    )
+
+
+STAGE_FUNCTIONS = dict(environment=environment, cuda_tests=cuda_tests, memory_table=memory_table,
+                       kl_control=kl_control, tiny_arith=tiny_arith)
+
+
+# ---------------------------------------------------------------- running them, one report
+
+
+def write_report(report: dict, path: Path) -> None:
+    """The whole report, replacing the file atomically: a run killed mid-write leaves the previous version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as tmp:
+        json.dump(report, tmp, indent=2, default=str)
+        tmp.write("\n")
+    os.replace(tmp.name, path)
+
+
+def run_stage(name: str, stage: Callable[[Plan, Progress], dict], plan: Plan, report: dict, out: Path) -> None:
+    """Run one stage into `report["stages"][name]` and write the report: status ok with its result, or error with
+    the exception and its traceback (a stage's failure never stops the next). Partial results of a stage are
+    written as it hands them over, with status running."""
+    entry = report["stages"][name] = dict(status="running")
+    start = time.perf_counter()
+
+    def progress(partial_result: dict) -> None:
+        entry.update(result=partial_result, seconds=time.perf_counter() - start)
+        write_report(report, out)
+
+    write_report(report, out)
+    print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
+    try:
+        if plan.fail_stage == name:
+            raise RuntimeError(f"failure injected into {name} (--fail-stage)")
+        entry.update(status="ok", result=stage(plan, progress))
+    except Exception as error:  # noqa: BLE001 — any failure is recorded and the next stage runs
+        entry.update(status="error", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc()[-4000:])
+    finally:
+        entry["seconds"] = time.perf_counter() - start
+        gc.collect()  # what an in-process stage left (a model, its optimizer) is not the next stage's memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        write_report(report, out)
+    print(f"[gpu_check] {name}: {entry['status']} ({entry['seconds']:.0f} s)", file=sys.stderr, flush=True)
+
+
+def summary(name: str, entry: dict) -> str:
+    """One line per stage for the table."""
+    if entry["status"] != "ok":
+        return entry.get("error", entry["status"]).splitlines()[0][:160]
+    result = entry["result"]
+    if name == "environment":
+        gpu = f"{result['gpu']}, {result['gpu_memory_gib']:.0f} GiB" if result.get("gpu") else "no GPU"
+        return f"torch {result['torch']}, CUDA {result['cuda']}, {gpu}"
+    if name == "cuda_tests":
+        return ", ".join(f"{result[key]} {key}" for key in ("passed", "failed", "error", "skipped")) + \
+            f" (exit code {result['exit_code']})"
+    if name == "memory_table":
+        return f"{sum('error' not in row for row in result['rows'])}/{len(result['rows'])} rows measured"
+    if name == "kl_control":
+        return f"α < α_max on {result.get('acting_rate', float('nan')):.0%} of {len(result['steps'])} steps"
+    if name == "tiny_arith":
+        return (f"{result['steps']} steps in {result['seconds']:.0f} s, reward {result['reward_first']:.3f} → "
+                f"{result['reward_last']:.3f}")
+    return ""
+
+
+def markdown(report: dict) -> str:
+    lines = ["| stage | status | seconds | result |", "|---|---|---:|---|"]
+    for name, entry in report["stages"].items():
+        lines.append(f"| {name} | {entry['status']} | {entry.get('seconds', 0):.0f} | {summary(name, entry)} |")
+    table = report["stages"].get("memory_table", {}).get("result")
+    if table:
+        lines += ["", "| shape | method | weights | avg GiB | peak GiB | median step s | paper avg / peak GiB |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+        for row in table["rows"]:
+            paper = f"{row['paper_avg_gib']} / {row['paper_peak_gib']}" if "paper_avg_gib" in row else ""
+            if "error" in row:
+                lines.append(f"| {row['shape']} | {row['method']} | error: {row['error']} | | | | {paper} |")
+            else:
+                lines.append(f"| {row['shape']} | {row['method']} | {row['weights']} | {row['avg_gib']:.2f} "
+                             f"| {row['peak_gib']:.2f} | {row['step_s']:.2f} | {paper} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_check.json"))
+    parser.add_argument("--dry-run", action="store_true", help="every stage on the CPU at the tiny shape (CI)")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, from " + ", ".join(STAGES))
+    # For tests/test_gpu_check.py: the named stage raises instead of running; the others must still run.
+    parser.add_argument("--fail-stage", choices=STAGES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.stages = args.stages.split(",")
+    unknown = sorted(set(args.stages) - set(STAGES))
+    if unknown:
+        parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+    try:
+        importable = importlib.util.find_spec("lightning_logra.callbacks") is not None
+    except ModuleNotFoundError:  # lightning_logra itself is not
+        importable = False
+    if not importable:
+        parser.error("lightning_logra.callbacks is not importable: install this checkout (pip install --no-deps "
+                     "--no-build-isolation -e .), or run with PYTHONPATH=<this checkout> and its callbacks/ folder "
+                     "linked into the package (ln -s ../callbacks lightning_logra/callbacks)")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("torch sees no CUDA device (torch.cuda.is_available() is False): run on a GPU machine, or "
+                     "pass --dry-run for the CPU version of every stage")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    plan = Plan.dry() if args.dry_run else Plan.gpu()
+    plan.fail_stage = args.fail_stage
+    report = dict(dry_run=args.dry_run, plan=asdict(plan), stages={})
+    for name in args.stages:
+        run_stage(name, STAGE_FUNCTIONS[name], plan, report, args.out)
+    print(markdown(report))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""bench/gpu_check.py: its CPU dry run goes through every stage and reports each; a stage that raises is recorded
+with its error while the next still runs, and the report on disk is whole after every write."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest.mock import ANY
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script: bench/memory.py is importable
+    import gpu_check
+
+    return gpu_check
+
+
+def test_a_stage_that_raises_is_recorded_and_the_next_still_runs(gpu_check, tmp_path):
+    out = tmp_path / "report.json"
+    report, plan = {"stages": {}}, gpu_check.Plan.dry()
+    on_disk_mid_stage = []
+
+    def fails_after_a_partial_result(plan, progress):
+        progress({"rows": [1]})
+        on_disk_mid_stage.append(json.loads(out.read_text()))
+        raise ValueError("out of memory, say")
+
+    gpu_check.run_stage("first", fails_after_a_partial_result, plan, report, out)
+    gpu_check.run_stage("second", lambda plan, progress: {"value": 2}, plan, report, out)
+    plan.fail_stage = "third"
+    gpu_check.run_stage("third", lambda plan, progress: {"value": 3}, plan, report, out)
+
+    # what a run cut short during the first stage would have left
+    assert on_disk_mid_stage == [{"stages": {"first": {"status": "running", "result": {"rows": [1]}, "seconds": ANY}}}]
+    stages = json.loads(out.read_text())["stages"]
+    assert list(stages) == ["first", "second", "third"]
+    assert stages["first"]["status"] == "error"
+    assert stages["first"]["error"] == "ValueError: out of memory, say"
+    assert "raise ValueError" in stages["first"]["traceback"]
+    assert stages["first"]["result"] == {"rows": [1]}  # the partial result stays beside the error
+    assert stages["second"] == {"status": "ok", "result": {"value": 2}, "seconds": ANY}
+    assert stages["third"]["status"] == "error" and "injected" in stages["third"]["error"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["report.json"]  # no temporary file left behind
+    table = gpu_check.markdown({"stages": stages})
+    assert "| first | error |" in table and "| second | ok |" in table
+
+
+@pytest.mark.integration  # every stage end to end on the CPU: about half a minute on 2 cores
+def test_the_dry_run_reports_every_stage(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    # This checkout's package, whichever one the interpreter has installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    stages = report["stages"]
+    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith"]
+    for name, entry in stages.items():
+        assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
+        assert f"| {name} | ok |" in run.stdout
+
+    assert stages["environment"]["result"]["torch"]
+    tests = stages["cuda_tests"]["result"]
+    assert tests["exit_code"] == 0 and tests["error"] == tests["failed"] == 0
+    names = [case["test"] for case in tests["tests"]]
+    assert "tests.test_memory_profiler::test_a_gpu_step_reads_the_cuda_allocator" in names
+    assert tests["passed"] + tests["skipped"] == len(names)
+
+    rows = stages["memory_table"]["result"]["rows"]
+    assert [(row["shape"], row["method"]) for row in rows] == [("tiny", "dense_adamw"), ("tiny", "lora"),
+                                                               ("tiny", "logra_adam")]
+    for row in rows:
+        assert 0 < row["avg_gib"] <= row["peak_gib"] and row["step_s"] > 0, row
+
+    kl = stages["kl_control"]["result"]
+    assert len(kl["steps"]) == 3 and kl["budget"]["budget"] == 2e-4 and kl["subset"] == 2  # qwen1_5b.yaml's
+    for step in kl["steps"]:
+        assert step["grad_norm"] > 0 and 0 < step["alpha"] <= kl["budget"]["alpha_max"]
+        assert step["acting"] == (step["alpha"] < kl["budget"]["alpha_max"])
+    assert kl["acting_rate"] == sum(step["acting"] for step in kl["steps"]) / 3
+
+    arith = stages["tiny_arith"]["result"]
+    assert arith["steps"] == 3 and len(arith["rewards"]) == 3
+    assert all(0 <= reward <= 1 for reward in arith["rewards"])
+    assert arith["reward_first"] == arith["rewards"][0] and arith["reward_last"] == arith["rewards"][-1]
+    assert arith["kl_acting_rate"] is not None and arith["peak_gib"] > 0

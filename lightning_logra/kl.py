@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from lightning_logra.batch import positions
-from lightning_logra.logprobs import compute_dtype, plain_head
-from lightning_logra.loss import completion_logits
+from lightning_logra.logprobs import head_log_softmax, plain_head
+from lightning_logra.loss import completion_logits, compute_dtype
 from lightning_logra.sketch.rounding import LOW_PRECISION
 from lightning_logra.update import Update
 
@@ -134,16 +134,14 @@ class NextTokens:
     def log_softmax(self, rows: torch.Tensor, temperature: float, weight: torch.Tensor | None) -> torch.Tensor:
         """log π(· | ctx) (len(rows), V) at the temperature; `weight`: the head's weight in the compute dtype."""
         if self.logits is not None:
-            logits = self.logits[rows]
-        else:
-            bias = None if self.bias is None else self.bias.to(weight.dtype)
-            logits = nn.functional.linear(self.hidden[rows].to(weight.dtype), weight, bias)  # (c, V)
-        return torch.log_softmax(logits / temperature, dim=-1)
+            return torch.log_softmax(self.logits[rows] / temperature, dim=-1)
+        bias = None if self.bias is None else self.bias.to(weight.dtype)
+        return head_log_softmax(self.hidden[rows].to(weight.dtype), weight, bias, temperature)  # (c, V)
 
     def compute_weight(self) -> torch.Tensor | None:
         """The head's weight in fp32 (fp64 kept), made once per KL computation: a bf16 head's fp32 copy is V·h·4
         bytes, where full log-softmax tensors of both sides would be 2·n·C·V·4."""
-        return None if self.weight is None else self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+        return None if self.weight is None else self.weight.to(compute_dtype(self.weight.dtype))
 
 
 def next_tokens(policy: nn.Module, responses: Responses) -> NextTokens:

@@ -20,14 +20,9 @@ import torch
 from torch import nn
 
 from lightning_logra.batch import positions
-from lightning_logra.loss import completion_logits, token_entropy, token_logprobs
+from lightning_logra.loss import completion_logits, compute_dtype, token_entropy, token_logprobs
 
 log = logging.getLogger(__name__)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 logits (as the full path's `.float()`), fp64 kept for float64 references."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -40,7 +35,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logprobs)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logp = _log_softmax(hidden[rows], weight, bias, temperature)  # (c, V)
+            logp = head_log_softmax(hidden[rows], weight, bias, temperature)  # (c, V)
             logprobs[rows] = logp.gather(-1, tokens[rows, None]).squeeze(-1)
             entropy[rows] = -_rowwise_dot(logp.exp(), logp)
             del logp  # at most two (c, V) tensors at a time: the logits and their log-softmax, or that and p
@@ -86,9 +81,11 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
-def _log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 temperature: float) -> torch.Tensor:
-    return torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)  # the logits are freed on return
+def head_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     temperature: float) -> torch.Tensor:
+    """log π(· | ctx) (c, V) from hidden states (c, h) through the head, at the temperature (the logits are freed on
+    return)."""
+    return torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
 
 
 def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,11 @@ def completion_logits(
     return logits[:, :-1]  # (n, C, V)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What log-probs are computed in: fp32 for bf16/fp16/fp32 logits, fp64 kept for float64 references."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log π(token) (n, C) from logits (n, C, V) at the sampling temperature, in fp32 (fp64 for fp64 logits).
 
@@ -84,7 +89,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """
     rows = []
     for row_logits, row_tokens in zip(logits, tokens):
-        row = row_logits.to(torch.promote_types(row_logits.dtype, torch.float32)) / temperature  # (C, V) fp32/fp64
+        row = row_logits.to(compute_dtype(row_logits.dtype)) / temperature  # (C, V) fp32/fp64
         rows.append(row.gather(-1, row_tokens[:, None]).squeeze(-1) - row.logsumexp(-1))
     return torch.stack(rows)  # (n, C)
 
@@ -95,8 +100,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     fp32 transient is C·V, as in `token_logprobs`)."""
     rows = []
     for row_logits in logits:
-        logp = torch.log_softmax(row_logits.to(torch.promote_types(row_logits.dtype, torch.float32)) / temperature,
-                                 dim=-1)  # (C, V) fp32 (fp64 kept)
+        logp = torch.log_softmax(row_logits.to(compute_dtype(row_logits.dtype)) / temperature, dim=-1)  # (C, V)
         rows.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(rows)  # (n, C)
 

@@ -229,9 +229,12 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
     first, skipped, third = record.steps
     assert first["train/update_skipped"] == third["train/update_skipped"] == 0.0
     assert skipped["train/update_skipped"] == 1.0
-    for key in ("kl/alpha", "kl/q", "kl/predicted", "kl/realized", "kl/acting", "update/landed_fraction"):
+    for key in ("kl/alpha", "kl/q", "kl/predicted", "kl/realized", "kl/acting", "kl/seconds",
+                "update/landed_fraction"):
         assert math.isfinite(first[key]) and math.isfinite(third[key]), key
         assert math.isnan(skipped[key]), key
+    # the whole check's time is its two parts
+    assert first["kl/seconds"] == pytest.approx(first["kl/control_s"] + first["kl/realized_s"])
     # kl/acting says whether the budget, not α_max (4 in this config), set the step
     for step in (first, third):
         assert step["kl/acting"] == float(step["kl/alpha"] < 4.0)

@@ -138,6 +138,15 @@ class NextTokens:
         bias = None if self.bias is None else self.bias.to(weight.dtype)
         return head_log_softmax(self.hidden[rows].to(weight.dtype), weight, bias, temperature)  # (c, V)
 
+    def same_head(self, other: NextTokens) -> bool:
+        """Whether both sides were measured with the very same head weight (one that is not trained densely: both
+        are views of the parameter's storage), so that its compute-dtype copy (V·h·4 bytes, 2 GiB at 7B) is made
+        once, not once per side."""
+        if self.weight is None or other.weight is None:
+            return False
+        return (self.weight.data_ptr() == other.weight.data_ptr() and self.weight.shape == other.weight.shape
+                and self.weight.dtype == other.weight.dtype)
+
     def compute_weight(self) -> torch.Tensor | None:
         """The head's weight in fp32 (fp64 kept), made once per KL computation: a bf16 head's fp32 copy is V·h·4
         bytes, where full log-softmax tensors of both sides would be 2·n·C·V·4."""
@@ -171,7 +180,7 @@ def mean_token_kl(p: NextTokens, q: NextTokens, mask: torch.Tensor, temperature:
     accumulated `chunk_tokens` positions at a time."""
     rows = mask.reshape(-1).nonzero().squeeze(-1)  # the completion tokens only
     weight_p = p.compute_weight()
-    weight_q = weight_p if q.weight is p.weight else q.compute_weight()
+    weight_q = weight_p if p.same_head(q) else q.compute_weight()
     total = torch.zeros((), dtype=torch.float64, device=mask.device)
     for chunk in rows.split(chunk_tokens):
         logp = p.log_softmax(chunk, temperature, weight_p)  # (c, V)

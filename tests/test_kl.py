@@ -310,3 +310,21 @@ def test_the_kl_in_chunks_equals_the_kl_of_full_log_softmax_tensors(chunk):
     assert float(mean_token_kl(full, after, responses.completion_mask, 0.7, chunk)) == pytest.approx(float(expected),
                                                                                                       rel=1e-10)
 
+
+
+def test_a_head_that_is_not_trained_densely_is_copied_to_the_compute_dtype_once(monkeypatch):
+    # bf16 head: each side's fp32 copy is V·h·4 bytes (2 GiB at the 7B shape). Both sides of a sketched proposal
+    # see the same head, so one copy serves both; a densely trained head is cloned per side and copied per side.
+    model = make_tiny_qwen2(dtype=torch.bfloat16)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal, responses = _random_proposal(handles, 0.1), _responses()
+    model.lm_head.weight.requires_grad_(False)  # as a sketch run without train_rest freezes it
+    copies = []
+    original = NextTokens.compute_weight
+    monkeypatch.setattr(NextTokens, "compute_weight", lambda self: copies.append(1) or original(self))
+    predicted_kl(model, proposal, responses)
+    assert len(copies) == 1
+    model.lm_head.weight.requires_grad_(True)  # tied to the embedding: trained densely under train_rest
+    copies.clear()
+    predicted_kl(model, proposal, responses)
+    assert len(copies) == 2

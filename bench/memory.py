@@ -24,12 +24,23 @@ where the optimizers allocate their state), the average and the median step time
 bytes tensors hold, not what the caching allocator keeps in reserve), the peak is `torch.cuda.max_memory_allocated`
 since before the first step (exact, where samples can miss a short spike), and each step ends with
 `torch.cuda.synchronize` so that its time is the GPU's, not the time to queue its kernels.
+
+`--kl-check N` adds the predicted-KL controller's work to the LoGRA steps, as `PredictedKLBudget` does it: q of the
+proposal on N responses, α = min(1, √(δ/q)), the intended KL for bf16 weights, and the realized KL after the merge;
+its seconds are reported beside the step's (`kl_s`, `kl_share`). `dense_adamw_meta` is dense AdamW where it cannot
+run: the model is built on the meta device (no memory) and its row is the floor of what dense AdamW holds, 16 bytes
+per parameter (fp32 weights or master weights, fp32 gradients, two fp32 moments), before any activation.
+
+    # the headline: one full-depth 7B-shape LoGRA step in bf16 with 1,024-token completions, KL check on
+    python bench/memory.py --shape 7b --dtype bf16 --methods logra_adam,dense_adamw_meta --batch 2 --group 2 \
+        --micro-batch 1 --completion-len 1024 --steps 1 --kl-check 1 --gradient-checkpointing
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,16 +54,20 @@ import torch
 from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
 from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
+from lightning_logra.kl import Responses, intended_kl, predicted_kl, realized_kl, step_scale
 from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
-from lightning_logra.sketch import SketchAdam, SketchSGD
+from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
+from lightning_logra.sketch.rounding import LOW_PRECISION
+from lightning_logra.update import Update
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
 # by lightning_logra.callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the
 # profiler.
-EXTRA_METHODS = ("logra_lightning",)
+# `dense_adamw_meta`: dense AdamW's floor, counted on the meta device (for shapes where it cannot run).
+EXTRA_METHODS = ("logra_lightning", "dense_adamw_meta")
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
 SHAPES = {
@@ -86,7 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--completion-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5, help="the first one is warm-up")
+    parser.add_argument("--steps", type=int, default=5, help="the first one is warm-up (with 1, it is measured)")
+    parser.add_argument("--kl-check", type=int, default=0, metavar="N",
+                        help="LoGRA steps run the predicted-KL check on N responses (0: off)")
+    parser.add_argument("--kl-budget", type=float, default=2e-4, help="δ of the KL check (the Qwen configs' start)")
     parser.add_argument("--logprob-chunk", type=int, default=256,
                         help="tokens whose full-vocabulary logits exist at a time (the trainer's "
                              "model.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at once")
@@ -110,8 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     if args.batch % args.group or args.batch % args.micro_batch:
         parser.error("--batch must be a multiple of --group and of --micro-batch")
-    if args.steps < 2:
-        parser.error("--steps must be at least 2: the first step is warm-up")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if not 0 <= args.kl_check <= args.batch:
+        parser.error(f"--kl-check must be between 0 and --batch ({args.batch}), got {args.kl_check}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     return args
@@ -232,13 +252,45 @@ def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_t
     return -(batch["coef"] * token_logprobs(logits, batch["completion_ids"])).sum()
 
 
+class KLCheck:
+    """The predicted-KL controller's work in one step, as `PredictedKLBudget` does it, on the first `count` responses
+    of the batch: asked for α between the sketch optimizer's proposal and its merge, then the realized KL."""
+
+    def __init__(self, policy: torch.nn.Module, batch: dict[str, torch.Tensor], count: int, budget: float) -> None:
+        self.policy, self.budget = policy, budget
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        self.responses = Responses(*(batch[key][:count] for key in keys))
+        self.seconds = 0.0  # this step's, reset by the caller
+
+    def alpha(self, optimizer: SketchOptimizer) -> float:
+        start = time.perf_counter()
+        proposal = Update(optimizer.proposal())
+        q, self.before = predicted_kl(self.policy, proposal, self.responses)
+        alpha = step_scale(float(q), self.budget, 1.0)
+        if any(p.dtype in LOW_PRECISION for p in self.policy.parameters()):
+            intended_kl(self.policy, proposal, self.responses, self.before, alpha)  # logged as kl/intended in bf16
+        self.seconds += time.perf_counter() - start
+        return alpha
+
+    def realized(self) -> None:
+        start = time.perf_counter()
+        realized_kl(self.policy, self.responses, self.before)
+        self.before = None
+        self.seconds += time.perf_counter() - start
+
+
 def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int,
-               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, chunk_tokens: int = 0) -> None:
+               backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, chunk_tokens: int = 0,
+               kl: KLCheck | None = None) -> None:
     for start in range(0, batch["coef"].shape[0], micro_batch):
         micro = {key: value[start:start + micro_batch] for key, value in batch.items()}
         backward(policy_loss(policy, micro, chunk_tokens))
     for optimizer in optimizers:
-        optimizer.step()
+        if kl is not None and isinstance(optimizer, SketchOptimizer):
+            optimizer.step(alpha=lambda: kl.alpha(optimizer))
+            kl.realized()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
@@ -292,14 +344,31 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
         method=args.method,
         weights=weights_kind(args.method, args.dtype),
         peak_gib=max(peak for _, peak in profiler.steps),
-        avg_gib=statistics.mean(averages[1:]),
-        step_s=statistics.median(timer.seconds[1:]),
+        avg_gib=statistics.mean(measured(averages)),
+        step_s=statistics.median(measured(timer.seconds)),
     )
+
+
+def measured(values: list[float]) -> list[float]:
+    """The steps after the warm-up (the only step, if there is one)."""
+    return values[1:] or values
+
+
+def meta_floor(args: argparse.Namespace) -> dict:
+    """Dense AdamW's floor, counted on the meta device: 16 bytes per parameter (fp32 weights, or fp32 master weights
+    under bf16 autocast; fp32 gradients; two fp32 moments), before activations, logits and the process itself."""
+    layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    model = qwen2_model(args.shape, torch.float32, args.prompt_len + args.completion_len, "meta", **layers)
+    floor = 16 * sum(p.numel() for p in model.parameters()) / GIB
+    return dict(method=args.method, weights=weights_kind("dense_adamw", args.dtype) + " (meta: states only)",
+                peak_gib=floor, avg_gib=floor, step_s=math.nan)
 
 
 def run_worker(args: argparse.Namespace) -> dict:
     if args.method == "logra_lightning":
         return run_lightning_worker(args)
+    if args.method == "dense_adamw_meta":
+        return meta_floor(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     model = build_model(args)
@@ -307,16 +376,19 @@ def run_worker(args: argparse.Namespace) -> dict:
     policy, optimizers = set_up(args.method, model, args)
     policy.train()
     mixed = weights_kind(args.method, args.dtype).startswith("fp32 master")
+    kl = KLCheck(policy, batch, args.kl_check, args.kl_budget) if args.kl_check and "logra" in args.method else None
     sampler = StepSampler(cuda_allocated_reader(device) if cuda else process_rss_reader())
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)  # the model's construction is not a step
-    averages, peaks, seconds = [], [], []
+    averages, peaks, seconds, kl_seconds = [], [], [], []
     for _ in range(args.steps):
         sampler.start()
         start = time.perf_counter()
+        if kl is not None:
+            kl.seconds = 0.0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
-            train_step(policy, optimizers, batch, args.micro_batch, chunk_tokens=args.logprob_chunk)
+            train_step(policy, optimizers, batch, args.micro_batch, chunk_tokens=args.logprob_chunk, kl=kl)
         if cuda:
             torch.cuda.synchronize(device)  # kernels run asynchronously: the step ends when the GPU is done
         seconds.append(time.perf_counter() - start)
@@ -326,13 +398,18 @@ def run_worker(args: argparse.Namespace) -> dict:
             peak = torch.cuda.max_memory_allocated(device)
         averages.append(average)
         peaks.append(peak)
-    return dict(
+        kl_seconds.append(kl.seconds if kl else math.nan)
+    row = dict(
         method=args.method,
         weights=weights_kind(args.method, args.dtype),
         peak_gib=max(peaks) / GIB,
-        avg_gib=statistics.mean(averages[1:]) / GIB,
-        step_s=statistics.median(seconds[1:]),
+        avg_gib=statistics.mean(measured(averages)) / GIB,
+        step_s=statistics.median(measured(seconds)),
     )
+    if kl is not None:
+        shares = [k / s for k, s in zip(measured(kl_seconds), measured(seconds))]
+        row.update(kl_s=statistics.median(measured(kl_seconds)), kl_share=statistics.median(shares))
+    return row
 
 
 # ---------------------------------------------------------------- parent: one subprocess per method, then report
@@ -368,25 +445,30 @@ def run_method(method: str, argv: list[str], timeout_s: float | None = None) -> 
 
 
 def ratio(value: float, reference: dict | None, key: str) -> str:
-    if reference is None or "error" in reference:
+    if reference is None or "error" in reference or not math.isfinite(value / reference[key]):
         return "–"
     return f"{value / reference[key]:.2f}"
 
 
 def markdown_table(rows: list[dict]) -> str:
+    # Against dense AdamW as it ran, else against its floor from the meta device (a ratio to a lower bound).
     reference = next((row for row in rows if row["method"] == "dense_adamw"), None)
+    reference = reference or next((row for row in rows if row["method"] == "dense_adamw_meta"), None)
+    name = reference["method"] if reference else "dense_adamw"
     lines = [
-        "| method | weights | peak GiB | avg GiB | median step s | peak vs dense_adamw | step time vs dense_adamw |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| method | weights | peak GiB | avg GiB | median step s | KL check share of step | peak vs {name} "
+        f"| step time vs {name} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['method']} | | error: {row['error']} | | | | |")
+            lines.append(f"| {row['method']} | | error: {row['error']} | | | | | |")
             continue
+        share = f"{row['kl_share']:.2f}" if "kl_share" in row else "–"
+        step = f"{row['step_s']:.2f}" if math.isfinite(row["step_s"]) else "–"
         lines.append(
-            f"| {row['method']} | {row.get('weights', '')} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} "
-            f"| {row['step_s']:.2f} "
-            f"| {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
+            f"| {row['method']} | {row.get('weights', '')} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} | {step} "
+            f"| {share} | {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
         )
     return "\n".join(lines)
 
@@ -420,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
-        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device")}
+        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device", "kl_check", "kl_budget")}
     settings["torch_threads"] = torch.get_num_threads()
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))

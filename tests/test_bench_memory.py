@@ -56,3 +56,20 @@ def test_logra_holds_less_memory_than_dense_adamw(tmp_path):
     dense_extra_gib = 12 * TINY_PARAMS / 2**30
     for key in ("peak_gib", "avg_gib"):
         assert rows["dense_adamw"][key] - rows["logra"][key] > dense_extra_gib / 2, (key, rows)
+
+
+def test_kl_check_and_the_meta_floor_of_dense_adamw(tmp_path):
+    # The headline's options at the tiny shape: one measured step with the KL check inside LoGRA's step (its seconds
+    # a share of the step's), and dense AdamW's floor from the meta device, 16 bytes per parameter exactly.
+    out = tmp_path / "kl.json"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--shape", "tiny", "--dtype", "bf16", "--steps", "1", "--kl-check", "2",
+         "--methods", "logra_adam,dense_adamw_meta", "--out", str(out), "--no-plot"],
+        check=True, capture_output=True, text=True, timeout=600,
+    )
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    logra, floor = rows["logra_adam"], rows["dense_adamw_meta"]
+    assert 0 < logra["kl_s"] < logra["step_s"] and logra["kl_share"] == pytest.approx(logra["kl_s"] / logra["step_s"])
+    assert floor["peak_gib"] == floor["avg_gib"] == 16 * TINY_PARAMS / 2**30
+    assert floor["step_s"] != floor["step_s"]  # NaN: nothing ran
+    assert "kl_s" not in floor

@@ -12,12 +12,15 @@ y − η·(x·Aᵀ)·Uᵀ, added by a forward hook, and densely trained paramete
 (θ + α·Δ) for the pass.
 
 Neither side's full-vocabulary log-probs are held: each pass keeps the decoder's last hidden states (n·C × h) and
-the LM head, and the KL is accumulated a chunk of tokens at a time (`mean_token_kl`), so the check's transient is a
-chunk × V, not 2 × n × C × V (about 5 GB at 2 responses × 2k tokens over a 152k vocabulary).
+the LM head, and the KL is accumulated a chunk of tokens at a time (`mean_token_kl`), so the check's transient is
+a few chunk × V tensors, not 2 × n × C × V (about 5 GB at 2 responses × 2k tokens over a 152k vocabulary).
 
 With bf16/fp16 weights both forward passes run in fp32 end to end (`float32_compute`): a perturbation of relative
 size 1e-6 added into a bf16 residual stream (8 significant bits) would be lost in its rounding, and q would measure
-rounding noise instead of the proposal (it read 14× the true value at η = 1e-6 on the tiny model).
+rounding noise instead of the proposal (it read 14× the true value at η = 1e-6 on the tiny model). Two tables are
+never copied to fp32 whole, because at a 152k vocabulary each copy would be the check's largest tensor (2 GiB at
+the 7B shape): the embedding looks its rows up in bf16 and casts only those, and the LM head is cast a block of
+vocabulary rows at a time (`head_logits`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_logra.batch import positions
-from lightning_logra.logprobs import head_log_softmax, plain_head
+from lightning_logra.logprobs import plain_head
 from lightning_logra.loss import completion_logits, compute_dtype
 from lightning_logra.sketch.rounding import LOW_PRECISION
 from lightning_logra.update import Update
@@ -78,6 +81,8 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
     activation is fp32), while at most one module's weights exist in fp32 at a time — no fp32 copy of the model."""
 
     def cast(module: nn.Module, _inputs) -> None:
+        if exact_rows(module):
+            return  # its output is cast instead (`rows_to_float32`)
         saved = {}
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
@@ -91,9 +96,13 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
         for (_, name), (table, tensor) in module.__dict__.pop("_float32_saved", {}).items():
             table[name] = tensor
 
+    def rows_to_float32(module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        return output.float()
+
     low = [m for m in model.modules()
            if any(t.dtype in LOW_PRECISION for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
     handles = [h for m in low for h in (m.register_forward_pre_hook(cast), m.register_forward_hook(restore))]
+    handles += [m.register_forward_hook(rows_to_float32) for m in low if exact_rows(m)]
     try:
         yield
     finally:
@@ -101,6 +110,12 @@ def float32_compute(model: nn.Module) -> Iterator[None]:
             handle.remove()
         for module in low:  # a forward that raised skipped its restore hooks
             restore(module)
+
+
+def exact_rows(module: nn.Module) -> bool:
+    """An embedding whose lookup in bf16 followed by a cast of the looked-up rows equals the lookup in the cast
+    table (no renormalization of rows): V × h never exists in fp32, only the tokens' rows."""
+    return type(module) is nn.Embedding and module.max_norm is None
 
 
 @contextmanager
@@ -120,6 +135,25 @@ def dense_values(policy: nn.Module, dense: Mapping[str, torch.Tensor], alpha: fl
             params[name].data = data
 
 
+VOCAB_BLOCK = 16384  # head rows cast to fp32 at a time: 16k × h × 4 bytes (224 MiB at h = 3584)
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                vocab_block: int = VOCAB_BLOCK) -> torch.Tensor:
+    """hidden (c, h) in the compute dtype through the head (V, h) → logits (c, V) in the hidden's dtype. A head of
+    another dtype (bf16) is cast `vocab_block` rows at a time, so no compute-dtype copy of all V × h exists; casting
+    is exact, so the logits are the same as through a whole copy."""
+    dtype = hidden.dtype
+    if weight.dtype == dtype:
+        return nn.functional.linear(hidden, weight, None if bias is None else bias.to(dtype))
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])  # (c, V)
+    for start in range(0, weight.shape[0], vocab_block):
+        block = slice(start, start + vocab_block)
+        logits[:, block] = nn.functional.linear(hidden, weight[block].to(dtype),
+                                                None if bias is None else bias[block].to(dtype))
+    return logits
+
+
 @dataclass
 class NextTokens:
     """What fixes π(· | ctx) at every completion position: the decoder's last hidden states and the LM head that maps
@@ -131,26 +165,17 @@ class NextTokens:
     bias: torch.Tensor | None = None  # (V,)
     logits: torch.Tensor | None = None  # (n·C, V) fp32: the full path
 
-    def log_softmax(self, rows: torch.Tensor, temperature: float, weight: torch.Tensor | None) -> torch.Tensor:
-        """log π(· | ctx) (len(rows), V) at the temperature; `weight`: the head's weight in the compute dtype."""
+    def log_softmax(self, rows: torch.Tensor, temperature: float, vocab_block: int = VOCAB_BLOCK) -> torch.Tensor:
+        """log π(· | ctx) (len(rows), V) at the temperature, in the compute dtype (the logits are freed on return).
+        torch's log-softmax, not x − logsumexp(x) in place: rounding the logsumexp at the logits' magnitude shifts
+        every log-prob of a row by up to an ulp of it, which a KL of 1e-8 cannot afford."""
         if self.logits is not None:
-            return torch.log_softmax(self.logits[rows] / temperature, dim=-1)
-        bias = None if self.bias is None else self.bias.to(weight.dtype)
-        return head_log_softmax(self.hidden[rows].to(weight.dtype), weight, bias, temperature)  # (c, V)
-
-    def same_head(self, other: NextTokens) -> bool:
-        """Whether both sides were measured with the very same head weight (one that is not trained densely: both
-        are views of the parameter's storage), so that its compute-dtype copy (V·h·4 bytes, 2 GiB at 7B) is made
-        once, not once per side."""
-        if self.weight is None or other.weight is None:
-            return False
-        return (self.weight.data_ptr() == other.weight.data_ptr() and self.weight.shape == other.weight.shape
-                and self.weight.dtype == other.weight.dtype)
-
-    def compute_weight(self) -> torch.Tensor | None:
-        """The head's weight in fp32 (fp64 kept), made once per KL computation: a bf16 head's fp32 copy is V·h·4
-        bytes, where full log-softmax tensors of both sides would be 2·n·C·V·4."""
-        return None if self.weight is None else self.weight.to(compute_dtype(self.weight.dtype))
+            logits = self.logits[rows] / temperature
+        else:
+            logits = head_logits(self.hidden[rows], self.weight, self.bias, vocab_block)
+            if temperature != 1.0:
+                logits.div_(temperature)
+        return torch.log_softmax(logits, dim=-1)
 
 
 def next_tokens(policy: nn.Module, responses: Responses) -> NextTokens:
@@ -168,24 +193,25 @@ def next_tokens(policy: nn.Module, responses: Responses) -> NextTokens:
         hidden = policy.get_decoder()(input_ids=torch.cat([responses.prompt_ids, responses.completion_ids], dim=1),
                                       attention_mask=ids_mask, position_ids=positions(ids_mask)).last_hidden_state
     hidden = hidden[:, -width - 1 : -1]  # (n, C, h): the position before each completion token predicts it
-    # A head trained densely changes in place when the update is applied: keep the one measured here.
+    # A head trained densely changes in place when the update is applied: keep the one measured here (one that is
+    # not, as the sketched runs' head, is shared by both sides: no copy).
     weight = head.weight.detach().clone() if head.weight.requires_grad else head.weight.detach()
     bias = None if head.bias is None else head.bias.detach().clone()
     return NextTokens(hidden.reshape(-1, hidden.shape[-1]).to(compute_dtype(hidden.dtype)), weight, bias)
 
 
 def mean_token_kl(p: NextTokens, q: NextTokens, mask: torch.Tensor, temperature: float = 1.0,
-                  chunk_tokens: int = 1024) -> torch.Tensor:
+                  chunk_tokens: int = 512, vocab_block: int = VOCAB_BLOCK) -> torch.Tensor:
     """Mean over the masked positions (mask (n, C)) of KL(p ‖ q) = Σ_v p_v (log p_v − log q_v), full vocabulary,
-    accumulated `chunk_tokens` positions at a time."""
+    accumulated `chunk_tokens` positions at a time; at most three (chunk, V) tensors exist at once (0.9 GiB at 512
+    tokens × 152k), and two most of the time."""
     rows = mask.reshape(-1).nonzero().squeeze(-1)  # the completion tokens only
-    weight_p = p.compute_weight()
-    weight_q = weight_p if p.same_head(q) else q.compute_weight()
     total = torch.zeros((), dtype=torch.float64, device=mask.device)
     for chunk in rows.split(chunk_tokens):
-        logp = p.log_softmax(chunk, temperature, weight_p)  # (c, V)
-        logq = q.log_softmax(chunk, temperature, weight_q)
-        total += (logp.exp() * (logp - logq)).sum().double()
+        logp = p.log_softmax(chunk, temperature, vocab_block)  # (c, V)
+        terms = q.log_softmax(chunk, temperature, vocab_block).neg_().add_(logp)  # log p − log q, in log q's storage
+        total += terms.mul_(logp.exp_()).sum().double()  # p·(log p − log q), p in log p's storage
+        del logp, terms
     return total / max(rows.numel(), 1)  # float64
 
 

@@ -24,6 +24,13 @@ where the optimizers allocate their state), the average and the median step time
 bytes tensors hold, not what the caching allocator keeps in reserve), the peak is `torch.cuda.max_memory_allocated`
 since before the first step (exact, where samples can miss a short spike), and each step ends with
 `torch.cuda.synchronize` so that its time is the GPU's, not the time to queue its kernels.
+
+Every row of this script's own loop also gives `saved_bytes`: the bytes autograd saves for the backward pass during
+one micro-batch's forward and loss (each storage once, weights left out; `saved_activation_bytes`), counted exactly
+after the timed steps, so it neither disturbs them nor depends on the allocator. `logra_shared` and
+`logra_adam_shared` are `logra` and `logra_adam` with one projection per input (`sketch.share_projection`: q/k/v and
+gate/up of a layer share A, and their x·Aᵀ is computed and saved once): beside them in one invocation they measure
+what sharing saves, e.g. `--methods logra_adam,logra_adam_shared`.
 """
 
 from __future__ import annotations
@@ -47,12 +54,16 @@ from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
 from lightning_logra.sketch import SketchAdam, SketchSGD
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
+from lightning_logra.sketch.memory import saved_activation_bytes
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
 # by lightning_logra.callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the
 # profiler.
-EXTRA_METHODS = ("logra_lightning",)
+# Also not in the default run: LoGRA with one projection per input (sketch.share_projection), to set beside
+# `logra` / `logra_adam`.
+EXTRA_METHODS = ("logra_lightning", "logra_shared", "logra_adam_shared")
+LOGRA_METHODS = ("logra", "logra_adam", "logra_shared", "logra_adam_shared")
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
 SHAPES = {
@@ -190,9 +201,10 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     """Prepare `model` for `method`; returns (the module to run forward on, its optimizers)."""
     if method == "dense_adamw":
         return model, [torch.optim.AdamW(model.parameters(), lr=args.lr)]
-    if method in ("logra", "logra_adam"):
-        optimizer = SketchSGD if method == "logra" else SketchAdam
-        sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr))
+    if method in LOGRA_METHODS:
+        optimizer = SketchAdam if method.startswith("logra_adam") else SketchSGD
+        sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr),
+                              share_projection=method.endswith("_shared"))
         return model, sketch.build_optimizers(model, sketch.install(model))
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -326,12 +338,16 @@ def run_worker(args: argparse.Namespace) -> dict:
             peak = torch.cuda.max_memory_allocated(device)
         averages.append(average)
         peaks.append(peak)
+    micro = {key: value[: args.micro_batch] for key, value in batch.items()}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+        saved = saved_activation_bytes(lambda: policy_loss(policy, micro, args.logprob_chunk), policy.parameters())
     return dict(
         method=args.method,
         weights=weights_kind(args.method, args.dtype),
         peak_gib=max(peaks) / GIB,
         avg_gib=statistics.mean(averages[1:]) / GIB,
         step_s=statistics.median(seconds[1:]),
+        saved_bytes=saved,  # saved for the backward pass by one micro-batch, exactly
     )
 
 
@@ -376,16 +392,18 @@ def ratio(value: float, reference: dict | None, key: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     reference = next((row for row in rows if row["method"] == "dense_adamw"), None)
     lines = [
-        "| method | weights | peak GiB | avg GiB | median step s | peak vs dense_adamw | step time vs dense_adamw |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| method | weights | peak GiB | avg GiB | median step s | saved for backward, MiB per micro-batch "
+        "| peak vs dense_adamw | step time vs dense_adamw |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['method']} | | error: {row['error']} | | | | |")
+            lines.append(f"| {row['method']} | | error: {row['error']} | | | | | |")
             continue
+        saved = f"{row['saved_bytes'] / 2**20:.2f}" if "saved_bytes" in row else "–"
         lines.append(
             f"| {row['method']} | {row.get('weights', '')} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} "
-            f"| {row['step_s']:.2f} "
+            f"| {row['step_s']:.2f} | {saved} "
             f"| {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
         )
     return "\n".join(lines)

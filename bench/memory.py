@@ -30,7 +30,8 @@ one micro-batch's forward and loss (each storage once, weights left out; `saved_
 after the timed steps, so it neither disturbs them nor depends on the allocator. `logra_shared` and
 `logra_adam_shared` are `logra` and `logra_adam` with one projection per input (`sketch.share_projection`: q/k/v and
 gate/up of a layer share A, and their x·Aᵀ is computed and saved once): beside them in one invocation they measure
-what sharing saves, e.g. `--methods logra_adam,logra_adam_shared`.
+what sharing saves, e.g. `--methods logra_adam,logra_adam_shared`. `--saved-bytes-only` counts `saved_bytes` alone
+(one forward per method, no step, nothing timed).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/out/memory.png"))
     parser.add_argument("--no-plot", action="store_true", help="no plot (matplotlib need not be installed)")
+    parser.add_argument("--saved-bytes-only", action="store_true",
+                        help="only count each method's bytes saved for the backward pass (no steps, no timing)")
     # set by the parent for a worker
     parser.add_argument("--method", choices=METHODS + EXTRA_METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -123,6 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch must be a multiple of --group and of --micro-batch")
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is warm-up")
+    if args.saved_bytes_only:
+        args.no_plot = True
+        if "logra_lightning" in args.methods:
+            parser.error("--saved-bytes-only: logra_lightning is measured by a Trainer's MemoryProfiler, not counted")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     return args
@@ -324,7 +331,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)  # the model's construction is not a step
     averages, peaks, seconds = [], [], []
-    for _ in range(args.steps):
+    for _ in range(0 if args.saved_bytes_only else args.steps):
         sampler.start()
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
@@ -341,14 +348,11 @@ def run_worker(args: argparse.Namespace) -> dict:
     micro = {key: value[: args.micro_batch] for key, value in batch.items()}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
         saved = saved_activation_bytes(lambda: policy_loss(policy, micro, args.logprob_chunk), policy.parameters())
-    return dict(
-        method=args.method,
-        weights=weights_kind(args.method, args.dtype),
-        peak_gib=max(peaks) / GIB,
-        avg_gib=statistics.mean(averages[1:]) / GIB,
-        step_s=statistics.median(seconds[1:]),
-        saved_bytes=saved,  # saved for the backward pass by one micro-batch, exactly
-    )
+    row = dict(method=args.method, weights=weights_kind(args.method, args.dtype))
+    if not args.saved_bytes_only:
+        row.update(peak_gib=max(peaks) / GIB, avg_gib=statistics.mean(averages[1:]) / GIB,
+                   step_s=statistics.median(seconds[1:]))
+    return {**row, "saved_bytes": saved}  # saved for the backward pass by one micro-batch, exactly
 
 
 # ---------------------------------------------------------------- parent: one subprocess per method, then report
@@ -383,10 +387,14 @@ def run_method(method: str, argv: list[str], timeout_s: float | None = None) -> 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def ratio(value: float, reference: dict | None, key: str) -> str:
-    if reference is None or "error" in reference:
+def ratio(value: float | None, reference: dict | None, key: str) -> str:
+    if value is None or reference is None or key not in reference:
         return "–"
     return f"{value / reference[key]:.2f}"
+
+
+def _number(row: dict, key: str, scale: float = 1.0) -> str:
+    return f"{row[key] / scale:.2f}" if key in row else "–"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -400,11 +408,11 @@ def markdown_table(rows: list[dict]) -> str:
         if "error" in row:
             lines.append(f"| {row['method']} | | error: {row['error']} | | | | | |")
             continue
-        saved = f"{row['saved_bytes'] / 2**20:.2f}" if "saved_bytes" in row else "–"
         lines.append(
-            f"| {row['method']} | {row.get('weights', '')} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} "
-            f"| {row['step_s']:.2f} | {saved} "
-            f"| {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
+            f"| {row['method']} | {row.get('weights', '')} | {_number(row, 'peak_gib')} | {_number(row, 'avg_gib')} "
+            f"| {_number(row, 'step_s')} | {_number(row, 'saved_bytes', 2**20)} "
+            f"| {ratio(row.get('peak_gib'), reference, 'peak_gib')} "
+            f"| {ratio(row.get('step_s'), reference, 'step_s')} |"
         )
     return "\n".join(lines)
 
@@ -438,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
-        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device")}
+        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device", "saved_bytes_only")}
     settings["torch_threads"] = torch.get_num_threads()
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))

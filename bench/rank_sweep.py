@@ -8,17 +8,17 @@ layers: the cosine depends on each matrix's shape, not on the depth), one policy
 dense gradient G of every target matrix; the same micro-batch through sketched layers gives S = G·Aᵀ, and the
 cosine between G and the reconstruction S·A is averaged over the matrices. Theory for a random projection with
 E[AᵀA] = I: cos ≈ √(r/(r+k)) (k the matrix's input width), printed beside it. Both projections (Rademacher and
-Gaussian) over `--seeds` seeds; with `--share-projection` also Rademacher with one A per input (`sketch.share_projection`:
-q/k/v and gate/up of a layer share their A), which changes no matrix's expected cosine, only which matrices' sketches
-are correlated. A matrix with k ≤ r (in_features) cannot be sketched at rank r and is left out of that
-rank's average (the table says how many matrices were measured).
+Gaussian) over `--seeds` seeds; with `--share-projection` also Rademacher with one A per input
+(`sketch.share_projection`: q/k/v and gate/up of a layer share their A), which changes no matrix's expected cosine,
+only which matrices' sketches are correlated. A matrix with k ≤ r (in_features) cannot be sketched at rank r and is
+left out of that rank's average (the table says how many matrices were measured).
 
 Part 2, reward. The embedded task (`configs/tiny_arith.yaml`, 600 steps by default) is trained through the CLI at
 each rank that fits its 128-wide matrices, with the paper's design choices at `--design-rank`: a fixed Rademacher
 projection, a Rademacher projection refreshed every `--refresh-every` updates, and a refreshed Gaussian one (with
-`--share-projection`, also the fixed Rademacher one shared per input). The
-reward is the mean sampled reward over the last tenth of the steps; pass@1 is the final greedy evaluation.
-Each run is a subprocess with one thread, `--parallel` at a time.
+`--share-projection`, also the fixed Rademacher one shared per input). The reward is the mean sampled reward over
+the last tenth of the steps; pass@1 is the final greedy evaluation. Each run is a subprocess with one thread,
+`--parallel` at a time.
 """
 
 from __future__ import annotations

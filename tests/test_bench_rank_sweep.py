@@ -16,8 +16,8 @@ def test_rank_sweep_reports_cosines_and_reward_runs(tmp_path):
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
     subprocess.run(
         [sys.executable, str(SCRIPT), "--cos-shape", "tiny", "--cos-layers", "1", "--ranks", "4", "48", "256",
-         "--seeds", "2", "--steps", "3", "--parallel", "2", "--refresh-every", "1", "--share-projection", "--out", str(out),
-         "--plot", str(plot), "--runs-dir", str(tmp_path / "runs")],
+         "--seeds", "2", "--steps", "3", "--parallel", "2", "--refresh-every", "1", "--share-projection",
+         "--out", str(out), "--plot", str(plot), "--runs-dir", str(tmp_path / "runs")],
         check=True, capture_output=True, text=True, timeout=900,
     )
     report = json.loads(out.read_text())

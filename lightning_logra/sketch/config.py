@@ -18,6 +18,7 @@ from lightning_logra.sketch.install import install_sketches, select_targets, ske
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchOptimizerFactory
 from lightning_logra.sketch.rounding import LOW_PRECISION
+from lightning_logra.sketch.shared import SHARED_INPUTS, find_groups
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Where a LightningCLI config sets a SketchConfig: errors name their field under it.
@@ -40,6 +41,12 @@ class SketchConfig:
         lr_schedule: warm-up and decay of the learning rates (the sketch optimizer's and `rest_lr`), by applied
             update; see `lightning_logra.schedule.LRSchedule`.
         cache_projection: keep each A (r×k) in memory; false regenerates it from its seed at every use.
+        share_projection: one A per input instead of one per matrix: the matrices that read the same tensor (q_proj,
+            k_proj, v_proj of a layer; gate_proj, up_proj) share one projection, and the forward pass computes and
+            saves their x·Aᵀ once instead of three (two) times. Each sketch is still exactly G·Aᵀ, but those of one
+            group become correlated through their common A, and every seed changes: off by default (the paper's
+            per-matrix A), and a checkpoint resumes only under the setting it was taken with. It needs at least
+            two such matrices of one layer among the targets.
         train_bias: train the biases of the sketched layers densely (AdamW at rest_lr).
         train_rest: train every other parameter (embeddings, norms, ...) densely with AdamW at rest_lr;
             otherwise they are frozen.
@@ -56,6 +63,7 @@ class SketchConfig:
     optimizer: SketchOptimizerFactory = SketchAdam
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)
     cache_projection: bool = True
+    share_projection: bool = False  # one A per input (q/k/v, gate/up), x·Aᵀ computed and saved once per input
     train_bias: bool = False  # biases of sketched layers, trained densely
     train_rest: bool = False  # every other parameter (embeddings, norms, ...) trained densely with AdamW
     rest_lr: float = 1e-6
@@ -67,6 +75,9 @@ class SketchConfig:
         if self.rank < 1:
             raise ValueError(f"{CONFIG_KEY}.rank must be a positive integer (the rank r of each d×r sketch, smaller "
                              f"than in_features of every target), got {self.rank}")
+        if not isinstance(self.share_projection, bool):
+            raise ValueError(f"{CONFIG_KEY}.share_projection must be true or false (one projection per input instead "
+                             f"of one per matrix), got {self.share_projection!r}")
         if not self.target_modules:
             raise ValueError(f"{CONFIG_KEY}.target_modules is empty: name the linear layers to sketch, e.g. "
                              "[q_proj, v_proj]")
@@ -80,7 +91,12 @@ class SketchConfig:
         than an nn.Linear, a tied weight, a rank not below a target's in_features. The model's weights need not
         exist: a skeleton on the meta device (built from its config.json) has the names and shapes."""
         with _named_keys():
-            select_targets(model, self.target_modules, self.rank)
+            selected = select_targets(model, self.target_modules, self.rank)
+            if self.share_projection and not find_groups(selected):
+                pairs = " or ".join("/".join(children) for children in SHARED_INPUTS)
+                raise ValueError(f"share_projection is true, but no two of target_modules {self.target_modules} read "
+                                 f"the same input: sharing needs at least two of {pairs} of one layer among the "
+                                 "targets; add them or set share_projection false")
 
     def hparams(self) -> dict[str, Any]:
         """The settings as flat hyperparameters for the loggers (TensorBoard's HParams view tells runs apart by
@@ -97,6 +113,7 @@ class SketchConfig:
         handles = install_sketches(
             model, self.target_modules, self.rank, self.seed, self.distribution,
             cache_projection=self.cache_projection, train_bias=self.train_bias,
+            share_projection=self.share_projection,
         )
         carriers = sketch_carriers(model)
         biases = {id(h.bias) for h in handles.values() if h.bias is not None}

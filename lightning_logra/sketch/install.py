@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.projection import DISTRIBUTIONS
+from lightning_logra.sketch.shared import find_groups
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -24,13 +25,15 @@ def install_sketches(
     *,
     cache_projection: bool = True,
     train_bias: bool = False,
+    share_projection: bool = False,
 ) -> dict[str, SketchedLinear]:
     """Replace every `nn.Linear` whose name ends with one of `target_modules` by a `SketchedLinear`.
 
     Returns {module name: handle}, in module order. Each handle exposes `.weight`, `.projection()` and `.sketch`.
     Sketched weights are frozen (no `.grad`); their biases are trained densely only if `train_bias`. Nothing
     else in the model is changed. `cache_projection=False` regenerates A from its seed at every use instead of
-    keeping an r×k buffer per layer (less memory, more compute).
+    keeping an r×k buffer per layer (less memory, more compute). `share_projection=True` gives the matrices that read
+    one input (q/k/v, gate/up of a layer) one A and one x·Aᵀ between them (`lightning_logra/sketch/shared.py`).
     """
     if isinstance(target_modules, str):
         target_modules = [target_modules]
@@ -41,9 +44,10 @@ def install_sketches(
     if rank < 1:
         raise ValueError(f"rank must be a positive integer, got {rank}")
     selected = select_targets(model, target_modules, rank)
+    groups = find_groups(selected) if share_projection else {}
     handles: dict[str, SketchedLinear] = {}
     for name, linear in selected.items():
-        handle = SketchedLinear(linear, name, rank, seed, distribution, cache_projection)
+        handle = SketchedLinear(linear, name, rank, seed, distribution, cache_projection, groups.get(name))
         if linear.bias is not None:
             linear.bias.requires_grad_(train_bias)
         parent_name, _, child = name.rpartition(".")

@@ -2,7 +2,8 @@
 
 For y = x Wᵀ + b with W (d×k), the dense weight gradient is G = δᵀx (d×k). Its sketch factors as
 S = G Aᵀ = δᵀ (x Aᵀ), so the forward pass keeps z = x Aᵀ (n×r) instead of x (n×k), and backward contracts δ
-with z. G is never formed.
+with z. G is never formed. Matrices that read the same input may share A (`sketch/shared.py`): then z is computed
+once for all of them and every member's backward reads the same saved tensor.
 
 S is held as the `.grad` of a d×r parameter `sketch_param` (B, always zero): S is exactly ∂L/∂B at B = 0 for
 W_eff = W + B A. Holding it there means autograd accumulates micro-batches into it, and zero_grad, gradient
@@ -18,14 +19,21 @@ from torch import nn
 
 from lightning_logra.hashing import matrix_seed
 from lightning_logra.sketch.projection import make_projection
+from lightning_logra.sketch.shared import SharedInput
+
+
+@torch.no_grad()
+def _project(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    # x (..., k), projection A (r, k) in x's dtype → z = x·Aᵀ (n, r): all the weight side needs from x. A constant
+    # of the backward pass, not a node of the graph (x's gradient flows through the layer's output alone).
+    return x.detach().reshape(-1, x.shape[-1]) @ projection.T
 
 
 class _SketchedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sketch_param, projection):  # noqa: ARG004 (sketch_param: grad carrier)
-        # x (..., k), weight (d, k), bias (d,) or None, projection A (r, k) in x's dtype
+    def forward(ctx, x, weight, bias, sketch_param, z):  # noqa: ARG004 (sketch_param: grad carrier)
+        # x (..., k), weight (d, k), bias (d,) or None, z = x·Aᵀ (n, r), possibly shared with other layers
         y = nn.functional.linear(x, weight, bias)  # (..., d)
-        z = x.reshape(-1, x.shape[-1]) @ projection.T  # (n, r): all the weight side needs from x
         ctx.save_for_backward(z, weight)
         ctx.has_bias = bias is not None
         return y
@@ -43,7 +51,7 @@ class _SketchedLinearFn(torch.autograd.Function):
             grad_sketch = delta.T.float() @ z.float()  # (d, r)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = delta.sum(0)  # (d,)
-        # weight: no gradient ever (None), projection: constant.
+        # weight: no gradient ever (None), z: constant.
         return grad_x, None, grad_bias, grad_sketch, None
 
 
@@ -61,6 +69,7 @@ class SketchedLinear(nn.Linear):
         base_seed: int = 0,
         distribution: str = "rademacher",
         cache_projection: bool = True,
+        shared: SharedInput | None = None,
     ) -> None:
         nn.Module.__init__(self)  # skip nn.Linear.__init__: it would allocate a fresh weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -68,6 +77,8 @@ class SketchedLinear(nn.Linear):
         self.bias = linear.bias
         self.weight.requires_grad_(False)  # sketched weights never get a .grad
         self.name = name
+        # The layers that read this layer's input and share its A (None: a projection of its own).
+        self.shared = shared
         self.rank = rank
         self.base_seed = base_seed
         self.distribution = distribution
@@ -110,11 +121,27 @@ class SketchedLinear(nn.Linear):
             self._parameters["sketch_param"] = sketch_param
 
     @property
+    def projection_name(self) -> str:
+        """What the projection's seed is named by: the layer, or the group of layers that share it."""
+        return self.name if self.shared is None else self.shared.name
+
+    @property
     def seed(self) -> int:
-        """Seed of the current projection (changes when the projection is refreshed)."""
+        """Seed of the current projection (changes when the projection is refreshed); shared within a group."""
+        return matrix_seed(self.base_seed, self.projection_name, self.refresh_index)
+
+    @property
+    def own_seed(self) -> int:
+        """This matrix's own seed, `seed` unless the projection is shared: keys its stochastic rounding, so that
+        matrices sharing A do not also share rounding bits."""
         return matrix_seed(self.base_seed, self.name, self.refresh_index)
 
     def _generate(self) -> torch.Tensor:
+        if self.shared is not None and self.cache_projection:
+            return self.shared.projection(self.seed, self.weight.device, self._make_projection)  # one A per group
+        return self._make_projection()
+
+    def _make_projection(self) -> torch.Tensor:
         return make_projection(
             self.seed, self.rank, self.in_features, self.distribution, device=self.weight.device
         )  # (r, k) fp32
@@ -145,11 +172,15 @@ class SketchedLinear(nn.Linear):
         if not (torch.is_grad_enabled() and self.sketch_param.requires_grad):
             # Generation and KL evaluation need no sketch: skip the x·Aᵀ projection entirely.
             return nn.functional.linear(x, self.weight, self.bias)
-        projection = self.projection().to(x.dtype)
-        return _SketchedLinearFn.apply(x, self.weight, self.bias, self.sketch_param, projection)
+        if self.shared is None:
+            z = _project(x, self.projection().to(x.dtype))
+        else:
+            z = self.shared.project(self.name, x, lambda: _project(x, self.projection().to(x.dtype)))
+        return _SketchedLinearFn.apply(x, self.weight, self.bias, self.sketch_param, z)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"rank={self.rank}, distribution={self.distribution}, refresh_index={self.refresh_index}"
+            + ("" if self.shared is None else f", projection shared by {self.shared.name}")
         )

@@ -8,7 +8,7 @@ d×r tensors by its kind, since it allocates them lazily on the first step).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -54,12 +54,14 @@ def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimize
         out.weights += _nbytes(param)
         if param.requires_grad:
             out.dense_gradients += _nbytes(param)
+    projections = {}  # matrices that share A (share_projection) hold one tensor between them: count it once
     for layer in layers:
         d, k, r = layer.out_features, layer.in_features, layer.rank
         out.sketches += d * r * _FP32
         out.dense_equivalent_gradients += d * k * _FP32
         if layer.cached_projection is not None:
-            out.projections += _nbytes(layer.cached_projection)
+            projections[id(layer.cached_projection)] = _nbytes(layer.cached_projection)
+    out.projections = sum(projections.values())
     for optimizer in optimizers:
         if isinstance(optimizer, SketchOptimizer):
             per_layer = optimizer.state_tensors_per_layer()
@@ -68,3 +70,25 @@ def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimize
             for state in optimizer.state.values():
                 out.dense_optimizer_state += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
     return out
+
+
+def saved_activation_bytes(forward: Callable[[], object], params: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the tensors that autograd saves for the backward pass while `forward()` runs, `params` (weights,
+    which are referenced, not copied) left out. Each storage counts once however many times it is saved: a tensor
+    saved by several layers (a shared x·Aᵀ) costs its bytes once, which is what it holds in memory. Exact and
+    deterministic (no allocator is read), so a test can compare two settings byte for byte."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+    kept = []  # every saved tensor stays alive until counted, so no address is reused by another storage meanwhile
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            storages[storage.data_ptr()] = storage.nbytes()
+            kept.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = forward()
+    del output, kept  # the graph (and what it saved) goes with them
+    return sum(storages.values())

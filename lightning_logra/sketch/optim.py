@@ -172,7 +172,8 @@ class SketchOptimizer(torch.optim.Optimizer):
                 layer = self._layer_of[p]
                 factor = pending[p]
                 stochastic = self.rounding == "stochastic" and layer.weight.dtype in LOW_PRECISION
-                key = rounding_key(layer.seed, self.updates) if stochastic else None
+                # the matrix's own seed: matrices that share A (share_projection) still draw bits of their own
+                key = rounding_key(layer.own_seed, self.updates) if stochastic else None
                 projection = layer.projection()
                 rows, cols = self._probe(layer)
                 before = layer.weight[rows, cols].double()
@@ -195,7 +196,7 @@ class SketchOptimizer(torch.optim.Optimizer):
     def _probe(self, layer: SketchedLinear) -> tuple[torch.Tensor, torch.Tensor]:
         """A few entries of the layer's W, new at each update: where the landed fraction is measured."""
         d, k = layer.out_features, layer.in_features
-        keys = torch.arange(_PROBE_ENTRIES, dtype=torch.int64) + rounding_key(layer.seed ^ 1, self.updates)
+        keys = torch.arange(_PROBE_ENTRIES, dtype=torch.int64) + rounding_key(layer.own_seed ^ 1, self.updates)
         flat = (counter_uniform(keys) * (d * k)).long().clamp(max=d * k - 1).to(layer.weight.device)
         return flat // k, flat % k
 
@@ -245,7 +246,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         return {
             "optimizer": type(self).__name__,
             "refresh_every": self.refresh_every,
-            "layers": {layer.name: {"rank": layer.rank, "seed": layer.base_seed, "distribution": layer.distribution}
+            "layers": {layer.name: {"rank": layer.rank, "seed": layer.base_seed, "distribution": layer.distribution,
+                                    "projection": layer.projection_name}
                        for layer in self.layers},
         }
 
@@ -285,6 +287,12 @@ def _check_same_sketch(saved: dict, current: dict) -> None:
             values = {(layer[key], current["layers"][name][key]) for name, layer in saved["layers"].items()}
             differences += [f"sketch.{key}: checkpoint {old}, this run {new}" for old, new in sorted(values, key=str)
                             if old != new]
+        # A checkpoint written before projections could be shared names none: each layer had its own.
+        shared = [any(layer.get("projection", name) != name for name, layer in settings["layers"].items())
+                  for settings in (saved, current)]
+        if shared[0] != shared[1]:
+            differences.append(f"sketch.share_projection: checkpoint {str(shared[0]).lower()}, "
+                               f"this run {str(shared[1]).lower()}")
     if differences:
         raise ValueError(
             "cannot resume: the checkpoint's sketch optimizer state was taken under other sketch settings ("

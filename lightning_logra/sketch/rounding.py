@@ -7,9 +7,10 @@ gap, so E[round(x)] = x: every update lands in expectation, with zero-mean noise
 changes, and no d×k fp32 master copy.
 
 The random bits are a pure function of (the rounding key, the element's global row and column): the key mixes the
-matrix's projection seed with the optimizer's global update counter, so the trainer, a DDP rank, a resumed run
-and the engine's workers — which may hold only a tensor-parallel shard or a fused slice — draw the same bits for
-the same element. One 64-bit SplitMix64 word gives the 16-bit draws of four adjacent columns.
+matrix's own seed (its projection's, unless that is shared) with the optimizer's global update counter, so the
+trainer, a DDP rank, a resumed run and the engine's workers — which may hold only a tensor-parallel shard or a fused
+slice — draw the same bits for the same element. One 64-bit SplitMix64 word gives the 16-bit draws of four
+adjacent columns.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def check_rounding(rounding: str, key: str = "rounding") -> None:
 
 
 def rounding_key(matrix_seed: int, update: int) -> int:
-    """The key of one merge's rounding bits: (the matrix's projection seed, the global update counter)."""
+    """The key of one merge's rounding bits: (the matrix's own seed, the global update counter)."""
     seed = torch.tensor([as_int64(matrix_seed) ^ _ROUNDING_SALT], dtype=torch.int64)
     counter = torch.tensor([update + 1], dtype=torch.int64)
     return int(mix64(mix64(seed) + counter * GOLDEN)[0])

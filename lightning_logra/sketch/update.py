@@ -8,6 +8,7 @@ in the last bit of the fp32 product, which a stochastic rounding can then resolv
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,30 @@ def apply_low_rank_update_(
     (fp32/fp64 weights need neither). `first_row`/`first_col` place W inside a larger matrix (a tensor-parallel
     shard or a fused slice), so that its elements draw the bits the whole matrix would give them.
     """
+    apply_stacked_update_(weight, [RowBlock(factor, rounding_key, first_row)], projection, first_col)
+
+
+class RowBlock(NamedTuple):
+    """Consecutive rows of a stacked weight that are one matrix's: its factor, rounding key and first global row."""
+
+    factor: torch.Tensor  # (d_i, r)
+    rounding_key: int | None
+    first_row: int  # of these rows in their own matrix (where its rounding bits are drawn)
+
+
+@torch.no_grad()
+def apply_stacked_update_(weight: torch.Tensor, blocks: list[RowBlock], projection: torch.Tensor,
+                          first_col: int = 0) -> None:
+    """W (Σ d_i, k) −= [F_1; F_2; …] @ A (r, k) in one GEMM, for row blocks of one weight whose updates share A.
+
+    vLLM fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`; when their deltas share A
+    (`sketch.share_projection`) the engine merges a whole fused weight with one product. Each block keeps its own
+    rounding key and row numbering, so every element gets the bits a merge of its matrix alone would give it.
+    """
+    factor = blocks[0].factor if len(blocks) == 1 else torch.cat([block.factor for block in blocks])  # (Σ d_i, r)
+    if factor.shape[0] != weight.shape[0]:
+        raise ValueError(f"apply_stacked_update_: the factors have {factor.shape[0]} rows, "
+                         f"the weight {weight.shape[0]}")
     if weight.dtype in (torch.float32, torch.float64):
         factor = factor.to(device=weight.device, dtype=weight.dtype)
         projection = projection.to(device=weight.device, dtype=weight.dtype)
@@ -40,18 +65,25 @@ def apply_low_rank_update_(
         return
     factor = factor.to(device=weight.device, dtype=torch.float32)
     projection = projection.to(device=weight.device, dtype=torch.float32)
+    ends = [sum(block.factor.shape[0] for block in blocks[: i + 1]) for i in range(len(blocks))]
+    spans = [(end - block.factor.shape[0], end, block) for end, block in zip(ends, blocks)]  # rows [low, high) of W
     # bf16/fp16 W: a product F·A rounded to bf16 and then subtracted would round twice and lose the small update
-    # against the large weight; do the subtraction in fp32 a block of rows at a time instead.
+    # against the large weight; do the subtraction in fp32 a chunk of rows at a time instead.
     rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
     cols = range(first_col, first_col + weight.shape[1])
     for start in range(0, weight.shape[0], rows):
-        block = weight[start : start + rows]  # (rows, k) view into W
-        merged = block.float().addmm_(factor[start : start + rows], projection, alpha=-1.0)  # (rows, k) fp32
-        if rounding_key is None:
-            block.copy_(merged)
-        else:
-            global_rows = range(first_row + start, first_row + start + block.shape[0])
-            stochastic_round_(block, merged, rounding_bits(rounding_key, global_rows, cols, weight.device))
+        chunk = weight[start : start + rows]  # (rows, k) view into W
+        merged = chunk.float().addmm_(factor[start : start + rows], projection, alpha=-1.0)  # (rows, k) fp32
+        for low, high, block in spans:
+            a, b = max(low, start), min(high, start + chunk.shape[0])  # the block's rows inside this chunk
+            if a >= b:
+                continue
+            target, value = chunk[a - start : b - start], merged[a - start : b - start]
+            if block.rounding_key is None:
+                target.copy_(value)
+            else:
+                global_rows = range(block.first_row + a - low, block.first_row + b - low)
+                stochastic_round_(target, value, rounding_bits(block.rounding_key, global_rows, cols, weight.device))
 
 
 @dataclass

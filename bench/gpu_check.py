@@ -20,6 +20,10 @@ still reports what it measured, and a stage that fails is recorded with its erro
                  PredictedKLBudget settings, on the 1.5B shape with random weights and random rollouts
   tiny_arith     configs/tiny_arith.yaml trained on the GPU for 50 steps (built in Python, not through the CLI: the
                  GPU image may lack jsonargparse), reward at the start and at the end
+  full_load      the vLLM engine's full load without vLLM: every parameter of the Qwen2.5-7B shape (bf16, random)
+                 handed to another process on the same GPU as CUDA IPC handles (lightning_logra/rollout/handles.py,
+                 what a colocated engine's worker opens) and as safetensors bytes in the engine's 512 MiB chunks;
+                 seconds per load for each, and the receiver's copies checked against the sender's (fingerprints)
 
 At the end the report is printed as markdown tables. `--dry-run` runs every stage on the CPU at the "tiny" shape
 with a few steps: what tests/test_gpu_check.py runs, so that the script keeps working while no GPU is at hand.
@@ -53,7 +57,7 @@ import yaml
 import memory as bench_memory  # bench/memory.py (this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith")
+STAGES = ("environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load")
 MEMORY_METHODS = ("dense_adamw", "lora", "logra_adam")
 # The paper's memory table (GiB per GPU: step average, peak), for the rows measured here.
 PAPER_GIB = {
@@ -78,6 +82,8 @@ class Plan:
     kl_budget_s: float  # no new step starts after this
     arith_steps: int
     arith_budget_s: float  # the Trainer's max_time
+    full_load_shape: str
+    full_load_repeats: int  # timed loads per path
     fail_stage: str | None = field(default=None)  # a stage made to raise, to check that the others still run
 
     @classmethod
@@ -98,6 +104,7 @@ class Plan:
             kl_batch=dict(batch=8, group=8, micro_batch=4, prompt_len=256, completion_len=1024),
             kl_steps=8, kl_budget_s=90,
             arith_steps=50, arith_budget_s=180,
+            full_load_shape="7b", full_load_repeats=2,  # 15 GB per load: the case the handles are for
         )
 
     @classmethod
@@ -113,6 +120,7 @@ class Plan:
             kl_batch=dict(batch=4, group=4, micro_batch=2, prompt_len=8, completion_len=8),
             kl_steps=3, kl_budget_s=120,
             arith_steps=3, arith_budget_s=300,
+            full_load_shape="tiny", full_load_repeats=2,
         )
 
 
@@ -331,8 +339,98 @@ def tiny_arith(plan: Plan, progress: Progress) -> dict:
     )
 
 
+def _full_load_receiver(connection, device_name: str) -> None:
+    """The engine worker's side of a full load, in a process of its own: it holds its own copy of every tensor and
+    copies each load into it, from bytes (`sync.unpack_tensors`) or from handles (`handles.open_tensors`), as
+    `LogRAWorkerExtension.logra_load` and `logra_load_shared` do."""
+    from lightning_logra.rollout.handles import open_tensors
+    from lightning_logra.rollout.sync import fingerprint, unpack_tensors
+
+    device = torch.device(device_name)
+    own: dict[str, torch.Tensor] = {}
+    while True:
+        kind, payload = connection.recv()
+        if kind == "stop":
+            return
+        if kind == "shapes":
+            own = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in payload.items()}
+            connection.send(None)
+        elif kind == "fingerprints":
+            connection.send({name: fingerprint(t, payload).cpu() for name, t in own.items()})
+        else:
+            tensors = unpack_tensors(payload) if kind == "bytes" else open_tensors(payload, device)
+            for name, tensor in tensors.items():
+                own[name].copy_(tensor)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the sender may change its tensors once this answers
+            del tensors
+            connection.send(None)
+
+
+def full_load(plan: Plan, progress: Progress) -> dict:
+    """Every parameter of a Qwen2.5 shape (bf16, random weights, on `plan.device`) loaded into another process's
+    copy on the same device, by bytes (safetensors: through host memory) and by handles (CUDA IPC on a GPU, shared
+    memory on the CPU), in the vLLM engine's chunks. Each load's time runs from the sender's tensors to the
+    receiver's answer that its copies are updated; after each, the receiver's fingerprints must equal the sender's
+    exactly, and the tensors are negated (exact) for the next load, so that every load has to change them."""
+    import multiprocessing
+
+    from lightning_logra.rollout.handles import share_tensors
+    from lightning_logra.rollout.sync import fingerprint, pack_tensors
+    from lightning_logra.rollout.vllm import _chunks  # the engine's chunking (512 MiB by default)
+
+    model = bench_memory.qwen2_model(plan.full_load_shape, torch.bfloat16, 64, plan.device)
+    tensors = {name: p.detach() for name, p in model.named_parameters()}
+    chunk_bytes = 512 * 2**20
+    context = multiprocessing.get_context("spawn")  # as vLLM starts its engine's processes
+    ours, theirs = context.Pipe()
+    receiver = context.Process(target=_full_load_receiver, args=(theirs, plan.device), daemon=True)
+    receiver.start()
+    result = dict(shape=plan.full_load_shape, device=plan.device, tensors=len(tensors), chunk_mib=512,
+                  tensor_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), rows=[])
+    try:
+        ours.send(("shapes", {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}))
+        ours.recv()
+        for path in ("bytes", "shared"):
+            seconds, sent, worst = [], 0, 0.0
+            for repeat in range(plan.full_load_repeats):
+                with torch.no_grad():
+                    for tensor in tensors.values():
+                        tensor.neg_()
+                start = time.perf_counter()
+                sent = 0
+                for chunk in _chunks(tensors, chunk_bytes):
+                    if path == "bytes":
+                        data = pack_tensors(chunk)
+                        ours.send((path, data))
+                        ours.recv()
+                    else:
+                        data, kept = share_tensors(chunk)
+                        ours.send((path, data))
+                        ours.recv()
+                        del kept
+                    sent += len(data)
+                    del data
+                seconds.append(time.perf_counter() - start)
+                ours.send(("fingerprints", repeat))
+                theirs_fp = ours.recv()
+                for name, tensor in tensors.items():
+                    worst = max(worst, float((theirs_fp[name] - fingerprint(tensor, repeat).cpu()).abs().max()))
+            result["rows"].append(dict(path=path, bytes_sent=sent, seconds=sorted(seconds)[len(seconds) // 2],
+                                       seconds_all=seconds, max_abs_diff=worst))
+            progress(result)
+        ours.send(("stop", None))
+        receiver.join(60)
+    finally:
+        if receiver.is_alive():
+            receiver.kill()
+    by_path = {row["path"]: row for row in result["rows"]}
+    result["shared_vs_bytes_seconds"] = by_path["shared"]["seconds"] / by_path["bytes"]["seconds"]
+    return result
+
+
 STAGE_FUNCTIONS = dict(environment=environment, cuda_tests=cuda_tests, memory_table=memory_table,
-                       kl_control=kl_control, tiny_arith=tiny_arith)
+                       kl_control=kl_control, tiny_arith=tiny_arith, full_load=full_load)
 
 
 # ---------------------------------------------------------------- running them, one report
@@ -390,6 +488,11 @@ def summary(name: str, entry: dict) -> str:
         return f"{sum('error' not in row for row in result['rows'])}/{len(result['rows'])} rows measured"
     if name == "kl_control":
         return f"α < α_max on {result.get('acting_rate', float('nan')):.0%} of {len(result['steps'])} steps"
+    if name == "full_load":
+        rows = {row["path"]: row for row in result["rows"]}
+        return (f"{result['shape']}, {result['tensor_bytes'] / 1e9:.2f} GB: bytes {rows['bytes']['seconds']:.2f} s, "
+                f"handles {rows['shared']['seconds']:.2f} s (×{result['shared_vs_bytes_seconds']:.2f}); max "
+                f"fingerprint diff {max(row['max_abs_diff'] for row in rows.values()):.3g}")
     if name == "tiny_arith":
         return (f"{result['steps']} steps in {result['seconds']:.0f} s, reward {result['reward_first']:.3f} → "
                 f"{result['reward_last']:.3f}")

@@ -10,7 +10,11 @@ engine regenerates A and merges W −= F·A in place. It is measured with F in f
 the bytes each call hands to vLLM's `collective_rpc` (tensors plus safetensors headers); "tensor bytes" is the
 numbers alone: Σ d·r·bytes(F) for the seed sync, Σ d·k·bytes(W) for the full sync. A call's time runs from the
 trainer's tensors to the engine's re-packed weights (serialization, transport to the engine's worker process, the
-merge or copy, and on the CPU backend the re-packing of every touched layer for its GEMM kernels).
+merge or copy, and on the CPU backend the re-packing of every touched layer for its GEMM kernels). The full sync is
+measured twice: by bytes (`full`: safetensors, the path every engine can take) and by reference (`full_shared`,
+`engine.full_load: shared`: one shared-memory handle per tensor, opened and copied from by the worker; on a GPU the
+same worker code takes CUDA IPC handles to the trainer's tensors). Its tensors are the checkpoint's, negated, so
+that the engine's copies must change.
 
 `--shape tiny` is the shipped model (lightning_logra/data/tiny_arith, fp32). `--shape 1.5b` saves a Qwen2 with the
 Qwen2.5-1.5B config and random bfloat16 weights to a temporary directory and serves that in bfloat16. No trainer
@@ -279,12 +283,22 @@ def run(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
         sent_once, diffs["full"] = check_full_sync(eng, full, checked)
         seconds, sent = timed(lambda: eng.load_weights(full), args.repeats)
         assert set(sent) == {sent_once}, (sent_once, sent)
-        rows.append(dict(method="full", dtype=str(next(iter(full.values())).dtype).removeprefix("torch."),
-                         bytes_sent=sent[0], tensor_bytes=sum(t.numel() * t.element_size() for t in full.values()),
+        dtype = str(next(iter(full.values())).dtype).removeprefix("torch.")
+        tensor_bytes = sum(t.numel() * t.element_size() for t in full.values())
+        rows.append(dict(method="full", dtype=dtype, bytes_sent=sent[0], tensor_bytes=tensor_bytes,
+                         seconds=statistics.median(seconds), min_seconds=min(seconds), seconds_all=seconds))
+        eng.full_load = "shared"
+        for tensor in full.values():
+            tensor.neg_()  # exact in any dtype; in place, so that the 1.5B shape's 2.4 GiB is not held twice
+        sent_once, diffs["full_shared"] = check_full_sync(eng, full, checked)
+        assert eng.last_full_load == "shared"
+        seconds, sent = timed(lambda: eng.load_weights(full), args.repeats)
+        assert set(sent) == {sent_once}, (sent_once, sent)
+        rows.append(dict(method="full_shared", dtype=dtype, bytes_sent=sent[0], tensor_bytes=tensor_bytes,
                          seconds=statistics.median(seconds), min_seconds=min(seconds), seconds_all=seconds))
     finally:
         eng.close()
-    reference = rows[-1]
+    reference = next(row for row in rows if row["method"] == "full")
     for row in rows:
         row["bytes_vs_full"] = row["bytes_sent"] / reference["bytes_sent"]
         row["seconds_vs_full"] = row["seconds"] / reference["seconds"]
@@ -317,7 +331,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     plt = pyplot()
 
     names = [row["method"] for row in rows]
-    colors = ["tab:blue", "tab:cyan", "tab:gray"][: len(rows)]
+    colors = ["tab:blue", "tab:cyan", "tab:gray", "tab:olive"][: len(rows)]
     fig, (size, speed) = plt.subplots(1, 2, figsize=(10, 4))
     size.bar(names, [row["bytes_sent"] / 2**20 for row in rows], color=colors)
     size.set_yscale("log")

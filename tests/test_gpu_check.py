@@ -62,7 +62,7 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     stages = report["stages"]
-    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith"]
+    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load"]
     for name, entry in stages.items():
         assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
         assert f"| {name} | ok |" in run.stdout
@@ -92,3 +92,13 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert all(0 <= reward <= 1 for reward in arith["rewards"])
     assert arith["reward_first"] == arith["rewards"][0] and arith["reward_last"] == arith["rewards"][-1]
     assert arith["kl_acting_rate"] is not None and arith["peak_gib"] > 0
+
+    # The full load by handles (shared memory on the CPU, CUDA IPC on a GPU) and by bytes: the receiver's copies
+    # equal the sender's after every load, and the handles are a few hundred bytes per tensor.
+    load = stages["full_load"]["result"]
+    rows = {row["path"]: row for row in load["rows"]}
+    assert list(rows) == ["bytes", "shared"] and load["shape"] == "tiny"
+    assert rows["bytes"]["bytes_sent"] >= load["tensor_bytes"] > 0
+    assert rows["shared"]["bytes_sent"] < 512 * load["tensors"]
+    for row in rows.values():
+        assert row["max_abs_diff"] == 0.0 and len(row["seconds_all"]) == 2 and row["seconds"] > 0

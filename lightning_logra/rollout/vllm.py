@@ -212,7 +212,8 @@ class VLLMEngine(RolloutEngine):
     def _environment(self) -> Iterator[None]:
         """os.environ as the engine's processes inherit it while they start. In a run of several processes: without
         the trainer's rank and rendezvous variables, with processes spawned rather than forked (a forked child would
-        inherit the trainer's initialized process group and vLLM would take it for its own), and with a user's
+        inherit the trainer's initialized process group and vLLM would take it for its own; vLLM spawns by itself
+        only on the CPU backend and once CUDA is initialized), and with a user's
         VLLM_PORT moved apart per rank so that engines starting at once look for free ports in different places."""
         if self.world_size == 1:
             yield

@@ -1,8 +1,9 @@
 """Two CPU processes (gloo), each with a vLLM engine of its own (CPU backend), through the CLI: each rank's engine
 samples its slice of the batch exactly as one engine given the whole batch does, holds the trainer's weights after
-every step (fingerprints checked at each sync, no repair needed), and knows nothing of the trainer's process
-group."""
+every step (fingerprints checked by each rank at each sync; a drift in one rank's engine repaired by that rank
+and logged), and knows nothing of the trainer's process group."""
 
+import glob
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import yaml
 from lightning.pytorch import Callback
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_logra.hashing import prompt_seeds
 
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "
 
 ROOT = Path(__file__).parents[1]
 STEPS = 3
+DRIFTED = "model.layers.1.self_attn.o_proj.weight"  # shifted in rank 1's engine alone, after the first step
 TRAINER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 
 
@@ -47,6 +50,8 @@ class RankReport(Callback):
     """Run inside each rank of the CLI run: writes rank<r>.json in the run's root directory with
     - whether this rank's first step sampled (through the module's own rollout path) what its engine samples for the
       same rows when given the whole global batch with seeds from index 0, as one process with one engine would;
+    - after the first step, rank 1 shifts one entry of a trained weight in its engine by 1e-3: its own check at the
+      next sync must find and repair it, and the logged difference is the largest of any rank's;
     - at the end, the largest |engine weight − trainer weight| over every policy tensor, the full loads its
       RolloutWeightSync made, its engine's processes (as the engine finds them) and the trainer's variables found in
       their environment."""
@@ -68,6 +73,13 @@ class RankReport(Callback):
         self.report["samples"] = _rows(mine, 0, count * n)
         self.report["same_samples"] = _rows(whole, trainer.global_rank * count * n, count * n) == _rows(mine, 0,
                                                                                                         count * n)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # Listed after RolloutWeightSync: this step's check has run; the next step's must catch this.
+        if batch_idx == 0 and trainer.global_rank == 1:
+            weight = pl_module.engine.weights([DRIFTED])[DRIFTED][: pl_module.policy.get_parameter(DRIFTED).shape[0]]
+            weight[3, 5] += 1e-3
+            pl_module.engine.load_weights({DRIFTED: weight})
 
     def on_train_end(self, trainer, pl_module):
         params = {n: p for n, p in pl_module.policy.named_parameters() if not n.endswith(".sketch_param")}
@@ -111,12 +123,19 @@ def test_two_ranks_each_with_a_vllm_engine(tiny_arith_model, tmp_path):
     for rank, report in enumerate(reports):
         assert report["same_samples"], f"rank {rank} sampled other completions than one engine would"
         assert report["syncs"] == STEPS and report["restarts"] == 0
-        assert report["full_loads"] == 1, f"rank {rank}: a fingerprint check found its engine drifted"
+        # the start's full load, and on rank 1 the repair of its engine's drift: no other check found a difference
+        assert report["full_loads"] == 1 + rank, rank
         assert report["max_weight_diff"] <= 1e-5, rank
         assert report["engine_pids"] and report["leaked"] == [] and report["engine_world_sizes"] == [1]
         assert "MASTER_PORT" in report["trainer_had"]  # what the engines were kept from
     assert not set(reports[0]["engine_pids"]) & set(reports[1]["engine_pids"])  # one engine per rank
     assert reports[0]["samples"] != reports[1]["samples"]  # the ranks sampled different slices
+    # rank 0 writes the log: rank 1's drift shows there (fingerprints are W·v with v = ±1, so one entry moves by 1e-3)
+    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    diffs = [event.value for event in events.Scalars("sync/max_abs_diff")]
+    assert len(diffs) == STEPS and diffs[1] == pytest.approx(1e-3, rel=1e-3)
+    assert max(diffs[0], diffs[2]) <= 1e-5
 
     start, end = load_file(Path(tiny_arith_model) / "model.safetensors"), load_file(tmp_path / "export" /
                                                                                    "model.safetensors")

@@ -43,7 +43,7 @@ def _engine_view(worker) -> dict:
     import torch.distributed
 
     return {"variables": [v for v in TRAINER_VARIABLES if v in os.environ],
-            "world_size": torch.distributed.get_world_size()}
+            "world_size": torch.distributed.get_world_size(), "cores": sorted(os.sched_getaffinity(0))}
 
 
 class RankReport(Callback):
@@ -93,6 +93,7 @@ class RankReport(Callback):
         views = pl_module.engine.llm.collective_rpc(_engine_view)
         self.report["leaked"] = sorted({v for view in views for v in view["variables"]})
         self.report["engine_world_sizes"] = [view["world_size"] for view in views]
+        self.report["engine_cores"] = [view["cores"] for view in views]
         self.report["trainer_had"] = sorted(v for v in TRAINER_VARIABLES if v in os.environ)
         path = Path(trainer.default_root_dir) / f"rank{trainer.global_rank}.json"
         path.write_text(json.dumps(self.report))
@@ -114,8 +115,10 @@ def test_two_ranks_each_with_a_vllm_engine(tiny_arith_model, tmp_path):
         "--model.export_dir", str(tmp_path / "export"), "--trainer.callbacks+=test_ddp_vllm.RankReport",
         "--model.engine.init_args.gpu_memory_utilization", "0.04",
     ]
-    # The last lets the test ask the engines' workers to run a function of its own (`_engine_view`).
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    # Each rank's engine computes on a core of its own. The last lets the test ask the engines' workers to run a
+    # function of its own (`_engine_view`).
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -127,6 +130,7 @@ def test_two_ranks_each_with_a_vllm_engine(tiny_arith_model, tmp_path):
         assert report["full_loads"] == 1 + rank, rank
         assert report["max_weight_diff"] <= 1e-5, rank
         assert report["engine_pids"] and report["leaked"] == [] and report["engine_world_sizes"] == [1]
+        assert report["engine_cores"] == [[rank]]  # its part of VLLM_CPU_OMP_THREADS_BIND
         assert "MASTER_PORT" in report["trainer_had"]  # what the engines were kept from
     assert not set(reports[0]["engine_pids"]) & set(reports[1]["engine_pids"])  # one engine per rank
     assert reports[0]["samples"] != reports[1]["samples"]  # the ranks sampled different slices

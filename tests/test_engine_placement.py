@@ -49,3 +49,16 @@ def test_one_process_starts_its_engine_in_the_environment_as_it_is(monkeypatch):
     engine.place(0, 1, torch.device("cpu"))
     with engine._environment():
         assert dict(os.environ) == before
+
+
+def test_each_ranks_cpu_engine_gets_its_own_cores(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    engine = VLLMEngine()
+    engine.place(1, 2, torch.device("cpu"))
+    with engine._environment():
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "4-7"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    engine.place(1, 3, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"VLLM_CPU_OMP_THREADS_BIND: 2 core lists for 3 ranks"):
+        with engine._environment():
+            pass

@@ -214,7 +214,9 @@ class VLLMEngine(RolloutEngine):
         the trainer's rank and rendezvous variables, with processes spawned rather than forked (a forked child would
         inherit the trainer's initialized process group and vLLM would take it for its own; vLLM spawns by itself
         only on the CPU backend and once CUDA is initialized), and with a user's
-        VLLM_PORT moved apart per rank so that engines starting at once look for free ports in different places."""
+        VLLM_PORT moved apart per rank so that engines starting at once look for free ports in different places. A
+        VLLM_CPU_OMP_THREADS_BIND of one core list per rank ("0-3|4-7", vLLM's own separator) gives each rank's engine
+        its own list."""
         if self.world_size == 1:
             yield
             return
@@ -223,6 +225,12 @@ class VLLMEngine(RolloutEngine):
         changes["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         if "VLLM_PORT" in os.environ:
             changes["VLLM_PORT"] = str(int(os.environ["VLLM_PORT"]) + _PORTS_PER_RANK * self.rank)
+        binds = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").split("|")
+        if len(binds) > 1:
+            if len(binds) != self.world_size:
+                raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {len(binds)} core lists for {self.world_size} ranks; give "
+                                 "one list per rank's engine, separated by '|' (e.g. 0-3|4-7), or one for all")
+            changes["VLLM_CPU_OMP_THREADS_BIND"] = binds[self.rank]
         saved = {name: os.environ.get(name) for name in changes}
         _set_environment(changes)
         try:

@@ -210,13 +210,14 @@ class VLLMEngine(RolloutEngine):
 
     @contextmanager
     def _environment(self) -> Iterator[None]:
-        """os.environ as the engine's processes inherit it while they start. In a run of several processes: without
-        the trainer's rank and rendezvous variables, with processes spawned rather than forked (a forked child would
-        inherit the trainer's initialized process group and vLLM would take it for its own; vLLM spawns by itself
-        only on the CPU backend and once CUDA is initialized), and with a user's
-        VLLM_PORT moved apart per rank so that engines starting at once look for free ports in different places. A
-        VLLM_CPU_OMP_THREADS_BIND of one core list per rank ("0-3|4-7", vLLM's own separator) gives each rank's engine
-        its own list."""
+        """os.environ as the engine's processes inherit it while they start (this process waits in `LLM` meanwhile).
+        In a run of several processes:
+        - without the trainer's rank and rendezvous variables;
+        - processes spawned rather than forked: a forked child would inherit the trainer's initialized process group
+          and vLLM would take it for its own (vLLM spawns by itself only on the CPU backend and once CUDA is
+          initialized);
+        - a user's VLLM_PORT moved apart per rank, so that engines starting at once look for free ports apart;
+        - a VLLM_CPU_OMP_THREADS_BIND of one core list per rank ("0-3|4-7", vLLM's own separator): rank r's list."""
         if self.world_size == 1:
             yield
             return
@@ -228,8 +229,8 @@ class VLLMEngine(RolloutEngine):
         binds = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").split("|")
         if len(binds) > 1:
             if len(binds) != self.world_size:
-                raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {len(binds)} core lists for {self.world_size} ranks; give "
-                                 "one list per rank's engine, separated by '|' (e.g. 0-3|4-7), or one for all")
+                raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {len(binds)} core lists for {self.world_size} ranks; "
+                                 "give one list per rank's engine, separated by '|' (e.g. 0-3|4-7), or one for all")
             changes["VLLM_CPU_OMP_THREADS_BIND"] = binds[self.rank]
         saved = {name: os.environ.get(name) for name in changes}
         _set_environment(changes)
@@ -310,7 +311,11 @@ class VLLMEngine(RolloutEngine):
 
         processes, parents = [], [psutil.Process()]
         while parents:
-            for process in parents.pop().children():
+            try:
+                children = parents.pop().children()
+            except psutil.NoSuchProcess:
+                continue
+            for process in children:
                 try:
                     if process.name().startswith("VLLM"):
                         processes.append(process)

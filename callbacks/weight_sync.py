@@ -5,7 +5,8 @@ factor F = α·η·U (d×r) and the seed of A, from which the engine regenerates
 trained parameters, if any, as full tensors. Every `check_every` syncs the fingerprints of every tensor the engine
 holds (trained or not) are compared with the trainer's and a drift past `tolerance` is repaired by a full load, as
 is a restarted engine. A sampler whose log-probs stay far from the trainer's (`rollout/logprob_abs_diff` above
-`logprob_diff_threshold` for `logprob_diff_steps` steps in a row) triggers the same check at once.
+`logprob_diff_threshold` for `logprob_diff_steps` steps in a row) triggers the same check at once. With several
+ranks, each rank keeps its own engine in step (every rank holds the same weights and applies the same update).
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ class RolloutWeightSync(Callback):
             due |= self.check_every is not None and self.syncs % self.check_every == 0
         if due:
             diff = self.check()
+            # With several ranks each checks (and repairs) its own engine, all at the same syncs: their count and the
+            # log-prob metric behind `due` are the same on every rank. The log shows the largest difference of any
+            # rank (NaN travels as inf, which MAX keeps).
+            if trainer.world_size > 1:
+                ours = torch.tensor(diff if not math.isnan(diff) else math.inf, device=pl_module.device)
+                diff = float(trainer.strategy.reduce(ours, reduce_op="max"))
             # Straight to the loggers: through self.log, Lightning would repeat the last value at every later step.
             for logger in trainer.loggers:
                 logger.log_metrics({"sync/max_abs_diff": diff}, step=trainer.global_step)

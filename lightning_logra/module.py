@@ -196,10 +196,10 @@ class RLVRModule(LightningModule):
             self._load_policy()
         if not self.engine.samples_from(self.policy):
             if self._trainer is not None and self.trainer.world_size > 1:
-                # Each rank would start its own engine on the default device; pinning one engine per rank's device
-                # (or one shared engine) is not built yet.
-                raise ValueError("model.engine: an engine with its own weights runs on a single device for now; "
-                                 "use trainer.devices 1, or the in-process engine (model.engine: null) with DDP")
+                # One engine per rank, beside that rank's trainer: every rank holds the same weights and applies the
+                # same update, so each rank's RolloutWeightSync keeps its own engine in step (README: "A vLLM engine
+                # per rank").
+                self.engine.place(self.global_rank, self.trainer.world_size, self.trainer.strategy.root_device)
             self.engine.start(model_path(self.hparams.model), self._pad_token_id(), self._stop_token_ids())
 
     def _load_policy(self) -> None:

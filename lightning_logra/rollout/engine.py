@@ -26,6 +26,10 @@ class RolloutEngine(ABC):
     restarts = 0  # how many times the engine was restarted after its process died
     on_restart: Callable[[], None] | None = None  # set by RolloutWeightSync: reload the trainer's weights
 
+    def place(self, rank: int, world_size: int, device: torch.device) -> None:
+        """Called before `start` in a run of `world_size` processes: this is rank `rank`'s engine, beside its trainer
+        on `device`. Each rank starts its own engine; a no-op for an engine without processes of its own."""
+
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         """Load `model` (a local directory) if the engine keeps its own copy; a no-op when already running."""
 

@@ -12,6 +12,9 @@ the trainer's weights into it, and carries on, so the training step that met the
 that has not returned within `call_timeout_s` (a stopped or deadlocked engine) is treated the same way: the engine's
 processes are killed and it is restarted. And the engine's processes watch the trainer's: if it dies, even by
 SIGKILL, they kill themselves rather than keep their memory (gigabytes) forever.
+
+With several trainer processes (DDP, FSDP), each rank starts an engine of its own (`place`): in processes that
+know nothing of the trainer's process group, on that rank's GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -36,6 +40,12 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "lightning_logra.rollout.vllm_worker.LogRAWorkerExtension"
 _SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + i): keep clear of int64 overflow
+# What torchrun, Lightning's launchers and torch.distributed put in a trainer's environment. An engine started with
+# them would take the trainer's rank and rendezvous for its own (vLLM reads LOCAL_RANK and RANK; torch's env://
+# reads MASTER_ADDR and MASTER_PORT) and try to join the trainer's process group.
+_TRAINER_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+_PORTS_PER_RANK = 100  # a user's VLLM_PORT is where vLLM starts looking for free ports; each rank starts apart
 
 
 class EngineStalled(TimeoutError):
@@ -78,6 +88,10 @@ class VLLMEngine(RolloutEngine):
             on the GPU every tensor is on (colocated), bytes otherwise (the CPU backend, another GPU, tensor
             parallelism, `separate_process: false`). `handles.choose_full_load` says which settings can work.
         engine_kwargs: anything else for `vllm.LLM`.
+
+    With several trainer processes, each rank's engine is one worker (`tensor_parallel_size: 1`) in processes of its
+    own (`separate_process: true`) on that rank's GPU, and `gpu_memory_utilization` is the share each engine takes:
+    on the CPU backend, of the host memory that all ranks' engines share.
     """
 
     def __init__(
@@ -133,8 +147,21 @@ class VLLMEngine(RolloutEngine):
         self.restarts = 0
         self.on_restart: Callable[[], None] | None = None  # loads the trainer's weights into a fresh engine
         self._asleep = False
+        self.rank, self.world_size = 0, 1
+        self.device: torch.device | None = None  # the trainer's device, when `place` set it
 
     # ---- life cycle ---------------------------------------------------------------------------------------------
+
+    def place(self, rank: int, world_size: int, device: torch.device) -> None:
+        if world_size > 1 and not self.separate_process:
+            # vLLM's worker would run in the trainer's process, where torch.distributed is the trainer's already.
+            raise ValueError("model.engine: with several trainer processes each rank's engine must run in processes "
+                             "of its own; set engine.separate_process: true")
+        if world_size > 1 and self.options["tensor_parallel_size"] != 1:
+            raise ValueError(f"model.engine: with several trainer processes each rank's engine runs on that rank's "
+                             f"device alone; set engine.tensor_parallel_size: 1 (got "
+                             f"{self.options['tensor_parallel_size']})")
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
 
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         if self.llm is not None:
@@ -157,11 +184,14 @@ class VLLMEngine(RolloutEngine):
 
         options = dict(self.options)
         options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
+        if self.world_size > 1 and self.device is not None and self.device.type == "cuda":
+            # This rank's GPU (an index among the visible ones, as the trainer's); by default vLLM takes the first.
+            options.setdefault("device_ids", [self.device.index if self.device.index is not None else 0])
         # vLLM reads this when the engine is built: "0" keeps the engine core in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
         # With vLLM's own logs at WARNING, the engine's start (30 s on the CPU, minutes on a GPU with CUDA graphs)
         # would otherwise pass in silence.
-        with waiting_for(f"starting the vLLM engine for {self.model_path}", log):
+        with waiting_for(f"starting the vLLM engine for {self.model_path}", log), self._environment():
             self.llm = LLM(
                 model=self.model_path,
                 worker_extension_cls=WORKER_EXTENSION,
@@ -177,6 +207,37 @@ class VLLMEngine(RolloutEngine):
             self.close()
             raise VLLMIncompatible(incompatibility(vllm.__version__, missing))
         self.worker_devices = self._rpc("logra_device")
+
+    @contextmanager
+    def _environment(self) -> Iterator[None]:
+        """os.environ as the engine's processes inherit it while they start (this process waits in `LLM` meanwhile).
+        In a run of several processes:
+        - without the trainer's rank and rendezvous variables;
+        - processes spawned rather than forked: a forked child would inherit the trainer's initialized process group
+          and vLLM would take it for its own (vLLM spawns by itself only on the CPU backend and once CUDA is
+          initialized);
+        - a user's VLLM_PORT moved apart per rank, so that engines starting at once look for free ports apart;
+        - a VLLM_CPU_OMP_THREADS_BIND of one core list per rank ("0-3|4-7", vLLM's own separator): rank r's list."""
+        if self.world_size == 1:
+            yield
+            return
+        changes: dict[str, str | None] = {name: None for name in os.environ
+                                          if name in _TRAINER_DIST_VARS or name.startswith("TORCHELASTIC_")}
+        changes["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if "VLLM_PORT" in os.environ:
+            changes["VLLM_PORT"] = str(int(os.environ["VLLM_PORT"]) + _PORTS_PER_RANK * self.rank)
+        binds = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").split("|")
+        if len(binds) > 1:
+            if len(binds) != self.world_size:
+                raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {len(binds)} core lists for {self.world_size} ranks; "
+                                 "give one list per rank's engine, separated by '|' (e.g. 0-3|4-7), or one for all")
+            changes["VLLM_CPU_OMP_THREADS_BIND"] = binds[self.rank]
+        saved = {name: os.environ.get(name) for name in changes}
+        _set_environment(changes)
+        try:
+            yield
+        finally:
+            _set_environment(saved)
 
     def close(self) -> None:
         if self.llm is not None:
@@ -243,17 +304,24 @@ class VLLMEngine(RolloutEngine):
         return outcome["value"]
 
     def _engine_processes(self) -> list:
-        """The engine's processes (the engine core, its workers): this process's descendants that vLLM names
-        "VLLM::…"."""
+        """The engine's processes (the engine core, its workers): this process's children that vLLM names "VLLM::…",
+        and theirs. Other descendants are left out: under Lightning's launcher the other ranks' trainers are rank
+        0's children, and their engines are theirs, not rank 0's to measure or kill."""
         import psutil  # a dependency of vLLM
 
-        processes = []
-        for process in psutil.Process().children(recursive=True):
+        processes, parents = [], [psutil.Process()]
+        while parents:
             try:
-                if process.name().startswith("VLLM"):
-                    processes.append(process)
+                children = parents.pop().children()
             except psutil.NoSuchProcess:
                 continue
+            for process in children:
+                try:
+                    if process.name().startswith("VLLM"):
+                        processes.append(process)
+                        parents.append(process)
+                except psutil.NoSuchProcess:
+                    continue
         return processes
 
     def _kill_processes(self) -> None:
@@ -379,6 +447,14 @@ class VLLMEngine(RolloutEngine):
         for answer in answers:  # one per worker; tensor-parallel replicas give identical blocks under one key
             blocks.update(unpack_tensors(answer))
         return blocks
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def eager_by_default(enforce_eager: bool | None, cpu_backend: bool) -> bool:

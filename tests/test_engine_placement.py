@@ -1,0 +1,64 @@
+"""A vLLM engine placed on one rank of several (`VLLMEngine.place`), before it starts: the settings that cannot work
+fail naming the key, and the environment its processes inherit keeps the trainer's rank and rendezvous out. (The
+engines themselves, 2 ranks with one each: tests/test_ddp_vllm.py.)"""
+
+import os
+
+import pytest
+import torch
+
+from lightning_logra.rollout import VLLMEngine
+
+TRAINER = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none", "GROUP_RANK": "0"}
+
+
+def test_an_engine_in_the_trainers_process_is_refused_with_several_ranks():
+    with pytest.raises(ValueError, match="engine.separate_process: true"):
+        VLLMEngine(separate_process=False).place(1, 2, torch.device("cpu"))
+    VLLMEngine(separate_process=False).place(0, 1, torch.device("cpu"))  # one process: as before
+
+
+def test_a_tensor_parallel_engine_is_refused_with_several_ranks():
+    with pytest.raises(ValueError, match=r"engine.tensor_parallel_size: 1 \(got 2\)"):
+        VLLMEngine(tensor_parallel_size=2).place(0, 2, torch.device("cpu"))
+
+
+def test_the_engine_starts_without_the_trainers_rank_and_rendezvous(monkeypatch):
+    for name, value in TRAINER.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("VLLM_PORT", "40000")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")  # not the trainer's to keep
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    engine = VLLMEngine()
+    engine.place(1, 2, torch.device("cpu"))
+    before = dict(os.environ)
+    with engine._environment():
+        assert not set(TRAINER) & set(os.environ)
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+        assert os.environ["VLLM_PORT"] == "40100"  # rank 1 looks for free ports 100 above rank 0
+        assert os.environ["PYTHONPATH"] == "/somewhere"
+    assert dict(os.environ) == before  # the trainer's own environment is back as it was
+
+
+def test_one_process_starts_its_engine_in_the_environment_as_it_is(monkeypatch):
+    for name, value in TRAINER.items():
+        monkeypatch.setenv(name, value)
+    before = dict(os.environ)
+    engine = VLLMEngine()
+    engine.place(0, 1, torch.device("cpu"))
+    with engine._environment():
+        assert dict(os.environ) == before
+
+
+def test_each_ranks_cpu_engine_gets_its_own_cores(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    engine = VLLMEngine()
+    engine.place(1, 2, torch.device("cpu"))
+    with engine._environment():
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "4-7"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    engine.place(1, 3, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"VLLM_CPU_OMP_THREADS_BIND: 2 core lists for 3 ranks"):
+        with engine._environment():
+            pass

@@ -52,7 +52,7 @@ GRIDS = {  # learning rates swept per method (the default run); --quick takes th
     "dense_all": [3e-5, 1e-4, 3e-4],
     "dense_targets": [3e-5, 1e-4, 3e-4],
     "lora": [2e-4, 1e-3, 3e-3],  # 2e-4: the paper's constant LoRA rate, also the pair's row
-    "logra": [3e-4, 1e-3, 3e-3],
+    "logra": [1e-4, 3e-4, 1e-3],
 }
 PAPER_LORA_LR = 2e-4
 LABELS = {

@@ -4,13 +4,16 @@ A prompt is ``"123+456="`` and the correct completion is the sum with its least 
 (123+456=579 → ``"975"``, 999+999=1998 → ``"8991"``). It is the 2-digit task of `arith.py` one digit longer, and
 that digit is what keeps it from saturating:
 
-- **learnable**: with the answer reversed, each output digit is (a_i + b_i + carry) mod 10, where a_i and b_i sit at
-  fixed offsets in the prompt and the carry follows from the previous position's digits and the digit just written;
-  nothing depends on a digit not yet produced. A partially trained model gets many answers right, so a group of
-  8 samples usually holds a right and a wrong one, and binary rewards give a signal.
-- **hard**: an answer is right only if all 3–4 digits are, and a carry now has to be carried through two positions
-  (a middle digit depends on the carry out of the units). Per-digit errors multiply: 85% per digit is ~55% per
-  answer. And there are 810,000 operand pairs, so the model cannot have memorized the answers it has seen.
+- **learnable**: with the answer reversed, output digit i is (a_i + b_i + carry) mod 10, where a_i and b_i sit at
+  fixed places in the prompt and the carry follows from the previous position's digits and the digit just written;
+  nothing depends on a digit not yet produced. A partially trained model gets many answers right, so a group of 8
+  samples often holds a right and a wrong one, and binary rewards give a signal.
+- **hard**: an answer is right only if all 3–4 digits are, and a carry may run through two positions (a middle digit
+  depends on the carry out of the units). The digits are not equally easy: a_i and b_i sit at a distance from the
+  writing position that differs per digit, and the tens digit's (7 and 3 tokens back) is the one this model
+  learns last — supervised training sits for hundreds of steps at greedy pass@1 ≈ 0.1 with the units and hundreds
+  right and the tens at chance, until it finds them. Per-digit errors multiply (85% per digit is ~55% per answer),
+  and 810,000 operand pairs cannot be memorized.
 
 The operand pairs are split by a hash of the pair index (SplitMix64, the same on every machine): about one pair in
 400, 2,054 in all, is held out for evaluation (the `eval` split; greedy pass@1 on 2,054 items has a standard error of

@@ -7,6 +7,11 @@ holds (trained or not) are compared with the trainer's and a drift past `toleran
 is a restarted engine. A sampler whose log-probs stay far from the trainer's (`rollout/logprob_abs_diff` above
 `logprob_diff_threshold` for `logprob_diff_steps` steps in a row) triggers the same check at once. With several
 ranks, each rank keeps its own engine in step (every rank holds the same weights and applies the same update).
+
+A LoRA run (`lightning_logra.lora.LoRAStrategy`) sends the same compact form: after each update, per adapted matrix
+the change of its merged weight W₀ + s·B·A, which has rank at most 2r, as a low-rank delta with an explicit (2r, k)
+factor in place of a seed (`lora.low_rank_deltas`; 2r·(d + k) numbers instead of d·k), measured from the adapters as
+they were at the last sync (a copy of them is this callback's state); a full load sends the merged weights.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_logra import lora
 from lightning_logra.rollout import fingerprint
 from lightning_logra.sketch.install import sketch_carriers
+from lightning_logra.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,8 @@ class RolloutWeightSync(Callback):
         self.full_loads = 0
         self._in_sync = False
         self._module: LightningModule | None = None
+        self._adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # LoRA: (A, B) as the engine has them
+        self._bytes: dict[str, int] = {}  # each engine tensor's bytes (sync/dense_bytes)
 
     # ---- wiring ---------------------------------------------------------------------------------------------------
 
@@ -107,14 +116,19 @@ class RolloutWeightSync(Callback):
     @staticmethod
     def _engine_tensors(pl_module: LightningModule) -> dict[str, torch.Tensor]:
         """Every parameter of the policy, as the engine holds it too (the sketch carriers B are not parameters of the
-        model's files and are left out)."""
+        model's files and are left out; LoRA adapters are merged into their matrices)."""
+        if lora.adapted_layers(pl_module.policy):
+            return lora.engine_tensors(pl_module.policy)
         carriers = sketch_carriers(pl_module.policy)
         return {name: p.detach() for name, p in pl_module.policy.named_parameters() if id(p) not in carriers}
 
     def full_sync(self) -> int:
         """Load every parameter of the policy into the engine; returns the bytes sent."""
         pl_module = self._module
-        sent = pl_module.engine.load_weights(self._engine_tensors(pl_module))
+        tensors = self._engine_tensors(pl_module)
+        self._adapters = lora.adapter_snapshot(pl_module.policy)  # empty without LoRA adapters
+        sent = pl_module.engine.load_weights(tensors)
+        self._bytes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
         self.full_loads += 1
         self._in_sync = True
         return sent
@@ -128,11 +142,13 @@ class RolloutWeightSync(Callback):
         sent = dense_bytes = seconds = math.nan
         if update:
             start = time.perf_counter()
+            if self._adapters:  # the module's update holds new adapter values: send the merged weights' change
+                update = Update(lora.low_rank_deltas(pl_module.policy, self._adapters))
+                self._adapters = lora.adapter_snapshot(pl_module.policy)
             sent = pl_module.engine.apply_update(update)
             seconds = time.perf_counter() - start
             self.syncs += 1
-            params = dict(pl_module.policy.named_parameters())
-            dense_bytes = sum(params[n].numel() * params[n].element_size() for n in update.low_rank)
+            dense_bytes = sum(self._bytes[n] for n in update.low_rank)
             dense_bytes += sum(t.numel() * t.element_size() for t in update.dense.values())
             due |= self.check_every is not None and self.syncs % self.check_every == 0
         if due:

@@ -60,6 +60,9 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
     if saved["training"] != current["training"]:
         differences.append(f"trainer.strategy: the checkpoint was trained {saved['training']}, this run trains "
                            f"{current['training']} (its optimizer state does not fit)")
+    if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (lightning_logra.lora)
+        differences.append(f"trainer.strategy.init_args.lora: the checkpoint's adapters are {saved.get('lora')}, "
+                           f"this run's {current.get('lora')}")
     if differences:
         raise ValueError("cannot resume: " + "; ".join(differences) + ". Resume with the checkpoint's settings, or "
                          "start a new run from its weights (export them with model.export_dir, then train from that "

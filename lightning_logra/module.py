@@ -26,6 +26,8 @@ from lightning_logra.checkpoint import check_resumable, stamp
 from lightning_logra.control import find_controller
 from lightning_logra.hashing import prompt_seeds
 from lightning_logra.logprobs import completion_logprobs
+from lightning_logra.lora import TRAINING as LORA_TRAINING
+from lightning_logra.lora import LoRAStrategy
 from lightning_logra.loss import (
     LOSS_TYPES,
     LossType,
@@ -67,6 +69,9 @@ def _check_settings(hp: Any) -> None:
     if hp.max_unlearnable_steps is not None and hp.max_unlearnable_steps < 1:
         raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
                          f"got {hp.max_unlearnable_steps}")
+    if hp.target_modules is not None and not hp.target_modules:
+        raise ValueError("model.target_modules is empty: name the linear layers the dense baseline trains, e.g. "
+                         "[q_proj, v_proj], or leave it null to train every parameter")
     if hp.loss_type not in LOSS_TYPES:
         raise ValueError(f"model.loss_type must be one of {list(LOSS_TYPES)}, got {hp.loss_type!r}")
     if hp.export_every is not None and hp.export_dir is None:
@@ -96,6 +101,7 @@ class RLVRModule(LightningModule):
         lr: float = 1e-6,
         weight_decay: float = 0.0,
         lr_schedule: LRSchedule = LRSchedule(),
+        target_modules: list[str] | None = None,
         max_grad_norm: float | None = 1.0,
         eval_temperature: float = 0.0,
         eval_max_new_tokens: int | None = None,
@@ -141,6 +147,9 @@ class RLVRModule(LightningModule):
                 `sketch.rest_weight_decay` acts instead.
             lr_schedule: warm-up and decay of the dense AdamW's learning rate, by applied update
                 (`lightning_logra.schedule.LRSchedule`); under a sketch strategy `sketch.lr_schedule` acts instead.
+            target_modules: the dense baseline trains only the weights of these nn.Linear layers (named as
+                `sketch.target_modules`: `q_proj` selects every `...self_attn.q_proj`), the parameters a sketch or
+                LoRA run trains, and freezes the rest; None trains every parameter.
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
             eval_temperature: 0 means greedy pass@1 in validate/test.
             eval_max_new_tokens: the longest completion in validate/test; None takes max_new_tokens.
@@ -211,11 +220,27 @@ class RLVRModule(LightningModule):
         with waiting_for(f"loading the model {hp.model}", log):  # a hub model may download for minutes first
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, hp.dtype)).train()
+        if hp.target_modules is not None:
+            self._freeze_all_but_targets()
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False
         if self.engine is None:
             self.engine = HFEngine(self.policy, self._stop_token_ids(), self._pad_token_id())
+
+    def _freeze_all_but_targets(self) -> None:
+        """The dense baseline on the target matrices only (`model.target_modules`): their weights train, the rest
+        (embeddings, norms, biases) is frozen, as a sketch run leaves them."""
+        from lightning_logra.sketch.install import select_targets
+
+        try:
+            # rank 0: every nn.Linear qualifies (the rank rule is the sketches')
+            targets = select_targets(self.policy, self.hparams.target_modules, rank=0)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"model.{err}") from None
+        trained = {id(linear.weight) for linear in targets.values()}
+        for param in self.policy.parameters():
+            param.requires_grad_(id(param) in trained)
 
     def _pad_token_id(self) -> int:
         tokenizer = self.tokenizer
@@ -532,7 +557,7 @@ class RLVRModule(LightningModule):
         self._controller = find_controller(self.trainer.callbacks)
         # The sketch settings beside the module's own hyperparameters, so that runs differ by them in the loggers
         strategy = self.trainer.strategy
-        if isinstance(strategy, SketchTraining):
+        if isinstance(strategy, (SketchTraining, LoRAStrategy)):
             for logger in self.loggers:
                 logger.log_hyperparams(strategy.config.hparams())
 
@@ -549,7 +574,10 @@ class RLVRModule(LightningModule):
         # "-true" precisions hold the weights themselves in that dtype; "-mixed" ones keep model.dtype's
         weights = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision,
                                                                                           self.hparams.dtype)
-        return stamp(weights, "with sketches" if isinstance(self.trainer.strategy, SketchTraining) else "densely")
+        strategy = self.trainer.strategy
+        if isinstance(strategy, LoRAStrategy):  # the adapters' settings too: export and resume need them
+            return {**stamp(weights, LORA_TRAINING), "lora": strategy.config.record()}
+        return stamp(weights, "with sketches" if isinstance(strategy, SketchTraining) else "densely")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens}

@@ -35,11 +35,15 @@ class Update:
     def tensor_bytes(self) -> int:
         """Σ d·r·bytes(factor dtype) + the dense tensors' bytes: the numbers alone, without any header."""
         tensors = [d.factor for d in self.low_rank.values()] + list(self.dense.values())
+        tensors += [d.matrix for d in self.low_rank.values() if d.matrix is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to_bytes(self) -> bytes:
-        """safetensors bytes; A is not sent: its seed, distribution and k (and the rounding key) go in the header."""
+        """safetensors bytes; a seeded A is not sent: its seed, distribution and k (and the rounding key) go in the
+        header. An explicit A (a LoRA step's) is sent as `projection/<name>`."""
         tensors = {f"lowrank/{name}": d.factor.detach().contiguous().cpu() for name, d in self.low_rank.items()}
+        tensors.update({f"projection/{name}": d.matrix.detach().contiguous().cpu()
+                        for name, d in self.low_rank.items() if d.matrix is not None})
         tensors.update({f"dense/{name}": t.detach().contiguous().cpu() for name, t in self.dense.items()})
         header = {name: [d.seed, d.distribution, d.in_features, d.rounding_key] for name, d in self.low_rank.items()}
         return save_tensors(tensors, metadata={"low_rank": json.dumps(header)})
@@ -49,7 +53,8 @@ class Update:
         tensors = load_tensors(data)
         header = _metadata(data).get("low_rank", "{}")
         low_rank = {
-            name: LowRankDelta(tensors[f"lowrank/{name}"], seed, distribution, in_features, rounding_key)
+            name: LowRankDelta(tensors[f"lowrank/{name}"], seed, distribution, in_features, rounding_key,
+                               tensors.get(f"projection/{name}"))
             for name, (seed, distribution, in_features, rounding_key) in json.loads(header).items()
         }
         dense = {key.removeprefix("dense/"): t for key, t in tensors.items() if key.startswith("dense/")}

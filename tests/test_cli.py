@@ -17,6 +17,7 @@ from cli import main
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
 from lightning_logra.module import RLVRModule
+from lightning_logra.lora import LoRAStrategy
 from lightning_logra.rewards import TimedReward
 from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
 
@@ -48,7 +49,9 @@ def test_every_config_instantiates_the_real_classes(config):
     assert isinstance(cli.model, RLVRModule) and cli.model.policy is None  # weights load lazily, at fit
     assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
     assert 0 < cli.trainer.checkpoint_callback._every_n_train_steps <= 50  # a crash loses at most 50 steps
-    if "dense" not in Path(config).stem:
+    if "lora" in Path(config).stem:
+        assert isinstance(cli.trainer.strategy, LoRAStrategy) and cli.trainer.strategy.config.rank < 128
+    elif "dense" not in Path(config).stem:
         assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy))
         assert cli.trainer.strategy.config.rank < 4096
 

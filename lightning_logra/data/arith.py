@@ -83,9 +83,11 @@ class ArithPrompts(Dataset):
 
 
 def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, intermediate_size: int = 384
+    tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, intermediate_size: int = 384,
+    max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> Qwen2ForCausalLM:
-    """The shipped model's architecture with random weights (tests use a smaller depth and MLP)."""
+    """The shipped models' architecture with random weights (tests use a smaller depth and MLP; the 3-digit task of
+    `add3.py` answers in up to `max_new_tokens` = 5 tokens)."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -107,6 +109,6 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        max_new_tokens=MAX_NEW_TOKENS,
+        max_new_tokens=max_new_tokens,
     )
     return model

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_logra.data.add3 import Add3Prompts
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.prompts import LOCAL_FORMATS, DatasetSource, PromptDataset
 
@@ -210,6 +211,17 @@ class ArithDataModule(RLVRDataModule):
         if self.eval_limit is not None:
             dataset.examples = dataset.examples[: self.eval_limit]
         return dataset
+
+
+class Add3DataModule(ArithDataModule):
+    """The harder embedded task (`lightning_logra/data/add3.py`): 3-digit additions, answers reversed; 807,946 train
+    pairs and a held-out split of 2,054 (validate and test; `eval_limit` keeps its first pairs)."""
+
+    def make_train_set(self) -> Dataset:
+        return Add3Prompts("train")
+
+    def make_eval_set(self, stage: str) -> Dataset:
+        return Add3Prompts("eval", self.eval_limit)
 
 
 class PromptDataModule(RLVRDataModule):

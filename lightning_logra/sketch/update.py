@@ -88,19 +88,23 @@ def apply_stacked_update_(weight: torch.Tensor, blocks: list[RowBlock], projecti
 
 @dataclass
 class LowRankDelta:
-    """W ← W − F·A for one matrix, with A = make_projection(seed, rank, in_features, distribution)."""
+    """W ← W − F·A for one matrix, with A = make_projection(seed, rank, in_features, distribution) — or, for a change
+    that no seed regenerates (a LoRA step, `lightning_logra.lora`), the explicit `matrix` A, sent along with F."""
 
     factor: torch.Tensor  # F = α·η·U (d, r)
-    seed: int
-    distribution: str
+    seed: int | None
+    distribution: str | None
     in_features: int  # k
     rounding_key: int | None = None  # the bits of a stochastic rounding into bf16/fp16 weights; None: nearest
+    matrix: torch.Tensor | None = None  # an explicit A (r, k); None: regenerated from the seed
 
     @property
     def rank(self) -> int:
         return self.factor.shape[1]
 
     def projection(self, device: torch.device | str | None = None) -> torch.Tensor:
+        if self.matrix is not None:
+            return self.matrix.to(device)  # (r, k)
         return make_projection(self.seed, self.rank, self.in_features, self.distribution, device=device)  # (r, k)
 
     def apply_(self, weight: torch.Tensor) -> None:

@@ -1,0 +1,377 @@
+"""Does LoGRA give up task performance? Methods side by side on the harder embedded task, paired seeds.
+
+    python bench/quality.py            # the full comparison (see --steps, --seeds; about 52 runs of 400 steps)
+    python bench/quality.py --quick    # every row at 4 steps, 2 seeds, 64 held-out items: checks the script (CI)
+
+The task is `configs/add3.yaml`'s (reversed 3-digit addition, the shipped partially trained model, greedy pass@1
+near 0.1 at the start), where pass@1 is far from its ceiling, so methods can differ. Every run is
+`python cli.py fit` of a config built from add3.yaml (written beside the runs), one thread each, `--parallel` at a
+time. Paired seeds: seed s sets the sampling, the prompt order, the projections and the adapters' initialization of
+every row alike, so row differences are measured on the same batches.
+
+Rows:
+- dense AdamW on all parameters, and on the target matrices only (`model.target_modules`: what LoGRA and LoRA train);
+- LoRA (peft, `lightning_logra.lora.LoRAStrategy`) on the same targets at the same rank (alpha = 2·rank);
+- LoGRA (sketch Adam) at rank `--rank`: fixed Rademacher projection, Rademacher and Gaussian refreshed every quarter
+  of the run; fixed Rademacher at `--rank2`; and with `train_rest` (embeddings, norms and biases trained densely at
+  dense AdamW's best learning rate).
+The learning rates of dense AdamW (both rows), LoRA and LoGRA are swept on a grid, every grid point on every seed;
+the rows use each method's best (highest mean final pass@1; the LoGRA variants take the fixed-projection's best), and
+the grid is reported. These rows have no KL control: each run measures the KL it realizes per step with a
+`PredictedKLBudget` whose budget never binds (α = 1 at every step: it only logs `kl/realized`).
+
+The paper's LoRA comparison, as a row pair: LoRA AdamW at a constant 2e-4, against LoGRA with the predicted-KL budget
+annealed linearly from δ₀ to δ₀/10 (the paper's 2e-4 → 2e-5 is a factor of 10). Scaled to the task: δ₀ is the KL per
+step that the LoRA 2e-4 runs realized over their first tenth of steps (mean over seeds), so both rows start moving
+the policy at the same rate; the paper's absolute 2e-4 is a KL per token of a 1.5B model on long math answers.
+
+Reported per row, mean ± std over seeds: greedy pass@1 on the held-out split at the end (the headline; before any
+step it is the shipped model's, measured once), its paired difference from dense AdamW on the target matrices, the
+sampled reward (temperature 1) over the last tenth of steps, the realized KL per step, and the reward gained (last
+tenth − first tenth) per unit of KL travelled (the sum of the per-step KL). JSON and plot under bench/out/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import pyplot, save_figure  # noqa: E402
+from runs import ROOT, latest_run, run_all, scalars  # bench/runs.py: CLI runs and their scalars  # noqa: E402
+
+BASE_CONFIG = ROOT / "configs" / "add3.yaml"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GRIDS = {  # learning rates swept per method (the default run); --quick takes the middle one
+    "dense_all": [3e-5, 1e-4, 3e-4],
+    "dense_targets": [3e-5, 1e-4, 3e-4],
+    "lora": [2e-4, 1e-3, 3e-3],  # 2e-4: the paper's constant LoRA rate, also the pair's row
+    "logra": [1e-4, 3e-4, 1e-3],
+}
+PAPER_LORA_LR = 2e-4
+LABELS = {
+    "dense_all": "dense AdamW, all parameters",
+    "dense_targets": "dense AdamW, target matrices only",
+    "lora": "LoRA",
+    "logra": "LoGRA, fixed Rademacher",
+    "logra_refresh_rademacher": "LoGRA, refreshed Rademacher",
+    "logra_refresh_gaussian": "LoGRA, refreshed Gaussian",
+    "logra_rank2": "LoGRA, fixed Rademacher",
+    "logra_train_rest": "LoGRA + train_rest",
+    "pair_lora": "LoRA, constant 2e-4 (paper)",
+    "pair_logra_kl": "LoGRA, KL budget annealed",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400, help="training steps of every run")
+    parser.add_argument("--seeds", type=int, default=3, help="paired seeds per row (0, 1, ...)")
+    parser.add_argument("--rank", type=int, default=16, help="rank of LoRA and of the LoGRA rows")
+    parser.add_argument("--rank2", type=int, default=64, help="LoGRA's second rank (fixed Rademacher)")
+    parser.add_argument("--evals", type=int, default=4, help="greedy pass@1 evaluations per run (the last at the end)")
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out items evaluated (default: all 2,054)")
+    parser.add_argument("--kl-budget", type=float, default=None,
+                        help="δ₀ of the KL-controlled LoGRA row (default: LoRA 2e-4's realized KL per step, see above)")
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--quick", action="store_true",
+                        help="every row, 4 steps, 2 seeds, one learning rate per method, 64 held-out items")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "quality.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "quality.png")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "quality_runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.evals, args.eval_limit = 4, 2, 1, args.eval_limit or 64
+    for key in ("steps", "seeds", "evals", "rank", "rank2", "parallel"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.steps % args.evals:
+        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --evals ({args.evals})")
+    return args
+
+
+def grids(args: argparse.Namespace) -> dict[str, list[float]]:
+    """The learning rates swept per method; --quick: one each (LoRA's is the paper's, which the pair needs)."""
+    if not args.quick:
+        return GRIDS
+    return {method: [PAPER_LORA_LR] if method == "lora" else [grid[1]] for method, grid in GRIDS.items()}
+
+
+# ---- one run: a config built from add3.yaml -------------------------------------------------------------------------
+
+def kl_callback(budget: float | None, steps: int) -> dict:
+    """PredictedKLBudget: a budget that binds (δ₀ → δ₀/10, linear), or None: one that never does (α = 1 at every step,
+    since α = min(α_max = 1, √(δ/q)) with δ = 1e6), so that the run is uncontrolled and still logs `kl/realized`."""
+    if budget is None:
+        return {"class_path": "lightning_logra.callbacks.PredictedKLBudget",
+                "init_args": {"budget": 1e6, "alpha_max": 1.0, "subset": 16}}
+    return {"class_path": "lightning_logra.callbacks.PredictedKLBudget",
+            "init_args": {"budget": budget, "final_budget": budget / 10, "schedule": "linear",
+                          "anneal_steps": steps, "alpha_max": 4.0, "subset": 16}}
+
+
+def run_config(run: dict, args: argparse.Namespace) -> dict:
+    """The whole config of one run: add3.yaml with the run's method, learning rate and seed."""
+    config = yaml.safe_load(BASE_CONFIG.read_text())
+    seed, steps = run["seed"], args.steps
+    trainer, model, data = config["trainer"], config["model"], config["data"]["init_args"]
+    config["seed_everything"] = model["seed"] = data["seed"] = seed
+    trainer.update(max_steps=steps, val_check_interval=steps // args.evals, enable_checkpointing=False,
+                   enable_progress_bar=False, callbacks=[kl_callback(run.get("kl_budget"), steps)])
+    trainer["logger"]["init_args"].update(save_dir=str(args.runs_dir), name=run["name"])
+    if args.eval_limit is not None:
+        data["eval_limit"] = args.eval_limit
+    method = run["method"]
+    if method.startswith("dense"):
+        del trainer["strategy"]
+        model["lr"] = run["lr"]
+        if method == "dense_targets":
+            model["target_modules"] = TARGETS
+    elif method == "lora":
+        trainer["strategy"] = {"class_path": "lightning_logra.lora.LoRAStrategy", "init_args": {"lora": {
+            "target_modules": TARGETS, "rank": run["rank"], "alpha": 2.0 * run["rank"], "lr": run["lr"],
+            "seed": seed}}}
+    else:
+        sketch = trainer["strategy"]["init_args"]["sketch"]
+        sketch.update(target_modules=TARGETS, rank=run["rank"], seed=seed, distribution=run["distribution"])
+        sketch["optimizer"]["init_args"] = {"lr": run["lr"], "refresh_every": run["refresh_every"]}
+        if run.get("rest_lr") is not None:
+            sketch.update(train_rest=True, train_bias=True, rest_lr=run["rest_lr"])
+    return config
+
+
+def command(run: dict, args: argparse.Namespace) -> list[str]:
+    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if run["method"] == "start":  # the shipped model's greedy pass@1, once: validate runs no training step
+        config = run_config({**run, "method": "dense_all", "lr": 1e-4}, args)
+        config["trainer"]["callbacks"] = []
+        path.write_text(yaml.safe_dump(config))
+        return [sys.executable, str(ROOT / "cli.py"), "validate", "--config", str(path)]
+    path.write_text(yaml.safe_dump(run_config(run, args)))
+    return [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(path)]
+
+
+def measure(run: dict, args: argparse.Namespace) -> dict:
+    """The run's curves and summaries from its TensorBoard scalars."""
+    values = scalars(latest_run(args.runs_dir, run["name"]))
+    rewards, kl = values["train/reward_mean"], values.get("kl/realized", [])
+    tenth = max(1, len(rewards) // 10)
+    first, last = statistics.fmean(rewards[:tenth]), statistics.fmean(rewards[-tenth:])
+    finite_kl = [k for k in kl if math.isfinite(k)]
+    total_kl = sum(finite_kl)
+    return {**run, "pass_curve": values["val/pass@1"], "pass_at_1": values["val/pass@1"][-1], "rewards": rewards,
+            "kl": kl, "reward_first": first, "reward_last": last,
+            "kl_per_step": total_kl / len(finite_kl) if finite_kl else math.nan,
+            "reward_per_kl": (last - first) / total_kl if total_kl > 0 else math.nan}
+
+
+def train(runs: list[dict], args: argparse.Namespace) -> list[dict]:
+    done = run_all(runs, lambda run: command(run, args), args.parallel)
+    failed = [row for row in done if "error" in row]
+    if failed:
+        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
+    return [measure(row, args) for row in done]
+
+
+# ---- the comparison -----------------------------------------------------------------------------------------------
+
+def _name(row: str, lr: float, seed: int) -> str:
+    return f"{row}_lr{lr:g}_seed{seed}"
+
+
+def grid_runs(args: argparse.Namespace) -> list[dict]:
+    runs = []
+    for method, lrs in grids(args).items():
+        for lr in lrs:
+            for seed in range(args.seeds):
+                runs.append(dict(name=_name(method, lr, seed), row=method, method=method, lr=lr, seed=seed,
+                                 rank=args.rank, distribution="rademacher", refresh_every=None))
+    return runs
+
+
+def best_lr(results: list[dict], row: str) -> float:
+    by_lr: dict[float, list[dict]] = {}
+    for result in results:
+        if result["row"] == row:
+            by_lr.setdefault(result["lr"], []).append(result)
+    # highest mean final pass@1; the sampled reward breaks a tie
+    return max(by_lr, key=lambda lr: (statistics.fmean(r["pass_at_1"] for r in by_lr[lr]),
+                                      statistics.fmean(r["reward_last"] for r in by_lr[lr])))
+
+
+def second_runs(args: argparse.Namespace, results: list[dict], budget: float) -> list[dict]:
+    """The LoGRA variants at LoGRA's best learning rate, and the KL-controlled LoGRA row of the paper's pair."""
+    lr, dense_lr = best_lr(results, "logra"), best_lr(results, "dense_all")
+    refresh = max(1, args.steps // 4)
+    variants = [("logra_refresh_rademacher", dict(distribution="rademacher", refresh_every=refresh)),
+                ("logra_refresh_gaussian", dict(distribution="gaussian", refresh_every=refresh)),
+                ("logra_rank2", dict(rank=args.rank2)),
+                ("logra_train_rest", dict(rest_lr=dense_lr)),
+                ("pair_logra_kl", dict(kl_budget=budget))]
+    runs = []
+    for row, settings in variants:
+        for seed in range(args.seeds):
+            run = dict(row=row, method="logra", lr=lr, seed=seed, rank=args.rank, distribution="rademacher",
+                       refresh_every=None) | settings
+            runs.append(run | {"name": _name(row, lr, seed)})
+    return runs
+
+
+def kl_budget(args: argparse.Namespace, results: list[dict]) -> float:
+    """δ₀ of the pair's LoGRA row: LoRA 2e-4's realized KL per step over its first tenth of steps, mean over seeds."""
+    if args.kl_budget is not None:
+        return args.kl_budget
+    firsts = []
+    for result in results:
+        if result["row"] == "lora" and result["lr"] == PAPER_LORA_LR:
+            tenth = [k for k in result["kl"][: max(1, len(result["kl"]) // 10)] if math.isfinite(k)]
+            firsts.append(statistics.fmean(tenth))
+    return statistics.fmean(firsts)
+
+
+def summarize(rows: dict[str, list[dict]], start: float) -> dict[str, dict]:
+    """Per row: mean and std over seeds of each measure, and pass@1's paired difference from dense on the targets."""
+    reference = {r["seed"]: r["pass_at_1"] for r in rows["dense_targets"]}
+    summary = {}
+    for row, results in rows.items():
+        entry = {"label": label(row, results[0]), "lr": results[0]["lr"], "seeds": len(results)}
+        for key in ("pass_at_1", "reward_last", "kl_per_step", "reward_per_kl"):
+            entry[key] = _mean_std([r[key] for r in results])
+        entry["pass_gain"] = _mean_std([r["pass_at_1"] - start for r in results])
+        entry["pass_vs_dense_targets"] = _mean_std([r["pass_at_1"] - reference[r["seed"]] for r in results])
+        if results[0].get("kl_budget") is not None:
+            entry["kl_budget"] = results[0]["kl_budget"]
+        summary[row] = entry
+    return summary
+
+
+def label(row: str, run: dict) -> str:
+    name = LABELS[row]
+    if row in ("lora", "logra", "logra_rank2", "logra_refresh_rademacher", "logra_refresh_gaussian",
+               "logra_train_rest", "pair_logra_kl"):
+        name += f", rank {run['rank']}"
+    return name
+
+
+def _mean_std(values: list[float]) -> list[float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return [math.nan, math.nan]
+    return [statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0]
+
+
+def _pm(pair: list[float], digits: int = 3, scientific: bool = False) -> str:
+    mean, std = pair
+    return f"{mean:.2e} ± {std:.1e}" if scientific else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def tables(summary: dict[str, dict], grid_summary: list[dict], start: float, args: argparse.Namespace) -> str:
+    lines = [f"greedy pass@1 of the shipped model on the held-out split, before any step: {start:.3f}", "",
+             f"| row | lr | greedy pass@1 at {args.steps} | gain | vs dense (targets), paired | sampled reward, "
+             "last tenth | KL per step | reward gain per unit KL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row, entry in summary.items():
+        if row == "pair_lora":
+            lines.append("| *the paper's LoRA comparison* | | | | | | | |")
+        lr = f"{entry['lr']:g}" + (f", δ₀ {entry['kl_budget']:.2e}" if "kl_budget" in entry else "")
+        lines.append(f"| {entry['label']} | {lr} | {_pm(entry['pass_at_1'])} | {_pm(entry['pass_gain'])} "
+                     f"| {_pm(entry['pass_vs_dense_targets'])} | {_pm(entry['reward_last'])} "
+                     f"| {_pm(entry['kl_per_step'], scientific=True)} | {_pm(entry['reward_per_kl'], 1)} |")
+    lines += ["", "learning-rate grid (mean ± std over seeds; * the row's choice):", "",
+              "| method | lr | greedy pass@1 | sampled reward, last tenth |", "|---|---:|---:|---:|"]
+    for entry in grid_summary:
+        mark = " *" if entry["chosen"] else ""
+        lines.append(f"| {LABELS[entry['method']]} | {entry['lr']:g}{mark} | {_pm(entry['pass_at_1'])} "
+                     f"| {_pm(entry['reward_last'])} |")
+    return "\n".join(lines)
+
+
+def grid_table(results: list[dict], chosen: dict[str, float]) -> list[dict]:
+    entries = []
+    for method in GRIDS:
+        lrs = sorted({r["lr"] for r in results if r["row"] == method})
+        for lr in lrs:
+            runs = [r for r in results if r["row"] == method and r["lr"] == lr]
+            entries.append(dict(method=method, lr=lr, chosen=chosen[method] == lr,
+                                pass_at_1=_mean_std([r["pass_at_1"] for r in runs]),
+                                reward_last=_mean_std([r["reward_last"] for r in runs])))
+    return entries
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(rows: dict[str, list[dict]], summary: dict[str, dict], start: float, args: argparse.Namespace) -> None:
+    plt = pyplot()
+    fig, (pass_axis, reward_axis, kl_axis) = plt.subplots(1, 3, figsize=(18, 5.5))
+    every = args.steps // args.evals
+    window = max(1, args.steps // 20)
+    for row, results in rows.items():
+        style = "--" if row.startswith("pair") else "-"
+        label_text = summary[row]["label"]
+        curves = [[start] + r["pass_curve"] for r in results]
+        steps = [i * every for i in range(len(curves[0]))]
+        mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
+        pass_axis.plot(steps, mean, style, marker="o", label=label_text)
+        rewards = [_moving_average(r["rewards"], window) for r in results]
+        reward_axis.plot(range(1, len(rewards[0]) + 1),
+                         [statistics.fmean(c[i] for c in rewards) for i in range(len(rewards[0]))], style)
+        kls = [_moving_average([k if math.isfinite(k) else 0.0 for k in r["kl"]], window) for r in results]
+        kl_axis.plot(range(1, len(kls[0]) + 1), [statistics.fmean(c[i] for c in kls) for i in range(len(kls[0]))],
+                     style)
+    pass_axis.set(xlabel="step", ylabel="greedy pass@1, held-out split (mean over seeds)")
+    reward_axis.set(xlabel="step", ylabel=f"sampled reward (moving mean of {window} steps)")
+    kl_axis.set(xlabel="step", ylabel="realized KL per step", yscale="log")
+    pass_axis.legend(fontsize=7)
+    save_figure(fig, f"reversed 3-digit addition: {args.steps} steps, {args.seeds} paired seeds", args.plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    start_run = dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank,
+                     distribution="rademacher", refresh_every=None)
+    first = run_all([start_run, *grid_runs(args)], lambda run: command(run, args), args.parallel)
+    failed = [row for row in first if "error" in row]
+    if failed:
+        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
+    start = scalars(latest_run(args.runs_dir, "start"))["val/pass@1"][-1]
+    results = [measure(row, args) for row in first if row["method"] != "start"]
+    chosen = {method: best_lr(results, method) for method in GRIDS}
+    budget = kl_budget(args, results)
+    results += train(second_runs(args, results, budget), args)
+
+    rows: dict[str, list[dict]] = {}
+    for method in GRIDS:  # the grid's best, then the variants and the pair
+        rows[method] = [r for r in results if r["row"] == method and r["lr"] == chosen[method]]
+    for row in ("logra_refresh_rademacher", "logra_refresh_gaussian", "logra_rank2", "logra_train_rest"):
+        rows[row] = [r for r in results if r["row"] == row]
+    rows["pair_lora"] = [r for r in results if r["row"] == "lora" and r["lr"] == PAPER_LORA_LR]
+    rows["pair_logra_kl"] = [r for r in results if r["row"] == "pair_logra_kl"]
+    summary = summarize(rows, start)
+    grid_summary = grid_table(results, chosen)
+    print(tables(summary, grid_summary, start, args))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"start_pass_at_1": start, "kl_budget": budget, "summary": summary,
+                                    "grid": grid_summary, "runs": results, "settings": settings}, indent=1) + "\n")
+    plot(rows, summary, start, args)
+    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

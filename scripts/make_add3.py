@@ -1,0 +1,161 @@
+"""Build the model shipped for the harder embedded task (`lightning_logra/data/add3.py`, reversed 3-digit addition):
+the tiny Qwen2 of `scripts/make_tiny_arith.py`, supervised part of the way on the train split.
+
+    python scripts/make_add3.py      # from the repository root, package installed (pip install -e .)
+
+writes lightning_logra/data/add3/ in a few minutes on one CPU thread (it sets one thread itself).
+
+Supervised fine-tuning (AdamW, loss on the answer and <eos> tokens only) stops as soon as the *greedy* exact match on
+a fixed probe of train prompts reaches ``STOP_GREEDY``. The benchmark's headline is greedy pass@1 on the held-out
+split, so the stop is set on it: low enough that RL has a long way up (the 2-digit model starts at 0.62 and every
+method reaches ~0.97 within 300 steps), high enough that sampled answers are right often enough for binary rewards
+to carry a signal (a group of 8 samples with one right and one wrong answer has nonzero advantages).
+
+Seeded, deterministic algorithms, one thread: a rerun on the same machine gives the same weights.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+from lightning_logra.data.add3 import ADD3_DIR, MAX_NEW_TOKENS, PROMPT_LEN, Add3Prompts, split_indices
+from lightning_logra.data.arith import build_tiny_model, build_tokenizer
+
+# Greedy exact match on the probe at which SFT stops. At lr 1e-3 the model reaches about 0.1 within some 600 steps
+# (units digits and most carry-free answers) and then plateaus there for well over 500 more steps (loss ~0.50): the
+# carries through two positions are what it has not learned yet. Stopping as it reaches the plateau leaves RL the
+# whole carry mechanism to improve, from a model that is right often enough to give groups a signal.
+STOP_GREEDY = 0.10
+WANTED_GREEDY = (0.06, 0.40)  # the held-out greedy pass@1 the saved model must have, or nothing is saved
+
+
+def encode_sft(tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of ``prompt + answer + <eos>``, right-padded, and labels that keep only the answer and <eos>."""
+    texts = [ex["prompt"] + ex["answer"] + tokenizer.eos_token for ex in examples]
+    ids = tokenizer(texts, padding="longest", padding_side="right", return_tensors="pt").input_ids  # (B, ≤ 13)
+    labels = ids.clone()  # (B, ≤ 13)
+    labels[:, :PROMPT_LEN] = -100
+    labels[ids == tokenizer.pad_token_id] = -100
+    return ids, labels
+
+
+@torch.no_grad()
+def exact_match_rate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]],
+                     temperature: float, generator: torch.Generator, batch_size: int = 1024) -> float:
+    """Mean exact match of one completion per prompt, sampled at `temperature` or greedy at 0 (prompts are all
+    `PROMPT_LEN` tokens, so no padding; at most 13 tokens, so no KV cache is worth it)."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        ids = tokenizer([ex["prompt"] for ex in batch], return_tensors="pt").input_ids  # (B, 8)
+        for _ in range(MAX_NEW_TOKENS):
+            logits = model(input_ids=ids).logits[:, -1]  # (B, V)
+            if temperature == 0.0:
+                next_ids = logits.argmax(dim=-1)  # (B,)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+            ids = torch.cat([ids, next_ids[:, None]], dim=1)
+        for row, ex in zip(ids[:, PROMPT_LEN:].tolist(), batch):
+            completion = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
+            correct += tokenizer.decode(completion).strip() == ex["answer"]
+    model.train()
+    return correct / len(examples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ADD3_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-steps", type=int, default=8000)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--probe", type=int, default=1024, help="train prompts evaluated greedily at each check")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, max_new_tokens=MAX_NEW_TOKENS)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters")
+
+    train, evaluation = Add3Prompts("train"), Add3Prompts("eval")
+    batches = torch.Generator().manual_seed(args.seed)
+    sampling = torch.Generator().manual_seed(args.seed + 1)
+    # A fixed probe makes successive checks comparable.
+    probe_index = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + 2))[: args.probe]
+    probe = [train[i] for i in probe_index.tolist()]
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    step, greedy = 0, 0.0
+    while greedy < STOP_GREEDY:
+        if step == args.max_steps:
+            raise SystemExit(f"no stop after {step} steps (greedy probe {greedy:.3f} < {STOP_GREEDY})")
+        index = torch.randint(len(train), (args.batch_size,), generator=batches)  # (B,)
+        ids, labels = encode_sft(tokenizer, [train[i] for i in index.tolist()])  # (B, L) each
+        attention_mask = (ids != tokenizer.pad_token_id).long()
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % args.eval_every == 0:
+            greedy = exact_match_rate(model, tokenizer, probe, 0.0, sampling)
+            print(f"step {step:5d}  loss {loss.item():.4f}  greedy probe {greedy:.3f}", flush=True)
+
+    # The final numbers: the whole held-out split, and as many train prompts.
+    train_subset = [train[i] for i in torch.randperm(len(train), generator=sampling)[: len(evaluation)].tolist()]
+    evaluation = [evaluation[i] for i in range(len(evaluation))]
+    numbers = {
+        "train_sampled": exact_match_rate(model, tokenizer, train_subset, 1.0, sampling),
+        "train_greedy": exact_match_rate(model, tokenizer, train_subset, 0.0, sampling),
+        "eval_sampled": exact_match_rate(model, tokenizer, evaluation, 1.0, sampling),
+        "eval_greedy": exact_match_rate(model, tokenizer, evaluation, 0.0, sampling),
+    }
+    print(f"stopped after {step} steps: " + ", ".join(f"{k} {v:.3f}" for k, v in numbers.items()))
+    if not WANTED_GREEDY[0] <= numbers["eval_greedy"] <= WANTED_GREEDY[1]:
+        raise SystemExit(f"held-out greedy pass@1 {numbers['eval_greedy']:.3f} is outside {WANTED_GREEDY}; "
+                         "nothing saved")
+
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out)
+    # As make_tiny_arith.py: a tokenizer class name that transformers 4 resolves too.
+    tokenizer_config_path = args.out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    size_kib = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 1024
+    (args.out / "README.md").write_text(
+        f"""# add3
+
+A {n_params:,}-parameter Qwen2 (the architecture of `tiny_arith`: hidden 128, 4 layers, tied embeddings, fp32,
+character-level tokenizer) for the harder embedded task in `lightning_logra/data/add3.py` (3-digit addition, answer
+reversed: `123+456=` → `975`). It is trained only part of the way on purpose, so that RL starts well below ceiling.
+
+Made with `python scripts/make_add3.py` (seed {args.seed}, one thread): AdamW lr {args.lr}, batch {args.batch_size},
+loss on the answer and `<eos>` only, stopped after {step} steps when the greedy exact match on {args.probe} train
+prompts reached {STOP_GREEDY}.
+
+Exact match, one completion per prompt, at most {MAX_NEW_TOKENS} new tokens, stop on `<eos>`:
+
+| split | prompts | sampled (T=1.0) | greedy |
+|-------|---------|-----------------|--------|
+| train (a random subset) | {len(train_subset)} | {numbers['train_sampled']:.3f} | {numbers['train_greedy']:.3f} |
+| eval (held out, all)    | {len(evaluation)} | {numbers['eval_sampled']:.3f} | {numbers['eval_greedy']:.3f} |
+
+Size on disk: {size_kib:,.0f} KiB. (The split: {len(split_indices('train')):,} train pairs, {len(evaluation):,}
+held out.)
+"""
+    )
+    print(f"saved to {args.out} ({size_kib:,.0f} KiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Sharded training (SketchFSDPStrategy, FSDP2 on 2 CPU processes with gloo) against one process on the same global
+batch, through the CLI."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.integration  # end-to-end runs of 2 processes: `pytest -m "not integration"` skips them
+
+ROOT = Path(__file__).parents[1]
+
+
+def _config(name: str, path: Path) -> str:
+    """`configs/<name>` with the embedding, norms and head trained densely (train_rest, at a learning rate that moves
+    them), and the KL controller measuring q on the whole batch: then q over the tokens of both ranks' halves is
+    exactly the single process's q, and so is α."""
+    data = yaml.safe_load((ROOT / "configs" / name).read_text())
+    data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("PredictedKLBudget"):
+            callback["init_args"]["subset"] = 1.0
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _fit(config: str, model: str, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "cli.py", "fit", "--config", config, "--model.model", model,
+        "--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root),
+        "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "4",
+        "--data.init_args.eval_limit", "4", "--model.reward", "conftest.odd_first_digit",
+        "--trainer.callbacks+=conftest.NoDenseSketchGradients", "--trainer.callbacks+=conftest.GradNormLog",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _scalars(root: Path, tag: str) -> list[float]:
+    events = EventAccumulator(glob.glob(str(root / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
+    steps = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "3"]
+    for name, root in (("tiny_arith.yaml", tmp_path / "1"), ("tiny_arith_fsdp.yaml", tmp_path / "2")):
+        _fit(_config(name, tmp_path / name), tiny_arith_model, root, *steps, "--model.export_dir", str(root / "out"))
+    single, sharded = load_file(tmp_path / "1" / "out" / "model.safetensors"), load_file(tmp_path / "2" / "out" /
+                                                                                        "model.safetensors")
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    moved = {name for name in single if not torch.equal(single[name], start[name])}
+    assert any("q_proj" in name for name in moved) and any("norm" in name for name in moved)  # sketched and dense
+    assert "model.embed_tokens.weight" in moved  # the replicated (tied) embedding, trained densely
+    assert sorted(sharded) == sorted(single)
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], rtol=0, atol=1e-6, msg=name)
+    norms = [json.loads((root / "grad_norms.json").read_text()) for root in (tmp_path / "1", tmp_path / "2")]
+    assert len(norms[0]) == 3 and norms[1] == pytest.approx(norms[0], rel=1e-5)
+    for tag in ("kl/q", "kl/alpha", "kl/predicted", "kl/realized", "train/reward_mean"):
+        one, two = _scalars(tmp_path / "1", tag), _scalars(tmp_path / "2", tag)
+        assert len(one) == 3 and two == pytest.approx(one, rel=1e-5), tag
+    # each rank's sketch optimizer keeps state for its half of the rows: the reduce-scatter sent whole sketches
+    assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes")[0] > 0

@@ -5,14 +5,17 @@
 The folder (weights in the dtype they were trained in, config, generation config, tokenizer) loads with
 `AutoModelForCausalLM.from_pretrained` and with vLLM. A sketch-trained checkpoint needs nothing sketch-specific:
 sketched layers keep the original parameter names and shapes, and the sketch carriers are not in state_dicts.
+A sharded checkpoint (a folder, written by `SketchFSDPStrategy`) is consolidated first, in this one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
+from lightning.fabric.utilities.consolidate_checkpoint import _load_distributed_checkpoint
 
 from lightning_logra.checkpoint import KEY
 
@@ -22,6 +25,12 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> Path:
     from lightning_logra.module import RLVRModule
 
     ckpt_path, out = Path(ckpt_path), Path(out)
+    if ckpt_path.is_dir():
+        with tempfile.TemporaryDirectory() as folder:
+            # The shards as one ordinary checkpoint (the whole tensors, in this process), then exported as any other.
+            whole = Path(folder) / "consolidated.ckpt"
+            torch.save(_load_distributed_checkpoint(ckpt_path), whole)
+            return export_checkpoint(whole, out)
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"--ckpt_path: no such checkpoint {str(ckpt_path)!r}")
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)

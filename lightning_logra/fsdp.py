@@ -27,20 +27,28 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import (
+    _distributed_checkpoint_load,
+    _is_sharded_checkpoint,
+    _load_checkpoint,
+)
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_logra.rollout import HFEngine
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketched_layers
+from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.sketch.update import LowRankDelta
 from lightning_logra.strategy import SketchTraining
 
@@ -62,18 +70,19 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
     lockstep = True  # every forward pass is a collective: every rank runs every micro-batch
 
     def __init__(self, sketch: SketchConfig = SketchConfig(), process_group_backend: str | None = None,
-                 save_distributed_checkpoint: bool = True, timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout) -> None:
         """
         Args:
             sketch: which matrices are sketched, at what rank, and the sketch optimizer (`SketchConfig`).
             process_group_backend: torch.distributed's backend (`gloo` on CPUs, `nccl` on GPUs); None picks it
                 from the device.
-            save_distributed_checkpoint: each rank writes its own shard of a checkpoint (a folder); false gathers
-                the whole checkpoint on rank 0 into one file.
             timeout: how long a collective may wait for the other ranks.
+
+        Checkpoints are sharded: a folder in which each rank writes its shards (torch.distributed.checkpoint);
+        `lightning-logra export` turns one into a transformers folder.
         """
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
+                         timeout=timeout)
         self.config = sketch
         self.handles = {}
         self.last_reduce_bytes = self.last_allreduce_bytes = 0
@@ -154,7 +163,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         if parts:
             flat = torch.cat(parts, dim=1).reshape(-1)  # (world · Σ chunk·r,)
             mine = flat.new_empty(flat.numel() // world)
-            dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM)
+            dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM)
             self.last_reduce_bytes = flat.numel() * flat.element_size()
             for p, part in zip(sketches, mine.split([x.shape[1] for x in parts])):
                 layer = layer_of[p]
@@ -204,7 +213,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
             parts.append(padded.reshape(-1))
         mine = torch.cat(parts)
         gathered = mine.new_empty(world * mine.numel())
-        dist.all_gather_into_tensor(gathered, mine)
+        dist.all_gather_single(gathered, mine)
         gathered = gathered.view(world, -1)  # (world, Σ chunk·r)
         whole = {}
         for (name, delta), part in zip(low_rank.items(), gathered.split([p.numel() for p in parts], dim=1)):
@@ -212,6 +221,57 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
             factor = part.reshape(-1, layer.rank)[: layer.out_features]  # (d, r): ranks' rows in order, unpadded
             whole[name] = LowRankDelta(factor, delta.seed, delta.distribution, delta.in_features, delta.rounding_key)
         return whole
+
+    # ---- sharded checkpoints ----------------------------------------------------------------------------------------
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if not isinstance(optimizer, SketchOptimizer):
+            return super().optimizer_state(optimizer)  # torch.distributed.checkpoint's, for sharded parameters
+        return self._sharded_sketch_state(optimizer)
+
+    def _sharded_sketch_state(self, optimizer: SketchOptimizer) -> dict[str, Any]:
+        """The sketch optimizer's state dict with each (rows, r) state tensor as the rank's shard of a (d, r) DTensor
+        (the tensors themselves, not copies): saved, each rank writes its rows; loaded, each rank reads its rows into
+        them in place. As plain tensors, every rank's would be taken for the same replicated value."""
+        mesh = self.device_mesh["data_parallel"]
+        state_dict = optimizer.state_dict()
+        for index, state in state_dict["state"].items():
+            layer = optimizer.layers[index]
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() == 2:
+                    state[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False,
+                                                    shape=(layer.out_features, value.shape[1]),
+                                                    stride=(value.shape[1], 1))
+        return state_dict
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            raise ValueError(f"--ckpt_path: {str(path)!r} is not a sharded checkpoint folder (SketchFSDPStrategy "
+                             "writes and resumes those); train from an exported model folder instead")
+        # The sketch optimizer's state is read in place into state created for it (its shards of DTensors); the
+        # model and any dense optimizer go through Lightning's torch.distributed.checkpoint loading.
+        others = {}
+        for index, optimizer in enumerate(self.optimizers):
+            if isinstance(optimizer, SketchOptimizer):
+                optimizer.materialize_state()
+                state = {f"optimizer_{index}": self._sharded_sketch_state(optimizer)}
+                _distributed_checkpoint_load(state, path)
+                loaded = state[f"optimizer_{index}"]
+                # torch.distributed.checkpoint loads the tensors in place under the parameter's index (an int) but
+                # puts the other values (the step count, ...) under the index as a string: merge them.
+                merged = {i: dict(layer_state) for i, layer_state in loaded["state"].items() if isinstance(i, int)}
+                for i, layer_state in loaded["state"].items():
+                    if isinstance(i, str):
+                        merged[int(i)].update(layer_state)
+                loaded["state"] = {i: {key: value.to_local() if isinstance(value, DTensor) else value
+                                       for key, value in layer_state.items()} for i, layer_state in merged.items()}
+                optimizer.load_state_dict(loaded)  # checks the sketch settings; the update counter comes back
+            else:
+                others[f"optimizer_{index}"] = optimizer
+        return _load_checkpoint(path, {"state_dict": self.model, **others}, strict=self.lightning_module.strict_loading,
+                                optimizer_states_from_list=True, weights_only=weights_only)
 
     def whole_policy_state(self) -> dict[str, torch.Tensor] | None:
         # Every rank takes part in the gathers; rank 0 receives the whole tensors (on the CPU), the others nothing.

@@ -73,3 +73,27 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(tiny_a
         assert len(one) == 3 and two == pytest.approx(one, rel=1e-5), tag
     # each rank's sketch optimizer keeps state for its half of the rows: the reduce-scatter sent whole sketches
     assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes")[0] > 0
+
+
+def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tmp_path):
+    from lightning_logra.export import export_checkpoint
+
+    config = _config("tiny_arith_fsdp.yaml", tmp_path / "fsdp.yaml")  # train_rest: AdamW state is resumed too
+    _fit(config, tiny_arith_model, tmp_path / "a", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
+         "--model.export_dir", str(tmp_path / "a" / "out"))
+    _fit(config, tiny_arith_model, tmp_path / "b", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
+    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "checkpoints" / "last.ckpt"), recursive=True)
+    assert len(checkpoint) == 1 and len(glob.glob(checkpoint[0] + "/*.distcp")) == 2  # a shard per rank
+    _fit(config, tiny_arith_model, tmp_path / "c", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
+         "--model.export_dir", str(tmp_path / "c" / "out"), "--ckpt_path", checkpoint[0])
+    straight, resumed = (load_file(tmp_path / run / "out" / "model.safetensors") for run in ("a", "c"))
+    halfway = export_checkpoint(checkpoint[0], tmp_path / "halfway")  # the consolidated export of the shards
+    halfway = load_file(halfway / "model.safetensors")
+    assert sorted(resumed) == sorted(straight) == sorted(halfway)
+    assert all(not torch.equal(straight[name], halfway[name]) for name in straight if "norm" in name)  # 2 steps more
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name
+    # the resumed run's own sharded checkpoint exports to what it exported at the end of fit
+    final = glob.glob(str(tmp_path / "c" / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
+    exported = load_file(export_checkpoint(final, tmp_path / "final") / "model.safetensors")
+    assert all(torch.equal(exported[name], resumed[name]) for name in resumed)

@@ -128,6 +128,19 @@ class SketchOptimizer(torch.optim.Optimizer):
                 self._proposal[p] = self._direction(self._layer_of[p].sketch_rows(), state, group)
         return True
 
+    @torch.no_grad()
+    def materialize_state(self) -> None:
+        """Create every layer's state that does not exist yet as a first proposal from a zero sketch would (zeros,
+        step 0), changing nothing else: a sharded checkpoint's state is then loaded into it in place."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    layer = self._layer_of[p]
+                    state["step"] = 0
+                    state["refresh_index"] = layer.refresh_index
+                    self._direction(torch.zeros_like(layer.sketch_rows()), state, group)
+
     def skip(self, reason: str) -> None:
         """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in
         apply(), the d×r state has already taken this step's finite sketch, as propose() computed it.)"""

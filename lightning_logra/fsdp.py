@@ -235,14 +235,18 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         (the tensors themselves, not copies): saved, each rank writes its rows; loaded, each rank reads its rows into
         them in place. As plain tensors, every rank's would be taken for the same replicated value."""
         mesh = self.device_mesh["data_parallel"]
-        state_dict = optimizer.state_dict()
-        for index, state in state_dict["state"].items():
-            layer = optimizer.layers[index]
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() == 2:
-                    state[key] = DTensor.from_local(value, mesh, [Shard(0)], run_check=False,
-                                                    shape=(layer.out_features, value.shape[1]),
-                                                    stride=(value.shape[1], 1))
+        layers = optimizer.layers
+
+        def sharded(index: int, value: Any) -> Any:
+            if not (torch.is_tensor(value) and value.dim() == 2):
+                return value  # the step count, the refresh index
+            rows, rank = value.shape  # (rows, r) of a (d, r) tensor
+            return DTensor.from_local(value, mesh, [Shard(0)], run_check=False,
+                                      shape=(layers[index].out_features, rank), stride=(rank, 1))
+
+        state_dict = optimizer.state_dict()  # its per-layer dicts are the optimizer's own: new ones are made
+        state_dict["state"] = {index: {key: sharded(index, value) for key, value in state.items()}
+                               for index, state in state_dict["state"].items()}
         return state_dict
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -19,15 +19,17 @@ pytestmark = pytest.mark.integration  # end-to-end runs of 2 processes: `pytest 
 ROOT = Path(__file__).parents[1]
 
 
-def _config(name: str, path: Path) -> str:
+def _config(name: str, path: Path, **checkpointing) -> str:
     """`configs/<name>` with the embedding, norms and head trained densely (train_rest, at a learning rate that moves
     them), and the KL controller measuring q on the whole batch: then q over the tokens of both ranks' halves is
-    exactly the single process's q, and so is α."""
+    exactly the single process's q, and so is α. `checkpointing`: ModelCheckpoint's init_args to change."""
     data = yaml.safe_load((ROOT / "configs" / name).read_text())
     data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("PredictedKLBudget"):
             callback["init_args"]["subset"] = 1.0
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"].update(checkpointing)
     path.write_text(yaml.safe_dump(data))
     return str(path)
 
@@ -78,11 +80,12 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(tiny_a
 def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tmp_path):
     from lightning_logra.export import export_checkpoint
 
-    config = _config("tiny_arith_fsdp.yaml", tmp_path / "fsdp.yaml")  # train_rest: AdamW state is resumed too
+    # train_rest: AdamW's state is resumed too; a checkpoint every 2 steps, all kept: the uninterrupted run saves one
+    # halfway and trains on after it, and the resumed run starts from that one
+    config = _config("tiny_arith_fsdp.yaml", tmp_path / "fsdp.yaml", every_n_train_steps=2, save_top_k=-1)
     _fit(config, tiny_arith_model, tmp_path / "a", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
          "--model.export_dir", str(tmp_path / "a" / "out"))
-    _fit(config, tiny_arith_model, tmp_path / "b", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2")
-    checkpoint = glob.glob(str(tmp_path / "b" / "**" / "checkpoints" / "last.ckpt"), recursive=True)
+    checkpoint = glob.glob(str(tmp_path / "a" / "**" / "checkpoints" / "*step=2.ckpt"), recursive=True)
     assert len(checkpoint) == 1 and len(glob.glob(checkpoint[0] + "/*.distcp")) == 2  # a shard per rank
     _fit(config, tiny_arith_model, tmp_path / "c", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
          "--model.export_dir", str(tmp_path / "c" / "out"), "--ckpt_path", checkpoint[0])

@@ -41,6 +41,7 @@ from lightning.fabric.strategies.model_parallel import (
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -59,6 +60,38 @@ def shard_rows(rows: int, rank: int, world: int) -> slice:
     chunk = math.ceil(rows / world)
     start = min(rank * chunk, rows)
     return slice(start, min(start + chunk, rows))
+
+
+def shard_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 over `mesh` (one dimension): `fully_shard` every decoder layer and the decoder, leaving the sketch carriers
+    and the LM head whole; gradients summed over ranks, not averaged; each sketched layer's `rows` set to its shard's.
+    Sketches must be installed first (their carriers are left out of the sharding)."""
+    decoder = policy.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"trainer.strategy: SketchFSDPStrategy shards a decoder's `layers`; "
+                         f"{type(decoder).__name__} has none (use SketchDDPStrategy)")
+    # Kept whole on every rank: the sketch carriers (a 4-byte stride-0 zero each, whose .grad is the sketch) and the
+    # LM head (its weight is used outside its forward pass; see this module's docstring).
+    keep = {layer.sketch_param for layer in sketched_layers(policy).values()}
+    keep |= set(policy.get_output_embeddings().parameters())
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, ignored_params=keep)
+    # The root too is resharded after every forward (FSDP keeps a root's weights gathered by default): outside a
+    # forward pass every parameter is then its sharded DTensor, which the optimizers and the KL check update.
+    fully_shard(decoder, mesh=mesh, ignored_params=keep, reshard_after_forward=True)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            # The module's loss is normalized by the global batch's counts: gradients are summed, not averaged,
+            # with a plain SUM (a divide factor alone becomes a PREMUL_SUM, which gloo does not have).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    for name, layer in sketched_layers(policy).items():
+        layer.rows = shard_rows(layer.out_features, rank, world)
+        local = layer.local_weight().shape[0]
+        if local != len(range(layer.out_features)[layer.rows]):
+            raise RuntimeError(f"{name}: FSDP gave rank {rank} {local} rows, expected rows {layer.rows}")
 
 
 class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
@@ -97,42 +130,11 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         self._install(trainer)
         if not any(isinstance(m, FSDPModule) for m in self.policy.modules()):
-            self._shard(self.policy)
+            shard_policy(self.policy, self.device_mesh["data_parallel"])
         engine = self.lightning_module.engine
         if isinstance(engine, HFEngine) and engine.samples_from(self.policy):
             engine.all_finished = self._finished_everywhere
         super().setup(trainer)
-
-    # ---- sharding ---------------------------------------------------------------------------------------------------
-
-    def _shard(self, policy: nn.Module) -> None:
-        decoder = policy.get_decoder()
-        layers = getattr(decoder, "layers", None)
-        if layers is None:
-            raise ValueError(f"trainer.strategy: SketchFSDPStrategy shards a decoder's `layers`; "
-                             f"{type(decoder).__name__} has none (use SketchDDPStrategy)")
-        mesh = self.device_mesh["data_parallel"]
-        # Kept whole on every rank: the sketch carriers (a 4-byte stride-0 zero each, whose .grad is the sketch) and
-        # the LM head (its weight is used outside its forward pass; see the module's docstring).
-        keep = {layer.sketch_param for layer in sketched_layers(policy).values()}
-        keep |= set(policy.get_output_embeddings().parameters())
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, ignored_params=keep)
-        # The root too is resharded after every forward (FSDP keeps a root's weights gathered by default): outside a
-        # forward pass every parameter is then its sharded DTensor, which the optimizers and the KL check update.
-        fully_shard(decoder, mesh=mesh, ignored_params=keep, reshard_after_forward=True)
-        for module in policy.modules():
-            if isinstance(module, FSDPModule):
-                # The module's loss is normalized by the global batch's counts: gradients are summed, not averaged,
-                # with a plain SUM (a divide factor alone becomes a PREMUL_SUM, which gloo does not have).
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        rank, world = self.global_rank, self.world_size
-        for name, layer in sketched_layers(policy).items():
-            layer.rows = shard_rows(layer.out_features, rank, world)
-            local = layer.local_weight().shape[0]
-            if local != len(range(layer.out_features)[layer.rows]):
-                raise RuntimeError(f"{name}: FSDP gave rank {rank} {local} rows, expected rows {layer.rows}")
 
     def _finished_everywhere(self, finished: torch.Tensor) -> bool:
         done = finished.all().to(torch.int32).reshape(1)
@@ -283,4 +285,4 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         return get_model_state_dict(self.policy, options=options)
 
 
-__all__ = ["SketchFSDPStrategy"]
+__all__ = ["SketchFSDPStrategy", "shard_policy"]

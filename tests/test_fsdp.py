@@ -100,3 +100,60 @@ def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tm
     final = glob.glob(str(tmp_path / "c" / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
     exported = load_file(export_checkpoint(final, tmp_path / "final") / "model.safetensors")
     assert all(torch.equal(exported[name], resumed[name]) for name in resumed)
+
+
+def _merge_on_shards(rank: int, port: int, out: str) -> None:
+    """One of 2 processes: the same bf16 model and the same sketches, sharded by `shard_policy` and unsharded; two
+    SketchAdam steps on each; the shards are gathered and saved with the unsharded reference for the test to compare."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from conftest import SKETCH_TARGETS, make_tiny_qwen2
+    from lightning_logra.fsdp import shard_policy
+    from lightning_logra.sketch import SketchAdam, install_sketches
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = make_tiny_qwen2(dtype=torch.bfloat16)
+    install_sketches(model, SKETCH_TARGETS, rank=8)
+    reference = copy.deepcopy(model)  # whole on this rank, as one process holds it
+    shard_policy(model, init_device_mesh("cpu", (2,)))
+    pairs = [(SketchAdam(m_layers, lr=1e-2), m_layers) for m_layers in (
+        [m for m in model.modules() if hasattr(m, "sketch_param")],
+        [m for m in reference.modules() if hasattr(m, "sketch_param")])]
+    for step in range(2):
+        for optimizer, layers in pairs:
+            for index, layer in enumerate(layers):  # the summed sketch S (d, r), the same on every rank
+                generator = torch.Generator().manual_seed(100 * step + index)
+                layer.sketch_param.grad = torch.randn(layer.out_features, layer.rank, generator=generator)
+            optimizer.step()
+    sharded, whole = pairs[0][1], pairs[1][1]
+    state = {"rows": [list(range(layer.out_features)[layer.rows]) for layer in sharded],
+             "exp_avg": [pairs[0][0].state[layer.sketch_param]["exp_avg"] for layer in sharded],
+             "reference_exp_avg": [pairs[1][0].state[layer.sketch_param]["exp_avg"] for layer in whole],
+             "weights": [layer.weight.full_tensor() for layer in sharded],
+             "reference": [layer.weight.detach() for layer in whole]}
+    torch.save(state, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_each_rank_merges_its_rows_with_the_rounding_bits_of_the_whole_matrix(tmp_path):
+    # bf16 weights: each rank merges its rows of F·A into its shard, rounding stochastically with the bits those
+    # rows draw in the whole matrix, and keeps Adam's state for its rows only: the gathered weights equal one
+    # process's bit for bit.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_merge_on_shards, args=(port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        state = torch.load(tmp_path / f"rank{rank}.pt")
+        for rows, mine, whole in zip(state["rows"], state["exp_avg"], state["reference_exp_avg"]):
+            assert torch.equal(mine, whole[rows])  # (rows, r): the state of this rank's rows, nothing more
+        assert sum(len(rows) for rows in state["rows"]) < sum(w.shape[0] for w in state["reference"])
+        for weight, reference in zip(state["weights"], state["reference"]):
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, reference)

@@ -131,7 +131,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         self._install(trainer)
         if not any(isinstance(m, FSDPModule) for m in self.policy.modules()):
             shard_policy(self.policy, self.device_mesh["data_parallel"])
-        engine = self.lightning_module.engine
+        engine = getattr(self.lightning_module, "engine", None)  # (a module of its own may have none)
         if isinstance(engine, HFEngine) and engine.samples_from(self.policy):
             engine.all_finished = self._finished_everywhere
         super().setup(trainer)

@@ -102,6 +102,22 @@ def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tm
     assert all(torch.equal(exported[name], resumed[name]) for name in resumed)
 
 
+def test_tiny_arith_fsdp_learns_on_two_processes(tmp_path):
+    # configs/tiny_arith_fsdp.yaml as a user runs it (the shipped model, its own reward), 80 of its 600 steps and a
+    # 200-prompt evaluation to keep CI short. Measured: reward 0.36 → 0.47 (first and last 8 steps), greedy pass@1
+    # 0.89 (the shipped model starts at 0.62).
+    command = [sys.executable, "cli.py", "fit", "--config", "configs/tiny_arith_fsdp.yaml",
+               "--trainer.max_steps", "80", "--trainer.val_check_interval", "80", "--data.init_args.eval_limit", "200",
+               "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
+               "--trainer.enable_progress_bar", "false"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rewards = _scalars(tmp_path, "train/reward_mean")
+    assert len(rewards) == 80 and sum(rewards[-8:]) / 8 - sum(rewards[:8]) / 8 >= 0.05
+    assert _scalars(tmp_path, "val/pass@1")[-1] >= 0.8
+    assert min(_scalars(tmp_path, "kl/alpha")) > 0  # the KL control ran on the sharded weights every step
+
+
 def _merge_on_shards(rank: int, port: int, out: str) -> None:
     """One of 2 processes: the same bf16 model and the same sketches, sharded by `shard_policy` and unsharded; two
     SketchAdam steps on each; the shards are gathered and saved with the unsharded reference for the test to compare."""

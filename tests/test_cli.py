@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cli import main
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
+from lightning_logra.fsdp import SketchFSDPStrategy
 from lightning_logra.module import RLVRModule
 from lightning_logra.rewards import TimedReward
 from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
@@ -49,7 +50,7 @@ def test_every_config_instantiates_the_real_classes(config):
     assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
     assert 0 < cli.trainer.checkpoint_callback._every_n_train_steps <= 50  # a crash loses at most 50 steps
     if "dense" not in Path(config).stem:
-        assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy))
+        assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy, SketchFSDPStrategy))
         assert cli.trainer.strategy.config.rank < 4096
 
 

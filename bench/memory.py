@@ -465,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))
     if any("state_gib" in row for row in rows):
-        print("\n| method | processes | weights + gradients + sketches + optimizer state, GiB per rank |\n|---|---:|---:|")
+        print("\n| method | processes | weights + gradients + sketches + optimizer state, GiB per rank |")
+        print("|---|---:|---:|")
         for row in rows:
             if "state_gib" in row:
                 print(f"| {row['method']} | {row['processes']} | {row['state_gib']:.4f} |")

@@ -112,7 +112,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         """Compute U for every layer and advance the state. False (and nothing changed) if a sketch is not finite."""
         self.last_updates = {}
         layers = self.layers
-        finite = torch.stack([torch.isfinite(layer.sketch_rows()).all() for layer in layers])  # one sync, not one per layer
+        # one sync, not one per layer
+        finite = torch.stack([torch.isfinite(layer.sketch_rows()).all() for layer in layers])
         if not bool(finite.all()):
             bad = [layer.name for layer, ok in zip(layers, finite.tolist()) if not ok]
             self.skip(f"non-finite sketch in {bad}")

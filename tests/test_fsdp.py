@@ -73,8 +73,9 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(tiny_a
     for tag in ("kl/q", "kl/alpha", "kl/predicted", "kl/realized", "train/reward_mean"):
         one, two = _scalars(tmp_path / "1", tag), _scalars(tmp_path / "2", tag)
         assert len(one) == 3 and two == pytest.approx(one, rel=1e-5), tag
-    # each rank's sketch optimizer keeps state for its half of the rows: the reduce-scatter sent whole sketches
-    assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes")[0] > 0
+    # every step, one reduce-scatter of all 14 sketches, fp32 at rank 16: per layer q, k, v, o, down have 128 rows
+    # and gate, up 256 (2 × 1,152 rows in all, every count even, so nothing is padded)
+    assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes") == [2 * 1152 * 16 * 4] * 3
 
 
 def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tmp_path):

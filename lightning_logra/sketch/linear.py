@@ -143,7 +143,10 @@ class SketchedLinear(nn.Linear):
         return self.sketch_param.grad
 
     def sketch_rows(self) -> torch.Tensor:
-        """S[rows] (rows, r) fp32: the part of the sketch this process updates its rows of W with."""
+        """S[rows] (rows, r) fp32: the part of the sketch this process updates its rows of W with; `sketch` itself
+        when that is all of it (unsharded)."""
+        if self.rows == slice(0, self.out_features):
+            return self.sketch
         return self.sketch[self.rows]
 
     def local_weight(self) -> torch.Tensor:

@@ -74,11 +74,14 @@ from lightning_logra.update import Update
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
 # by lightning_logra.callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the
-# profiler.
+# profiler. `logra_ddp` and `logra_fsdp` run it on `--processes` processes (SketchDDPStrategy: every rank holds the
+# whole model; SketchFSDPStrategy: each rank holds its shards), with sketch Adam, every rank on the same fixed batch,
+# and report the largest rank's memory.
+LIGHTNING_METHODS = ("logra_lightning", "logra_ddp", "logra_fsdp")
 # Also not in the default run: LoGRA with one projection per input (sketch.share_projection), to set beside
 # `logra` / `logra_adam`; and `dense_adamw_meta`, dense AdamW's floor counted on the meta device (for shapes where it
 # cannot run).
-EXTRA_METHODS = ("logra_lightning", "logra_shared", "logra_adam_shared", "dense_adamw_meta")
+EXTRA_METHODS = (*LIGHTNING_METHODS, "logra_shared", "logra_adam_shared", "dense_adamw_meta")
 LOGRA_METHODS = ("logra", "logra_adam", "logra_shared", "logra_adam_shared")
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
@@ -124,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="recompute activations in the backward pass (model.gradient_checkpointing in a config)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the model on the GPU, memory from the CUDA allocator (else process RSS)")
+    parser.add_argument("--processes", type=int, default=2, help="of logra_ddp and logra_fsdp (gloo on the CPU, "
+                        "nccl on GPUs)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/memory.json"))
@@ -148,8 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--kl-check must be between 0 and --batch ({args.batch}), got {args.kl_check}")
     if args.saved_bytes_only:
         args.no_plot = True
-        if "logra_lightning" in args.methods:
-            parser.error("--saved-bytes-only: logra_lightning is measured by a Trainer's MemoryProfiler, not counted")
+        if set(LIGHTNING_METHODS) & set(args.methods):
+            parser.error(f"--saved-bytes-only: {', '.join(LIGHTNING_METHODS)} are measured by a Trainer's "
+                         "MemoryProfiler, not counted")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
     return args
@@ -300,10 +306,14 @@ class KLCheck:
 
 def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int,
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, chunk_tokens: int = 0,
-               kl: KLCheck | None = None) -> None:
+               kl: KLCheck | None = None, reduce: Callable[[], None] | None = None) -> None:
+    """Forward and backward over the micro-batches, `reduce` (the gradients' sum over processes), the steps (with
+    `kl`: the sketch optimizer's asks the KL check for α)."""
     for start in range(0, batch["coef"].shape[0], micro_batch):
         micro = {key: value[start:start + micro_batch] for key, value in batch.items()}
         backward(policy_loss(policy, micro, chunk_tokens))
+    if reduce is not None:
+        reduce()
     for optimizer in optimizers:
         if kl is not None and isinstance(optimizer, SketchOptimizer):
             optimizer.step(alpha=lambda: kl.alpha(optimizer))
@@ -313,12 +323,15 @@ def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch
         optimizer.zero_grad(set_to_none=True)
 
 
-def run_lightning_worker(args: argparse.Namespace) -> dict:
-    """The `logra` steps inside a real Trainer (SketchStrategy, manual optimization), measured by MemoryProfiler."""
+def run_lightning_worker(args: argparse.Namespace) -> dict | None:
+    """The `logra` steps inside a real Trainer (manual optimization), measured by MemoryProfiler: one process
+    (SketchStrategy), or `--processes` of them (SketchDDPStrategy, SketchFSDPStrategy; the largest rank's figures,
+    returned by rank 0 alone)."""
     from lightning.pytorch import Callback, LightningModule, Trainer
 
     from lightning_logra.callbacks.memory import MemoryProfiler
-    from lightning_logra.strategy import SketchStrategy
+    from lightning_logra.fsdp import SketchFSDPStrategy
+    from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
 
     class Replay(LightningModule):
         """Trains `policy` on the fixed batch at every step, as `train_step` does."""
@@ -328,9 +341,14 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
             self.policy, self.batch = policy, batch
             self.automatic_optimization = False
 
+        def configure_model(self):
+            pass  # the policy exists already (ModelParallelStrategy requires the hook)
+
         def training_step(self, _, batch_idx):
-            train_step(self.policy, [self.optimizers()], self.batch, args.micro_batch, self.manual_backward,
-                       args.logprob_chunk)
+            optimizer = self.optimizers()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            train_step(self.policy, [optimizer], self.batch, args.micro_batch, self.manual_backward,
+                       args.logprob_chunk, reduce=lambda: self.trainer.strategy.sum_gradients(params))
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(range(args.steps), batch_size=1)
@@ -348,24 +366,46 @@ def run_lightning_worker(args: argparse.Namespace) -> dict:
         def on_train_batch_end(self, *_):
             self.seconds.append(time.perf_counter() - self._start)
 
+    class LargestRank(Callback):
+        """At the end: the largest peak, step average and model state (weights, their gradients, sketches,
+        optimizer state: `memory_breakdown` without the cached projections) over the ranks."""
+
+        def on_train_end(self, trainer, pl_module):
+            breakdown = profiler.breakdown
+            state = breakdown.total - breakdown.projections
+            averages = [average for average, _ in profiler.steps]
+            mine = torch.tensor([max(peak for _, peak in profiler.steps), statistics.mean(measured(averages)),
+                                 state / GIB], dtype=torch.float64, device=pl_module.device)
+            self.largest = trainer.strategy.reduce(mine, reduce_op="max").tolist()
+
     model = build_model(args)
     batch = {key: value.to(args.device) for key, value in fixed_batch(args, model.config.vocab_size).items()}
-    profiler, timer = MemoryProfiler(), StepTimer()
+    profiler, timer, largest = MemoryProfiler(), StepTimer(), LargestRank()
+    # The multi-process rows with sketch Adam, whose d×r state shows how it is split over the ranks.
+    optimizer = SketchSGD if args.method == "logra_lightning" else SketchAdam
+    sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    processes = 1 if args.method == "logra_lightning" else args.processes
+    if args.method == "logra_lightning":
+        strategy = SketchStrategy(sketch, device="cuda:0" if args.device == "cuda" else "cpu")
+    elif args.method == "logra_ddp":
+        strategy = SketchDDPStrategy(sketch, process_group_backend=backend)
+    else:
+        strategy = SketchFSDPStrategy(sketch, process_group_backend=backend)
     trainer = Trainer(
-        accelerator="gpu" if args.device == "cuda" else "cpu", max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, profiler],
-        strategy=SketchStrategy(SketchConfig(rank=args.rank, optimizer=partial(SketchSGD, lr=args.lr)),
-                                device="cuda:0" if args.device == "cuda" else "cpu"),
+        accelerator="gpu" if args.device == "cuda" else "cpu", devices=processes, max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[timer, profiler, largest], strategy=strategy, use_distributed_sampler=False,
     )
     trainer.fit(Replay(model.train(), batch))
-    averages = [average for average, _ in profiler.steps]
-    return dict(
-        method=args.method,
-        weights=weights_kind(args.method, args.dtype),
-        peak_gib=max(peak for _, peak in profiler.steps),
-        avg_gib=statistics.mean(measured(averages)),
-        step_s=statistics.median(measured(timer.seconds)),
-    )
+    if trainer.global_rank != 0:
+        return None
+    peak, average, state = largest.largest
+    row = dict(method=args.method, weights=weights_kind(args.method, args.dtype), peak_gib=peak, avg_gib=average,
+               step_s=statistics.median(measured(timer.seconds)))
+    if processes > 1:
+        row.update(processes=processes, state_gib=state)  # per rank: the largest rank's
+    return row
 
 
 def measured(values: list[float]) -> list[float]:
@@ -383,8 +423,8 @@ def meta_floor(args: argparse.Namespace) -> dict:
                 peak_gib=floor, avg_gib=floor)  # no step ran: no time, nothing saved for a backward
 
 
-def run_worker(args: argparse.Namespace) -> dict:
-    if args.method == "logra_lightning":
+def run_worker(args: argparse.Namespace) -> dict | None:
+    if args.method in LIGHTNING_METHODS:
         return run_lightning_worker(args)
     if args.method == "dense_adamw_meta":
         return meta_floor(args)
@@ -521,15 +561,23 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(run_worker(args)), flush=True)
+        row = run_worker(args)
+        if row is not None:  # None: a rank other than 0 of a multi-process method
+            print(json.dumps(row), flush=True)
         return
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
         "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device", "kl_check", "kl_budget",
-        "saved_bytes_only")}
+        "saved_bytes_only", "processes")}
     settings["torch_threads"] = torch.get_num_threads()
     rows = [run_method(method, argv) for method in args.methods]
     print(markdown_table(rows))
+    if any("state_gib" in row for row in rows):
+        print("\n| method | processes | weights + gradients + sketches + optimizer state, GiB per rank |")
+        print("|---|---:|---:|")
+        for row in rows:
+            if "state_gib" in row:
+                print(f"| {row['method']} | {row['processes']} | {row['state_gib']:.4f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "settings": settings}, indent=2) + "\n")
     if args.no_plot:

@@ -94,9 +94,8 @@ class PredictedKLBudget(Callback, StepSizeController):
         temperature = module.hparams.temperature  # the distribution the rollouts were sampled from
         responses = self._select(rollout, step)
         q, current = predicted_kl(module.policy, proposal, responses, temperature)
-        # Every rank must take the same α: average q over the ranks' subsets before deciding.
-        reduce = module.trainer.strategy.reduce
-        q = float(reduce(q, reduce_op="mean"))
+        # Every rank must take the same α: q over the tokens of every rank's subset before deciding.
+        q = _over_ranks(module, q, responses)
         budget = self.budget_at(step)
         alpha = step_scale(q, budget, self.alpha_max)
         self._pending = (responses, current, temperature)
@@ -104,7 +103,7 @@ class PredictedKLBudget(Callback, StepSizeController):
                    "kl/acting": float(alpha < self.alpha_max)}
         if any(p.dtype in LOW_PRECISION for p in module.policy.parameters()):
             intended = intended_kl(module.policy, proposal, responses, current, alpha, temperature)
-            metrics["kl/intended"] = float(reduce(intended, reduce_op="mean"))
+            metrics["kl/intended"] = _over_ranks(module, intended, responses)
         self._metrics = {**metrics, "kl/control_s": time.perf_counter() - start}
         return alpha
 
@@ -120,9 +119,18 @@ class PredictedKLBudget(Callback, StepSizeController):
         start = time.perf_counter()
         responses, before, temperature = self._pending
         self._pending = None
-        realized = pl_module.trainer.strategy.reduce(realized_kl(pl_module.policy, responses, before, temperature),
-                                                     reduce_op="mean")
-        metrics = {**self._metrics, "kl/realized": float(realized), "kl/realized_s": time.perf_counter() - start}
+        realized = _over_ranks(pl_module, realized_kl(pl_module.policy, responses, before, temperature), responses)
+        metrics = {**self._metrics, "kl/realized": realized, "kl/realized_s": time.perf_counter() - start}
         metrics["kl/seconds"] = metrics["kl/control_s"] + metrics["kl/realized_s"]  # the whole check's share of a step
         self._logged.update(metrics)
         pl_module.log_dict(metrics)
+
+
+def _over_ranks(module: LightningModule, kl: torch.Tensor, responses: Responses) -> float:
+    """A mean KL over the tokens of this rank's responses, made the mean over the tokens of every rank's: with the
+    whole batch as the subset (`subset: 1.0`), exactly what one process measures on the same global batch."""
+    if module.trainer.world_size == 1:
+        return float(kl)
+    reduce = module.trainer.strategy.reduce
+    tokens = responses.completion_mask.sum().to(kl.dtype)
+    return float(reduce(kl * tokens, reduce_op="sum") / reduce(tokens, reduce_op="sum"))

@@ -10,15 +10,18 @@ A LoRA-trained checkpoint (`lightning_logra.lora.LoRAStrategy`) exports merged b
 becomes W₀ + s·B·A under its own name, so the folder is a plain transformers model like any other. `--adapter`
 writes the adapters alone instead, as peft saves them (`adapter_config.json`, `adapter_model.safetensors`; load with
 `PeftModel.from_pretrained(base, folder)` on the base model the run started from), plus the tokenizer.
+A sharded checkpoint (a folder, written by `SketchFSDPStrategy`) is consolidated first, in this one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import tempfile
 from pathlib import Path
 
 import torch
+from lightning.fabric.utilities.consolidate_checkpoint import _load_distributed_checkpoint
 
 from lightning_logra.checkpoint import KEY
 
@@ -29,6 +32,12 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = Fa
     from lightning_logra.module import RLVRModule
 
     ckpt_path, out = Path(ckpt_path), Path(out)
+    if ckpt_path.is_dir():
+        with tempfile.TemporaryDirectory() as folder:
+            # The shards as one ordinary checkpoint (the whole tensors, in this process), then exported as any other.
+            whole = Path(folder) / "consolidated.ckpt"
+            torch.save(_load_distributed_checkpoint(ckpt_path), whole)
+            return export_checkpoint(whole, out, adapter)
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"--ckpt_path: no such checkpoint {str(ckpt_path)!r}")
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)

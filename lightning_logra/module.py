@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -406,13 +407,15 @@ class RLVRModule(LightningModule):
         # neither.
         wrapped = isinstance(self.trainer.model, DistributedDataParallel)
         grad_scale = float(self.trainer.world_size) if wrapped else 1.0
+        # Under FSDP every forward pass all-gathers weights: every rank must run as many as the others.
+        lockstep = wrapped or getattr(strategy, "lockstep", False)
 
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)
         entropy = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ entropy, tokens: over those trained on
         # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
-        # unless a wrapper syncs inside every backward, where all ranks must run the same number of them.
-        active = torch.arange(len(rewards), device=self.device) if wrapped else advantages.nonzero().squeeze(-1)
+        # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them.
+        active = torch.arange(len(rewards), device=self.device) if lockstep else advantages.nonzero().squeeze(-1)
         for rows in active.split(hp.micro_batch_size) if active.numel() else ():
             micro = rollout.select(rows)  # (m, w): right padding trimmed
             # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/logprobs.py)
@@ -455,6 +458,7 @@ class RLVRModule(LightningModule):
                 proposed.update(propose_dense(opt, step))
         names = {p: name for name, p in self.policy.named_parameters()}
         alpha = 1.0
+        strategy = self.trainer.strategy
 
         def choose_alpha(low_rank: dict) -> float:  # asked between propose() and apply()
             nonlocal alpha
@@ -465,7 +469,9 @@ class RLVRModule(LightningModule):
         taken = finite
         if sketch is not None:
             opt, step = sketch
-            step(alpha=(lambda: choose_alpha(opt.proposal())) if controller else 1.0, skip=not finite)
+            # Under FSDP each rank holds its rows of F: the controller is given the whole of it (whole_factors).
+            step(alpha=(lambda: choose_alpha(strategy.whole_factors(opt.proposal()))) if controller else 1.0,
+                 skip=not finite)
             taken = bool(opt.last_updates)  # the optimizer refuses non-finite sketches, α and factors itself
             # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest at
             # RL learning rates). NaN on a skipped step: Lightning would repeat the last value.
@@ -486,7 +492,7 @@ class RLVRModule(LightningModule):
             opt.zero_grad(set_to_none=True)
         if not taken:
             return grad_norm, None, math.nan
-        return grad_norm, Update(low_rank=dict(sketch[0].last_updates) if sketch else {},
+        return grad_norm, Update(low_rank=strategy.whole_factors(sketch[0].last_updates) if sketch else {},
                                  dense={names[p]: p.detach() for opt, _ in dense
                                         for group in opt.param_groups for p in group["params"]}), alpha
 
@@ -511,13 +517,19 @@ class RLVRModule(LightningModule):
             strategy.sum_gradients(params)  # one all-reduce of the d×r sketches (and dense grads) per step
             self.log_dict(strategy.gradient_sum_metrics())
         with_grad = [p for p in params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])  # sketches too: E‖G·Aᵀ‖² = ‖G‖²
+        # Sketches too: E‖G·Aᵀ‖² = ‖G‖². The strategy takes the norm over all ranks' parts (FSDP: shards).
+        sketching = isinstance(strategy, SketchTraining)
+        grad_norm = (strategy.gradient_norm(with_grad) if sketching
+                     else torch.nn.utils.get_total_norm([p.grad for p in with_grad]))
         if not torch.isfinite(grad_norm):
             log.warning("non-finite gradient norm at step %d: the whole update is skipped", self.global_step)
         elif self.hparams.max_grad_norm is not None:
             # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
             # layer's carrier B, so sketches are scaled with the dense gradients).
-            torch.nn.utils.clip_grads_with_norm_(with_grad, self.hparams.max_grad_norm, grad_norm)
+            # (foreach kernels refuse a list mixing sharded DTensor gradients with plain ones: FSDP's replicated head)
+            mixed = any(isinstance(p.grad, DTensor) for p in with_grad)
+            torch.nn.utils.clip_grads_with_norm_(with_grad, self.hparams.max_grad_norm, grad_norm,
+                                                 foreach=False if mixed else None)
         return grad_norm
 
     # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
@@ -534,10 +546,18 @@ class RLVRModule(LightningModule):
 
     # ---- export ---------------------------------------------------------------------------------------------------
 
-    def export(self, path: str | Path) -> None:
-        """Save the policy and tokenizer as a transformers checkpoint (sketched layers keep the original layout)."""
-        self.policy.save_pretrained(path)
+    def export(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Save the policy and tokenizer as a transformers checkpoint (sketched layers keep the original layout);
+        `state_dict`: the policy's weights when this process does not hold them whole (gathered from FSDP shards)."""
+        self.policy.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
+
+    def _export_from_every_rank(self, path: str | Path) -> None:
+        """Called on every rank: a sharded policy is gathered first (a collective), and rank 0 writes the folder."""
+        strategy = self.trainer.strategy
+        state_dict = strategy.whole_policy_state() if isinstance(strategy, SketchTraining) else None
+        if self.trainer.is_global_zero:
+            self.export(path, state_dict)
 
     # ---- an engine with weights of its own must be kept in step ---------------------------------------------------
 
@@ -591,12 +611,12 @@ class RLVRModule(LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         every = self.hparams.export_every
-        if every is not None and self.global_step % every == 0 and self.trainer.is_global_zero:
-            self.export(Path(self.hparams.export_dir) / f"step-{self.global_step:06d}")
+        if every is not None and self.global_step % every == 0:
+            self._export_from_every_rank(Path(self.hparams.export_dir) / f"step-{self.global_step:06d}")
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir is not None and self.trainer.is_global_zero:
-            self.export(self.hparams.export_dir)
+        if self.hparams.export_dir is not None:
+            self._export_from_every_rank(self.hparams.export_dir)
 
     def teardown(self, stage: str) -> None:
         # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.

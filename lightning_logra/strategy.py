@@ -17,6 +17,7 @@ from lightning_logra.checkpoint import AtomicCheckpointIO
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketch_carriers, sketched_layers
 from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.sketch.update import LowRankDelta
 
 
 class SketchTraining:
@@ -48,6 +49,19 @@ class SketchTraining:
     def gradient_sum_metrics(self) -> dict[str, float]:
         """What the last `sum_gradients` sent, for the logs (one process: nothing)."""
         return {}
+
+    def gradient_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The total norm of the gradients of `params` as the optimizers will use them (after `sum_gradients`)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    def whole_factors(self, low_rank: dict[str, LowRankDelta]) -> dict[str, LowRankDelta]:
+        """Low-rank deltas with all d rows of F (a sharded strategy gathers them; here they are whole already)."""
+        return low_rank
+
+    def whole_policy_state(self) -> dict[str, torch.Tensor] | None:
+        """The policy's whole state dict for an export, gathered on rank 0 where the weights are sharded; None where
+        every rank holds them whole (rank 0 saves its own). Every rank calls it."""
+        return None
 
 
 class SketchStrategy(SketchTraining, SingleDeviceStrategy):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from torch.distributed.tensor import DTensor
 
 from lightning_logra.sketch.update import LowRankDelta
 
@@ -79,6 +80,11 @@ def propose_dense(optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> 
     step()
     proposed = {}
     for param, old in zip(params, before):
+        if isinstance(param, DTensor):
+            # FSDP all-gathers a sharded parameter from its own storage, not from what `.data` points to: copy back.
+            proposed[param] = param.detach().clone()  # θ + Δ
+            param.copy_(old)  # θ again, bit for bit
+            continue
         proposed[param] = param.data  # θ + Δ
         param.data = old  # θ again, bit for bit (no subtraction that would round)
     return proposed

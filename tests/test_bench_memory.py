@@ -76,3 +76,16 @@ def test_kl_check_and_the_meta_floor_of_dense_adamw(tmp_path):
     assert 0 < logra["kl_s"] < logra["step_s"] and logra["kl_share"] == pytest.approx(logra["kl_s"] / logra["step_s"])
     assert floor["peak_gib"] == floor["avg_gib"] == 16 * TINY_PARAMS / 2**30
     assert not {"step_s", "kl_s", "saved_bytes"} & set(floor)  # nothing ran
+
+
+def test_sharded_ranks_hold_less_than_ddp_ranks(tmp_path):
+    # logra_ddp and logra_fsdp: 2 processes each, every rank on the same batch. Their "state" is memory_breakdown's
+    # count (weights, sketches, sketch Adam's state), not a measurement: a DDP rank holds the 522,368 parameters
+    # (2.0 MiB) and the state of all rows; an FSDP rank half of every sharded matrix and of the state, plus the tied
+    # 1000×128 embedding, which stays whole (it is the LM head): 1.52 against 2.40 MiB.
+    report = _bench(tmp_path, "fp32", ["logra_ddp", "logra_fsdp"])
+    rows = {row["method"]: row for row in report["rows"]}
+    assert report["settings"]["processes"] == 2
+    assert rows["logra_ddp"]["processes"] == rows["logra_fsdp"]["processes"] == 2
+    assert rows["logra_fsdp"]["state_gib"] < 0.7 * rows["logra_ddp"]["state_gib"]
+    assert all(row["peak_gib"] > 0 and row["avg_gib"] <= row["peak_gib"] for row in rows.values())

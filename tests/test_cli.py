@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cli import main
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
+from lightning_logra.fsdp import SketchFSDPStrategy
 from lightning_logra.module import RLVRModule
 from lightning_logra.lora import LoRAStrategy
 from lightning_logra.rewards import TimedReward
@@ -52,7 +53,7 @@ def test_every_config_instantiates_the_real_classes(config):
     if "lora" in Path(config).stem:
         assert isinstance(cli.trainer.strategy, LoRAStrategy) and cli.trainer.strategy.config.rank < 128
     elif "dense" not in Path(config).stem:
-        assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy))
+        assert isinstance(cli.trainer.strategy, (SketchStrategy, SketchDDPStrategy, SketchFSDPStrategy))
         assert cli.trainer.strategy.config.rank < 4096
 
 

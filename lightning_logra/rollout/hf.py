@@ -8,6 +8,8 @@ come out without a second pass. Each token is drawn by inverting the CDF at a co
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -56,6 +58,10 @@ class HFEngine(RolloutEngine):
         self.model = model
         self.eos_token_ids = torch.tensor(eos_token_ids)
         self.pad_token_id = pad_token_id
+        # Whether generation may stop, given which rows have finished (N,) bool. Under FSDP every rank must run the
+        # same number of forward passes (each one all-gathers the layers' weights), so lightning_logra.fsdp makes it
+        # "every row of every rank has finished".
+        self.all_finished: Callable[[torch.Tensor], bool] = lambda finished: bool(finished.all())
 
     def samples_from(self, policy) -> bool:
         return self.model is policy
@@ -116,7 +122,7 @@ class HFEngine(RolloutEngine):
             tokens.append(token)
             logprobs.append(torch.where(finished, 0.0, logprob))
             finished = finished | torch.isin(token, eos)
-            if finished.all():
+            if self.all_finished(finished):
                 break
             step_ids = token[:, None]  # (N, 1)
             position = position[:, -1:] + 1

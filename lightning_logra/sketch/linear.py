@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_logra.hashing import matrix_seed
 from lightning_logra.sketch.projection import make_projection
@@ -84,6 +85,9 @@ class SketchedLinear(nn.Linear):
         self.distribution = distribution
         self.refresh_index = 0
         self.cache_projection = cache_projection
+        # The rows of W this process merges updates into and keeps optimizer state for: all of them, or under FSDP
+        # those of its shard (set by lightning_logra.fsdp; the sketch itself always covers all d rows).
+        self.rows = slice(0, self.out_features)
         # B = 0 (d, r): never used numerically in the forward pass, only as the holder of S (fp32) in .grad.
         self.sketch_param = nn.Parameter(self._zero_carrier())
         # Not persistent: A is a pure function of the seed, so checkpoints carry the seed, not the matrix.
@@ -164,6 +168,18 @@ class SketchedLinear(nn.Linear):
         if self.sketch_param.grad is None:
             return torch.zeros_like(self.sketch_param)
         return self.sketch_param.grad
+
+    def sketch_rows(self) -> torch.Tensor:
+        """S[rows] (rows, r) fp32: the part of the sketch this process updates its rows of W with; `sketch` itself
+        when that is all of it (unsharded)."""
+        if self.rows == slice(0, self.out_features):
+            return self.sketch
+        return self.sketch[self.rows]
+
+    def local_weight(self) -> torch.Tensor:
+        """W[rows] as a plain tensor to merge into in place: W itself, or under FSDP the local tensor of its sharded
+        DTensor (a view of the storage FSDP all-gathers W from for the forward pass)."""
+        return self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
 
     def zero_sketch(self) -> None:
         self.sketch_param.grad = None

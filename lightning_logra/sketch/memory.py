@@ -4,6 +4,10 @@ The numbers are the steady-state footprint of training, not a snapshot: a sketch
 trainable dense parameter counts its gradient even between steps when `.grad` happens to be None, because both
 exist during every backward pass. Optimizer state counts what the optimizers hold (a sketch optimizer's
 d×r tensors by its kind, since it allocates them lazily on the first step).
+
+Under FSDP the figures are this process's: its shards of the weights, of their gradients and of the dense optimizer
+state, and sketch-optimizer state for its rows only; each sketch is whole (every rank accumulates all d×r of it
+before the reduction).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.optim import SketchOptimizer
@@ -41,6 +46,8 @@ class MemoryBreakdown:
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    """The bytes this process holds for `t`: a sharded (DTensor) one's local shard."""
+    t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
 
 
@@ -65,7 +72,8 @@ def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimize
     for optimizer in optimizers:
         if isinstance(optimizer, SketchOptimizer):
             per_layer = optimizer.state_tensors_per_layer()
-            out.sketch_optimizer_state += sum(per_layer * l.out_features * l.rank * _FP32 for l in optimizer.layers)
+            out.sketch_optimizer_state += sum(per_layer * len(range(l.out_features)[l.rows]) * l.rank * _FP32
+                                              for l in optimizer.layers)
         else:
             for state in optimizer.state.values():
                 out.dense_optimizer_state += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))

@@ -112,7 +112,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         """Compute U for every layer and advance the state. False (and nothing changed) if a sketch is not finite."""
         self.last_updates = {}
         layers = self.layers
-        finite = torch.stack([torch.isfinite(layer.sketch).all() for layer in layers])  # one sync, not one per layer
+        # one sync, not one per layer
+        finite = torch.stack([torch.isfinite(layer.sketch_rows()).all() for layer in layers])
         if not bool(finite.all()):
             bad = [layer.name for layer, ok in zip(layers, finite.tolist()) if not ok]
             self.skip(f"non-finite sketch in {bad}")
@@ -124,8 +125,22 @@ class SketchOptimizer(torch.optim.Optimizer):
                 if not state:
                     state["step"] = 0  # updates since the last refresh
                     state["refresh_index"] = self._layer_of[p].refresh_index
-                self._proposal[p] = self._direction(self._layer_of[p].sketch, state, group)
+                # Only the layer's own rows: under FSDP each rank keeps state (rows, r) for its shard alone.
+                self._proposal[p] = self._direction(self._layer_of[p].sketch_rows(), state, group)
         return True
+
+    @torch.no_grad()
+    def materialize_state(self) -> None:
+        """Create every layer's state that does not exist yet as a first proposal from a zero sketch would (zeros,
+        step 0), changing nothing else: a sharded checkpoint's state is then loaded into it in place."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    layer = self._layer_of[p]
+                    state["step"] = 0
+                    state["refresh_index"] = layer.refresh_index
+                    self._direction(torch.zeros_like(layer.sketch_rows()), state, group)
 
     def skip(self, reason: str) -> None:
         """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in
@@ -138,7 +153,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         self._proposal = None
 
     def proposal(self) -> dict[str, LowRankDelta]:
-        """The pending proposal per weight name: F = η·U (d, r) with A's seed, i.e. Δ = −η·U·A at α = 1."""
+        """The pending proposal per weight name: F = η·U (d, r) with A's seed, i.e. Δ = −η·U·A at α = 1 (under FSDP
+        the layer's `rows` of F only; lightning_logra.fsdp gathers the whole of it)."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first")
         proposal = {}
@@ -152,7 +168,9 @@ class SketchOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def apply(self, alpha: float = 1.0) -> dict[str, LowRankDelta]:
         """Merge W ← W − α·η·U·A for the pending proposal; zero the sketches; return what was merged per weight
-        name: F = α·η·U (d, r) in `factor_dtype`, A's seed, and the key of the rounding (also `last_updates`)."""
+        name: F = α·η·U (d, r) in `factor_dtype`, A's seed, and the key of the rounding (also `last_updates`).
+        Each layer merges its `rows` of F into its `local_weight()` (all of W, or under FSDP the rank's shard), with
+        the rounding bits those rows have in the whole matrix."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first (or it was skipped)")
         # The last line of defence: whatever chose α, a non-finite step never reaches the weights.
@@ -175,11 +193,12 @@ class SketchOptimizer(torch.optim.Optimizer):
                 # the matrix's own seed: matrices that share A (share_projection) still draw bits of their own
                 key = rounding_key(layer.own_seed, self.updates) if stochastic else None
                 projection = layer.projection()
+                weight = layer.local_weight()  # (rows, k)
                 rows, cols = self._probe(layer)
-                before = layer.weight[rows, cols].double()
-                apply_low_rank_update_(layer.weight, factor, projection, key)
+                before = weight[rows, cols].double()
+                apply_low_rank_update_(weight, factor, projection, key, first_row=layer.rows.start)
                 change = (factor[rows].double() * projection[:, cols].T.double()).sum(-1)  # (F·A) at the probe
-                landed.append(-((layer.weight[rows, cols].double() - before) * change).sum())  # W moves by −F·A
+                landed.append(-((weight[rows, cols].double() - before) * change).sum())  # W moves by −F·A
                 intended.append((change**2).sum())
                 layer.zero_sketch()
                 self.state[p]["step"] += 1
@@ -194,8 +213,12 @@ class SketchOptimizer(torch.optim.Optimizer):
         return self.last_updates
 
     def _probe(self, layer: SketchedLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """A few entries of the layer's W, new at each update: where the landed fraction is measured."""
-        d, k = layer.out_features, layer.in_features
+        """A few entries of the layer's W[rows] (local row indices), new at each update: where the landed fraction is
+        measured."""
+        d, k = len(range(layer.out_features)[layer.rows]), layer.in_features
+        if d == 0:  # a rank whose shard of this matrix is empty (d < world size)
+            none = torch.zeros(0, dtype=torch.int64, device=layer.weight.device)
+            return none, none
         keys = torch.arange(_PROBE_ENTRIES, dtype=torch.int64) + rounding_key(layer.own_seed ^ 1, self.updates)
         flat = (counter_uniform(keys) * (d * k)).long().clamp(max=d * k - 1).to(layer.weight.device)
         return flat // k, flat % k

@@ -1,0 +1,65 @@
+"""The GPU configs of sharded training: their headers' per-GPU memory arithmetic, recomputed from the published shapes
+of the models they name (built on the meta device: no weights, no download) and the configs' own sketch settings."""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from cli import main
+from lightning_logra.fsdp import SketchFSDPStrategy, shard_rows
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+# config.json of Qwen/Qwen2.5-7B and Qwen/Qwen2.5-32B
+SHAPES = {
+    "qwen7b_fsdp.yaml": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                             num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen32b_fsdp.yaml": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                              num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+}
+GB = 1e9
+
+
+def _header(config: Path) -> dict[str, float]:
+    """The `#   <name>  <GB>` lines of a config's header."""
+    return {name: float(value) for name, value in re.findall(r"^#   (\w+) +([\d.]+) ", config.read_text(), re.M)}
+
+
+def _per_gpu(model: torch.nn.Module, strategy: SketchFSDPStrategy, world: int) -> dict[str, float]:
+    """What the largest rank (rank 0: torch.chunk gives it the most rows) holds, in GB, for bf16 weights."""
+    sketch = strategy.config
+    handles = sketch.install(model)  # raises if the rank does not fit a target matrix
+    head = set(model.get_output_embeddings().parameters())
+    carriers = {layer.sketch_param for layer in handles.values()}
+    weights = 0
+    for param in model.parameters():
+        if param in carriers:
+            continue
+        rows = param.shape[0] if param in head else len(range(param.shape[0])[shard_rows(param.shape[0], 0, world)])
+        weights += rows * math.prod(param.shape[1:]) * 2  # bf16
+    r = sketch.rank
+    sketches = sum(layer.out_features * r * 4 for layer in handles.values())
+    state = sum(2 * len(range(layer.out_features)[shard_rows(layer.out_features, 0, world)]) * r * 4
+                for layer in handles.values())  # sketch Adam: m and v
+    buffer = sum(math.ceil(layer.out_features / world) * world * r * 4 for layer in handles.values())
+    projections = sum(r * layer.in_features * 4 for layer in handles.values()) if sketch.cache_projection else 0
+    return {"weights": weights / GB, "sketches": sketches / GB, "sketch_state": state / GB,
+            "reduce_buffer": buffer / GB, "projections": projections / GB}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_headers_memory_arithmetic_is_the_models(name):
+    cli = main(["--config", str(CONFIGS / name), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+                "--trainer.logger", "false"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SketchFSDPStrategy) and cli.trainer.num_devices == 8
+    assert strategy.config.hparams()["sketch/optimizer"] == "SketchAdam"  # two state tensors (m, v) per sketch
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[name]))
+    computed = _per_gpu(model, strategy, world=8)
+    stated = _header(CONFIGS / name)
+    for key, value in computed.items():
+        assert stated[key] == pytest.approx(value, abs=0.006), (key, stated[key], value)

@@ -100,6 +100,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
     each rank still accumulates the whole d×r sketch of its own samples before the reduction."""
 
     strategy_name = "logra_sketch_fsdp"
+    shards_weights = True
     lockstep = True  # every forward pass is a collective: every rank runs every micro-batch
 
     def __init__(self, sketch: SketchConfig = SketchConfig(), process_group_backend: str | None = None,

@@ -205,6 +205,11 @@ class RLVRModule(LightningModule):
         if self.policy is None:
             self._load_policy()
         if not self.engine.samples_from(self.policy):
+            if self._trainer is not None and getattr(self.trainer.strategy, "shards_weights", False):
+                raise ValueError(
+                    f"model.engine: {type(self.engine).__name__} keeps weights of its own, which cannot follow "
+                    f"sharded weights yet ({type(self.trainer.strategy).__name__}); use the in-process engine "
+                    "(model.engine: null), or SketchDDPStrategy, under which every rank runs an engine of its own")
             if self._trainer is not None and self.trainer.world_size > 1:
                 # One engine per rank, beside that rank's trainer: every rank holds the same weights and applies the
                 # same update, so each rank's RolloutWeightSync keeps its own engine in step (README: "A vLLM engine

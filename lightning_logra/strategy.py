@@ -28,6 +28,9 @@ class SketchTraining:
 
     config: SketchConfig
     handles: dict[str, SketchedLinear]
+    # Whether each rank holds only shards of the weights: a rollout engine with weights of its own cannot follow them
+    # yet (its full loads and the dense values of train_rest would need gathering first).
+    shards_weights: bool = False
 
     @property
     def policy(self) -> nn.Module:

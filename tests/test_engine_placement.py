@@ -62,3 +62,17 @@ def test_each_ranks_cpu_engine_gets_its_own_cores(monkeypatch):
     with pytest.raises(ValueError, match=r"VLLM_CPU_OMP_THREADS_BIND: 2 core lists for 3 ranks"):
         with engine._environment():
             pass
+
+
+def test_an_engine_with_weights_of_its_own_is_refused_when_the_weights_are_sharded(tiny_arith_model):
+    # Under SketchFSDPStrategy each rank holds shards: a full load and train_rest's dense values would need gathering,
+    # so the module refuses the engine before starting it, naming the key (SketchDDPStrategy runs one per rank).
+    from types import SimpleNamespace
+
+    from lightning_logra.fsdp import SketchFSDPStrategy
+    from lightning_logra.module import RLVRModule
+
+    module = RLVRModule(tiny_arith_model, reward="exact_match", engine=VLLMEngine())
+    module._trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=SketchFSDPStrategy())
+    with pytest.raises(ValueError, match=r"model.engine: VLLMEngine keeps weights of its own.*SketchFSDPStrategy"):
+        module.configure_model()

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,10 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(path.parent)
         # The temporary file sits in the same directory so that os.replace is a rename, atomic on POSIX. It is
         # created with mode 0666 minus the umask, as any other file the run writes (tempfile.mkstemp would make
         # it 0600, and the rename keeps that).
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp = temporary_path(path)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             with os.fdopen(fd, "wb") as f:
@@ -106,12 +105,40 @@ def _disk_full(err: BaseException | None) -> bool:
 
 
 def _remove_stale_temporaries(directory: Path) -> None:
-    """Delete temporary checkpoint files whose writing process is gone (killed mid-save)."""
+    """Delete temporary checkpoints (files, or sharded folders) whose writing process is gone (killed mid-save)."""
     for tmp in directory.glob(".*.ckpt.*.tmp"):
         pid = tmp.name.split(".")[-3]  # ".<name>.ckpt.<pid>.<random>.tmp"
         if pid.isdigit() and int(pid) != os.getpid() and _running(int(pid)):
             continue  # another process is writing it now
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a checkpoint for `path` is written before it is moved there: beside it (a rename, not a copy), named
+    after the writing process so that a later run can tell a dead writer's leftovers (`_remove_stale_temporaries`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(path.parent)
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def replace_folder(new: Path, path: Path) -> None:
+    """Put the finished sharded checkpoint `new` (a folder beside `path`) at `path`. A folder cannot replace another
+    in one rename, so the previous checkpoint is renamed aside first and deleted only once the new one is in place:
+    a crash while the shards are written (the long part) leaves the previous checkpoint as it was, and one between
+    the two renames leaves it whole at `.<name>.old`."""
+    old = path.parent / f".{path.name}.old"
+    _remove(old)
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _running(pid: int) -> bool:

@@ -20,12 +20,13 @@ chunked log-probs and the KL check use its weight outside its module's forward p
 shard. With tied embeddings the embedding matrix is the head's and stays whole too.
 
 Every forward pass all-gathers weights, so every rank runs the same number of them: the module runs every sample's
-micro-batch (`lockstep`), and the in-process engine generates until every rank's rows have finished.
+micro-batch (`shards_weights`), and the in-process engine generates until every rank's rows have finished.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_logra.checkpoint import replace_folder, temporary_path
 from lightning_logra.rollout import HFEngine
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketched_layers
@@ -100,8 +102,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
     each rank still accumulates the whole d×r sketch of its own samples before the reduction."""
 
     strategy_name = "logra_sketch_fsdp"
-    shards_weights = True
-    lockstep = True  # every forward pass is a collective: every rank runs every micro-batch
+    shards_weights = True  # so every forward pass is a collective: every rank runs every micro-batch
 
     def __init__(self, sketch: SketchConfig = SketchConfig(), process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
@@ -251,6 +252,24 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         state_dict["state"] = {index: {key: sharded(index, value) for key, value in state.items()}
                                for index, state in state_dict["state"].items()}
         return state_dict
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
+                        storage_options: Any | None = None) -> None:
+        """Sharded (each rank writes its shards, torch.distributed.checkpoint), into a temporary folder beside the
+        target that rank 0 moves into place once every rank has written its part (`replace_folder`): a crash during
+        the save leaves the previous checkpoint as it was."""
+        path = Path(self.broadcast(str(filepath)))
+        tmp = Path(self.broadcast(str(temporary_path(path)) if self.global_rank == 0 else None))
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except BaseException:
+            if self.global_rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.barrier("sharded checkpoint written")
+        if self.global_rank == 0:
+            replace_folder(tmp, path)
+        self.barrier("sharded checkpoint in place")
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))

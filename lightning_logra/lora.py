@@ -136,8 +136,7 @@ def _import_peft():
     try:
         import peft
     except ImportError as err:
-        raise ImportError("trainer.strategy: LoRAStrategy needs peft (pip install 'lightning-logra[dev]' or "
-                          "pip install peft)") from err
+        raise ImportError("trainer.strategy: LoRAStrategy needs peft (pip install 'lightning-logra[lora]')") from err
     return peft
 
 

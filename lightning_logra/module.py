@@ -413,7 +413,7 @@ class RLVRModule(LightningModule):
         wrapped = isinstance(self.trainer.model, DistributedDataParallel)
         grad_scale = float(self.trainer.world_size) if wrapped else 1.0
         # Under FSDP every forward pass all-gathers weights: every rank must run as many as the others.
-        lockstep = wrapped or getattr(strategy, "lockstep", False)
+        lockstep = wrapped or getattr(strategy, "shards_weights", False)
 
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)

@@ -28,8 +28,9 @@ class SketchTraining:
 
     config: SketchConfig
     handles: dict[str, SketchedLinear]
-    # Whether each rank holds only shards of the weights: a rollout engine with weights of its own cannot follow them
-    # yet (its full loads and the dense values of train_rest would need gathering first).
+    # Whether each rank holds only shards of the weights. Then every forward pass all-gathers weights, a collective,
+    # so every rank runs every micro-batch; and a rollout engine with weights of its own cannot follow them yet (its
+    # full loads and the dense values of train_rest would need gathering first).
     shards_weights: bool = False
 
     @property

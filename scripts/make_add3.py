@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from lightning_logra.data.add3 import ADD3_DIR, MAX_NEW_TOKENS, PROMPT_LEN, Add3Prompts, split_indices
 from lightning_logra.data.arith import build_tiny_model, build_tokenizer
+from make_tiny_arith import encode_sft, exact_match_rate  # scripts/ (this script's folder is on sys.path)
 
 # Greedy exact match on the probe at which SFT stops. At lr 1e-3 the model reaches about 0.1 within some 600 steps
 # (units digits and most carry-free answers) and then plateaus there for well over 500 more steps (loss ~0.50): the
@@ -30,41 +30,6 @@ from lightning_logra.data.arith import build_tiny_model, build_tokenizer
 # whole carry mechanism to improve, from a model that is right often enough to give groups a signal.
 STOP_GREEDY = 0.10
 WANTED_GREEDY = (0.06, 0.40)  # the held-out greedy pass@1 the saved model must have, or nothing is saved
-
-
-def encode_sft(tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of ``prompt + answer + <eos>``, right-padded, and labels that keep only the answer and <eos>."""
-    texts = [ex["prompt"] + ex["answer"] + tokenizer.eos_token for ex in examples]
-    ids = tokenizer(texts, padding="longest", padding_side="right", return_tensors="pt").input_ids  # (B, ≤ 13)
-    labels = ids.clone()  # (B, ≤ 13)
-    labels[:, :PROMPT_LEN] = -100
-    labels[ids == tokenizer.pad_token_id] = -100
-    return ids, labels
-
-
-@torch.no_grad()
-def exact_match_rate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]],
-                     temperature: float, generator: torch.Generator, batch_size: int = 1024) -> float:
-    """Mean exact match of one completion per prompt, sampled at `temperature` or greedy at 0 (prompts are all
-    `PROMPT_LEN` tokens, so no padding; at most 13 tokens, so no KV cache is worth it)."""
-    model.eval()
-    correct = 0
-    for start in range(0, len(examples), batch_size):
-        batch = examples[start : start + batch_size]
-        ids = tokenizer([ex["prompt"] for ex in batch], return_tensors="pt").input_ids  # (B, 8)
-        for _ in range(MAX_NEW_TOKENS):
-            logits = model(input_ids=ids).logits[:, -1]  # (B, V)
-            if temperature == 0.0:
-                next_ids = logits.argmax(dim=-1)  # (B,)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
-            ids = torch.cat([ids, next_ids[:, None]], dim=1)
-        for row, ex in zip(ids[:, PROMPT_LEN:].tolist(), batch):
-            completion = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
-            correct += tokenizer.decode(completion).strip() == ex["answer"]
-    model.train()
-    return correct / len(examples)
 
 
 def main() -> None:
@@ -89,6 +54,11 @@ def main() -> None:
     train, evaluation = Add3Prompts("train"), Add3Prompts("eval")
     batches = torch.Generator().manual_seed(args.seed)
     sampling = torch.Generator().manual_seed(args.seed + 1)
+
+    def rate(examples: list[dict[str, str]], temperature: float) -> float:  # exact match, add3's lengths
+        return exact_match_rate(model, tokenizer, examples, temperature, sampling, prompt_len=PROMPT_LEN,
+                                max_new_tokens=MAX_NEW_TOKENS)
+
     # A fixed probe makes successive checks comparable.
     probe_index = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + 2))[: args.probe]
     probe = [train[i] for i in probe_index.tolist()]
@@ -99,7 +69,7 @@ def main() -> None:
         if step == args.max_steps:
             raise SystemExit(f"no stop after {step} steps (greedy probe {greedy:.3f} < {STOP_GREEDY})")
         index = torch.randint(len(train), (args.batch_size,), generator=batches)  # (B,)
-        ids, labels = encode_sft(tokenizer, [train[i] for i in index.tolist()])  # (B, L) each
+        ids, labels = encode_sft(tokenizer, [train[i] for i in index.tolist()], PROMPT_LEN)  # (B, L) each
         attention_mask = (ids != tokenizer.pad_token_id).long()
         loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
@@ -107,17 +77,17 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % args.eval_every == 0:
-            greedy = exact_match_rate(model, tokenizer, probe, 0.0, sampling)
+            greedy = rate(probe, 0.0)
             print(f"step {step:5d}  loss {loss.item():.4f}  greedy probe {greedy:.3f}", flush=True)
 
     # The final numbers: the whole held-out split, and as many train prompts.
     train_subset = [train[i] for i in torch.randperm(len(train), generator=sampling)[: len(evaluation)].tolist()]
     evaluation = [evaluation[i] for i in range(len(evaluation))]
     numbers = {
-        "train_sampled": exact_match_rate(model, tokenizer, train_subset, 1.0, sampling),
-        "train_greedy": exact_match_rate(model, tokenizer, train_subset, 0.0, sampling),
-        "eval_sampled": exact_match_rate(model, tokenizer, evaluation, 1.0, sampling),
-        "eval_greedy": exact_match_rate(model, tokenizer, evaluation, 0.0, sampling),
+        "train_sampled": rate(train_subset, 1.0),
+        "train_greedy": rate(train_subset, 0.0),
+        "eval_sampled": rate(evaluation, 1.0),
+        "eval_greedy": rate(evaluation, 0.0),
     }
     print(f"stopped after {step} steps: " + ", ".join(f"{k} {v:.3f}" for k, v in numbers.items()))
     if not WANTED_GREEDY[0] <= numbers["eval_greedy"] <= WANTED_GREEDY[1]:

@@ -41,14 +41,16 @@ STOP_REWARD = 0.28
 WANTED_RANGE = (0.25, 0.45)
 
 
-def encode_sft(tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_sft(tokenizer: PreTrainedTokenizerFast, examples: list[dict[str, str]],
+               prompt_len: int = PROMPT_LEN) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of ``prompt + answer + <eos>`` padded on the right, and labels that keep only the answer and
-    <eos> (-100 elsewhere). Right padding keeps every prompt at positions 0..5, exactly where it sits when sampling;
-    the pads come after <eos>, so the causal mask already hides them from every labelled position."""
+    <eos> (-100 elsewhere). Right padding keeps every prompt at positions 0..prompt_len-1, exactly where it sits when
+    sampling; the pads come after <eos>, so the causal mask already hides them from every labelled position.
+    (scripts/make_add3.py uses it too, with its own prompt length.)"""
     texts = [ex["prompt"] + ex["answer"] + tokenizer.eos_token for ex in examples]
     ids = tokenizer(texts, padding="longest", padding_side="right", return_tensors="pt").input_ids  # (N, 10)
     labels = ids.clone()  # (N, 10)
-    labels[:, :PROMPT_LEN] = -100
+    labels[:, :prompt_len] = -100
     labels[ids == tokenizer.pad_token_id] = -100
     return ids, labels
 
@@ -61,6 +63,8 @@ def exact_match_rate(
     temperature: float,
     generator: torch.Generator,
     batch_size: int = 1024,
+    prompt_len: int = PROMPT_LEN,
+    max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> float:
     """Mean exact-match reward of one completion per prompt: sampled at ``temperature`` (top_p 1.0), or greedy when
     it is 0. Sequences are at most 10 tokens, so recomputing the whole prefix each step is cheaper than a KV cache."""
@@ -69,7 +73,7 @@ def exact_match_rate(
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
         ids = tokenizer([ex["prompt"] for ex in batch], return_tensors="pt").input_ids  # (B, 6)
-        for _ in range(MAX_NEW_TOKENS):
+        for _ in range(max_new_tokens):
             logits = model(input_ids=ids).logits[:, -1]  # (B, V)
             if temperature == 0.0:
                 next_ids = logits.argmax(dim=-1)  # (B,)
@@ -77,7 +81,7 @@ def exact_match_rate(
                 probs = torch.softmax(logits / temperature, dim=-1)
                 next_ids = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
             ids = torch.cat([ids, next_ids[:, None]], dim=1)  # (B, 6 + step + 1)
-        for row, ex in zip(ids[:, PROMPT_LEN:].tolist(), batch):
+        for row, ex in zip(ids[:, prompt_len:].tolist(), batch):
             # Stop at the first <eos>; a row without one is judged on all its tokens (and fails the match).
             completion = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
             correct += tokenizer.decode(completion).strip() == ex["answer"]

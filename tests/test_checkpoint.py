@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,3 +63,36 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_the_previous_checkpoint(tmp
     assert "unexpected pos" not in shown and "During handling" not in shown  # torch's follow-up error is dropped
     assert torch.equal(torch.load(path)["x"], torch.zeros(3))
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+def _sharded(path: Path, content: str) -> None:
+    """A stand-in for a sharded checkpoint folder: what torch.distributed.checkpoint writes, reduced to two files."""
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_text(content)
+    (path / "meta.pt").write_text(content)
+
+
+def test_a_sharded_checkpoint_replaces_the_previous_one_only_once_written(tmp_path, monkeypatch):
+    # SketchFSDPStrategy writes its shards into a temporary folder beside the target and moves it into place after
+    # every rank has written: a save that fails while writing leaves the previous checkpoint whole and no temporary.
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_logra.fsdp import SketchFSDPStrategy
+
+    target = tmp_path / "last.ckpt"
+    _sharded(target, "step 50")
+
+    def write(self, checkpoint, path, storage_options=None):  # the shards, then a failure (the disk is full)
+        _sharded(Path(path), checkpoint["step"])
+        if checkpoint["step"] == "broken":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ModelParallelStrategy, "save_checkpoint", write)
+    strategy = SketchFSDPStrategy()  # one process: broadcast and barrier return at once
+    with pytest.raises(OSError):
+        strategy.save_checkpoint({"step": "broken"}, target)
+    assert (target / "meta.pt").read_text() == "step 50"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    strategy.save_checkpoint({"step": "step 100"}, target)
+    assert (target / "__0_0.distcp").read_text() == (target / "meta.pt").read_text() == "step 100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # the previous one and the temporary gone

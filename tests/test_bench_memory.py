@@ -3,6 +3,7 @@ the dense baseline keeps fp32 master weights (bf16-mixed) and LoGRA trains the b
 holds less memory than dense AdamW's."""
 
 import json
+import warnings
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +85,13 @@ def test_sharded_ranks_hold_less_than_ddp_ranks(tmp_path):
     # (2.0 MiB) and the state of all rows; an FSDP rank half of every sharded matrix and of the state, plus the tied
     # 1000×128 embedding, which stays whole (it is the LM head): 1.52 against 2.40 MiB.
     report = _bench(tmp_path, "fp32", ["logra_ddp", "logra_fsdp"])
+    if any("error" in row for row in report["rows"]):
+        # A 2-process launch failed once in a full CI run and never alone (cause not found yet): one more try, and
+        # the first failure said, so that it is seen rather than hidden.
+        warnings.warn(f"bench/memory.py's 2-process rows failed, retried once: {report['rows']}")
+        report = _bench(tmp_path, "fp32", ["logra_ddp", "logra_fsdp"])
     rows = {row["method"]: row for row in report["rows"]}
+    assert not any("error" in row for row in rows.values()), rows
     assert report["settings"]["processes"] == 2
     assert rows["logra_ddp"]["processes"] == rows["logra_fsdp"]["processes"] == 2
     assert rows["logra_fsdp"]["state_gib"] < 0.7 * rows["logra_ddp"]["state_gib"]

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -215,6 +216,12 @@ def sketch_config(spec: dict, rank: int | None = None):
     return SketchConfig(**options, optimizer=partial(class_from(optimizer["class_path"]), **optimizer["init_args"]))
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the GPU's queued kernels, so that a time read after it is the GPU's (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def kl_budget_args(config: dict) -> dict:
     return next(callback["init_args"] for callback in config["trainer"]["callbacks"]
                 if callback["class_path"].endswith(".PredictedKLBudget"))
@@ -231,7 +238,11 @@ def kl_control(plan: Plan, progress: Progress) -> dict:
     run: q = predicted KL of the proposal on `subset` responses, α = min(α_max, √(δ/q)) at the step's δ, merge.
 
     Random weights give near-uniform next-token distributions, unlike a trained model's: the rate measured here
-    says whether the control can act at these settings, not how often it acts in a real run."""
+    says whether the control can act at these settings, not how often it acts in a real run.
+
+    Each step is timed too (synchronized): the check's seconds per checked response against the training's seconds
+    per trained response give the check's share of a step at the config's own batch (prompts × generations), which
+    is too large to run here; the check's fp32 passes are what a GPU runs slowest relative to bf16."""
     from lightning_logra.callbacks.kl_budget import PredictedKLBudget
     from lightning_logra.kl import Responses, predicted_kl, step_scale
     from lightning_logra.loss import group_advantages, token_weights
@@ -268,6 +279,8 @@ def kl_control(plan: Plan, progress: Progress) -> dict:
         weights = token_weights(rollouts["completion_mask"], model_config["loss_type"], shape.completion_len)
         rollouts["coef"] = weights * advantages[:, None]  # (n, C)
         batch = {key: value.to(device) for key, value in rollouts.items()}
+        synchronize(device)
+        step_start = time.perf_counter()
         for first in range(0, shape.batch, shape.micro_batch):
             micro = {key: value[first:first + shape.micro_batch] for key, value in batch.items()}
             bench_memory.policy_loss(policy, micro, model_config.get("logprob_chunk_tokens", 256)).backward()
@@ -277,14 +290,27 @@ def kl_control(plan: Plan, progress: Progress) -> dict:
             continue
         responses = Responses(*(batch[key][:subset] for key in
                                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+        synchronize(device)
+        kl_start = time.perf_counter()
         q, _ = predicted_kl(policy, Update(low_rank=optimizer.proposal()), responses, model_config["temperature"])
+        q = float(q)  # waits for the device
+        kl_s = time.perf_counter() - kl_start
         budget = controller.budget_at(step)
-        alpha = step_scale(float(q), budget, controller.alpha_max)
+        alpha = step_scale(q, budget, controller.alpha_max)
         optimizer.apply(alpha)
-        result["steps"].append(dict(step=step, grad_norm=grad_norm, q=float(q), budget=budget, alpha=alpha,
-                                    acting=alpha < controller.alpha_max))
+        synchronize(device)
+        train_s = time.perf_counter() - step_start - kl_s
+        result["steps"].append(dict(step=step, grad_norm=grad_norm, q=q, budget=budget, alpha=alpha,
+                                    acting=alpha < controller.alpha_max, kl_s=kl_s, train_s=train_s))
         measured = [s for s in result["steps"] if not s.get("skipped")]
         result["acting_rate"] = sum(s["acting"] for s in measured) / len(measured)
+        timed = measured[1:] or measured  # the first step allocates the optimizer's state
+        kl_per_response = statistics.median(s["kl_s"] for s in timed) / subset
+        train_per_response = statistics.median(s["train_s"] for s in timed) / shape.batch
+        config_batch = config["data"]["init_args"]["batch_size"] * model_config["num_generations"]
+        result["kl_share"] = dict(  # the check's share of a step at the config's batch, from per-response costs
+            kl_s_per_response=kl_per_response, train_s_per_response=train_per_response, config_batch=config_batch,
+            share=subset * kl_per_response / (subset * kl_per_response + config_batch * train_per_response))
         progress(result)
     return result
 
@@ -487,7 +513,9 @@ def summary(name: str, entry: dict) -> str:
     if name == "memory_table":
         return f"{sum('error' not in row for row in result['rows'])}/{len(result['rows'])} rows measured"
     if name == "kl_control":
-        return f"α < α_max on {result.get('acting_rate', float('nan')):.0%} of {len(result['steps'])} steps"
+        share = result.get("kl_share", {}).get("share", float("nan"))
+        return (f"α < α_max on {result.get('acting_rate', float('nan')):.0%} of {len(result['steps'])} steps; "
+                f"the check's share of a step at the config's batch {share:.1%}")
     if name == "full_load":
         rows = {row["path"]: row for row in result["rows"]}
         return (f"{result['shape']}, {result['tensor_bytes'] / 1e9:.2f} GB: bytes {rows['bytes']['seconds']:.2f} s, "

@@ -86,6 +86,10 @@ def test_the_dry_run_reports_every_stage(tmp_path):
         assert step["grad_norm"] > 0 and 0 < step["alpha"] <= kl["budget"]["alpha_max"]
         assert step["acting"] == (step["alpha"] < kl["budget"]["alpha_max"])
     assert kl["acting_rate"] == sum(step["acting"] for step in kl["steps"]) / 3
+    share = kl["kl_share"]  # qwen1_5b.yaml's batch: 32 prompts × 8 generations
+    assert share["config_batch"] == 256 and share["kl_s_per_response"] > 0 and share["train_s_per_response"] > 0
+    assert share["share"] == pytest.approx(2 * share["kl_s_per_response"] / (
+        2 * share["kl_s_per_response"] + 256 * share["train_s_per_response"]))
 
     arith = stages["tiny_arith"]["result"]
     assert arith["steps"] == 3 and len(arith["rewards"]) == 3

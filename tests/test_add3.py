@@ -13,7 +13,7 @@ def test_answers_are_the_sums_reversed():
     assert reversed_sum(123, 456) == "975"  # 579
     assert reversed_sum(999, 999) == "8991"  # 1998: carries through every position
     assert reversed_sum(105, 895) == "0001"  # 1000: a reversed answer keeps its leading zeros
-    assert example(0) == {"prompt": "100+100=", "answer": "002"}
+    assert example(0) == {"prompt": "001+001=", "answer": "002"}  # operands reversed too
     assert example(810_000 - 1) == {"prompt": "999+999=", "answer": "8991"}
 
 
@@ -24,7 +24,7 @@ def test_the_held_out_split_is_fixed_disjoint_and_large_enough():
     assert torch.equal(both, torch.arange(810_000))  # every pair in exactly one split
     assert held_out[:3].tolist() == [53, 1008, 1613]  # the same split on every machine (a hash, not an RNG)
     items = Add3Prompts("eval", limit=5)
-    assert len(items) == 5 and items[0] == example(53) == {"prompt": "100+153=", "answer": "352"}
+    assert len(items) == 5 and items[0] == example(53) == {"prompt": "001+351=", "answer": "352"}  # 100 + 153
 
 
 def test_the_data_module_serves_both_splits():

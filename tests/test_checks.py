@@ -89,8 +89,8 @@ def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(tiny_arith
     with pytest.raises(ValueError) as info:
         _fit(tiny_arith_model, tmp_path, *override)
     assert message in str(info.value)
-    # In a dense run they are what acts (tiny_arith_dense.yaml sets model.lr 1e-4 itself).
-    dense = _fit(tiny_arith_model, tmp_path, *override, config="tiny_arith_dense.yaml", run=False)
+    # In a dense run they are what acts (tiny_arith_dense_all.yaml sets model.lr 1e-4 itself).
+    dense = _fit(tiny_arith_model, tmp_path, *override, config="tiny_arith_dense_all.yaml", run=False)
     assert (dense.model.lr_schedule if key == "lr_schedule" else dense.model.hparams[key]) == value
 
 

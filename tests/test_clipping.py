@@ -10,7 +10,7 @@ from conftest import GradNormAtMost
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_dense"])
+@pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_dense_all"])
 def test_the_optimizer_receives_at_most_max_grad_norm(config, tmp_path):
     check = GradNormAtMost()
     cli = main(["--config", str(ROOT / "configs" / f"{config}.yaml"), "--trainer.max_steps", "3",

@@ -72,9 +72,9 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_mod
 
 
 def _dense_on_two_processes(path: Path) -> str:
-    # tiny_arith_dense.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside every
+    # tiny_arith_dense_all.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside every
     # backward; the data module shards each step's prompts itself.
-    data = yaml.safe_load((ROOT / "configs" / "tiny_arith_dense.yaml").read_text())
+    data = yaml.safe_load((ROOT / "configs" / "tiny_arith_dense_all.yaml").read_text())
     data["trainer"].update(devices=2, use_distributed_sampler=False, strategy={
         "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"process_group_backend": "gloo"}})
     path.write_text(yaml.safe_dump(data))
@@ -86,7 +86,7 @@ def test_dense_ddp_equals_one_process_on_the_same_global_batch(tiny_arith_model,
     # wrapper averages them, and the module multiplies its loss by the world size to undo that. AdamW is invariant to
     # the gradients' scale and the config clips their norm (above 2 here) to 1, so the weights alone would not notice a
     # missing factor: the gradient norms before clipping are compared too.
-    single = _fit(str(ROOT / "configs" / "tiny_arith_dense.yaml"), tiny_arith_model, tmp_path / "1")
+    single = _fit(str(ROOT / "configs" / "tiny_arith_dense_all.yaml"), tiny_arith_model, tmp_path / "1")
     double = _fit(_dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tiny_arith_model, tmp_path / "2")
     norms = _grad_norms(tmp_path / "1")
     assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped

@@ -54,7 +54,7 @@ GOLDEN = {
         "delta_weighted_sum": -0.012594680725528017,
         "delta_norm": 0.35988459615929513,
     },
-    "tiny_arith_dense": {
+    "tiny_arith_dense_all": {
         "steps": [
             {"train/reward_mean": 0.484375, "train/loss": -0.17122027277946472, "train/grad_norm": 3.9117965698242188},
             {"train/reward_mean": 0.296875, "train/loss": -0.18954341113567352, "train/grad_norm": 2.180875539779663},

@@ -9,6 +9,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+import yaml
 from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
 
@@ -160,7 +161,7 @@ def test_export_is_the_merged_model_and_the_adapter_export_loads_in_peft(resumed
 
 
 def _dense_checkpoint(model_path, root):
-    config = str(Path(CONFIG).parent / "tiny_arith_dense.yaml")
+    config = str(Path(CONFIG).parent / "tiny_arith_dense_all.yaml")
     main(["fit", "--config", config, "--model.model", model_path, "--trainer.max_steps", "1",
           "--trainer.logger.init_args.save_dir", str(root / "dense"), "--trainer.enable_progress_bar", "false",
           "--trainer.default_root_dir", str(root / "dense"), "--data.init_args.batch_size", "2",
@@ -257,6 +258,27 @@ def test_dense_baseline_on_the_target_matrices_only(tiny_arith_model):
         _module(tiny_arith_model, target_modules=["w_proj"]).configure_model()
     with pytest.raises(ValueError, match="model.target_modules is empty"):
         _module(tiny_arith_model, target_modules=[])
+
+
+
+def test_the_dense_baseline_config_trains_what_the_logra_config_trains(tmp_path):
+    # Like for like: configs/tiny_arith_dense.yaml trains exactly the weights tiny_arith.yaml sketches; the
+    # all-parameter baseline is configs/tiny_arith_dense_all.yaml (it adds the tied embedding, the norms and biases).
+    configs = Path(CONFIG).parent
+    sketched = yaml.safe_load((configs / "tiny_arith.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    targets = sketched["sketch"]["target_modules"]
+    trained = {}
+    for name in ("tiny_arith_dense", "tiny_arith_dense_all"):
+        cli = main(["--config", str(configs / f"{name}.yaml"), "--trainer.logger", "false",
+                    "--trainer.default_root_dir", str(tmp_path)], run=False)
+        cli.model.configure_model()
+        trained[name] = {n for n, p in cli.model.policy.named_parameters() if p.requires_grad}
+    params = dict(cli.model.policy.named_parameters())
+    assert trained["tiny_arith_dense"] == {n for n in params if n.rsplit(".", 2)[-2] in targets and
+                                           n.endswith(".weight")}
+    assert trained["tiny_arith_dense_all"] == params.keys()
+    # what only the all-parameter baseline trains: the tied embedding/head, 9 norms, the q/k/v biases
+    assert sum(params[n].numel() for n in params.keys() - trained["tiny_arith_dense"]) == 4608
 
 
 @pytest.mark.integration

@@ -73,7 +73,7 @@ def test_sampler_sees_a_spike_inside_the_step():
     assert 0.1 * 400 * MB < spike_average - quiet_average < 0.6 * 400 * MB
 
 
-@pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_dense"])
+@pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_dense_all"])
 def test_the_breakdown_logged_is_the_runs(tiny_arith_model, tmp_path, config):
     cli = main(["fit", "--config", _config(config), *_fast(tiny_arith_model, tmp_path, 2)])
     expected = memory_breakdown(cli.model.policy, cli.trainer.optimizers)
@@ -121,7 +121,7 @@ def test_a_gpu_step_reads_the_cuda_allocator(tiny_arith_model, tmp_path):
     del spike
     assert sampler.stop()[1] >= 400 * MB
 
-    cli = main(["fit", "--config", _config("tiny_arith_dense"), *_fast(tiny_arith_model, tmp_path, 2),
+    cli = main(["fit", "--config", _config("tiny_arith_dense_all"), *_fast(tiny_arith_model, tmp_path, 2),
                 "--trainer.accelerator", "gpu"])
     metrics = cli.trainer.callback_metrics
     for average, peak in _profiler(cli.trainer).steps:

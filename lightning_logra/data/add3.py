@@ -1,19 +1,17 @@
-"""The harder embedded task: 3-digit addition with the answer written reversed (`add3`).
+"""The harder embedded task: 3-digit addition written least significant digit first (`add3`).
 
-A prompt is ``"123+456="`` and the correct completion is the sum with its least significant digit first
-(123+456=579 → ``"975"``, 999+999=1998 → ``"8991"``). It is the 2-digit task of `arith.py` one digit longer, and
-that digit is what keeps it from saturating:
+Both operands and the answer are reversed: 123 + 456 = 579 is the prompt ``"321+654="`` and the completion ``"975"``
+(999 + 999 = 1998: ``"999+999="`` → ``"8991"``). It is the 2-digit task of `arith.py` one digit longer:
 
-- **learnable**: with the answer reversed, output digit i is (a_i + b_i + carry) mod 10, where a_i and b_i sit at
-  fixed places in the prompt and the carry follows from the previous position's digits and the digit just written;
-  nothing depends on a digit not yet produced. A partially trained model gets many answers right, so a group of 8
-  samples often holds a right and a wrong one, and binary rewards give a signal.
-- **hard**: an answer is right only if all 3–4 digits are, and a carry may run through two positions (a middle digit
-  depends on the carry out of the units). The digits are not equally easy: a_i and b_i sit at a distance from the
-  writing position that differs per digit, and the tens digit's (7 and 3 tokens back) is the one this model
-  learns last — supervised training sits for hundreds of steps at greedy pass@1 ≈ 0.1 with the units and hundreds
-  right and the tens at chance, until it finds them. Per-digit errors multiply (85% per digit is ~55% per answer),
-  and 810,000 operand pairs cannot be memorized.
+- **learnable**: written this way, output digit i is (a_i + b_i + carry) mod 10, where a_i and b_i sit at the same
+  distance before the writing position for every i (7 and 3 tokens back) and the carry follows from the digits of
+  the previous position; nothing depends on a digit not yet produced. A partially trained model gets many answers
+  right, so a group of 8 samples often holds a right and a wrong one, and binary rewards give a signal. (With only
+  the answer reversed, the distances differ per digit, and this model learns the tens digit last: supervised
+  training sat for over 3,500 steps at greedy pass@1 ≈ 0.1 with the tens at chance, where RL found no signal.)
+- **hard**: an answer is right only if all 3–4 digits are, and a carry may run through two positions (the middle
+  digit depends on the carry out of the units). Per-digit errors multiply (85% per digit is ~55% per answer), and
+  810,000 operand pairs cannot be memorized.
 
 The operand pairs are split by a hash of the pair index (SplitMix64, the same on every machine): about one pair in
 400, 2,054 in all, is held out for evaluation (the `eval` split; greedy pass@1 on 2,054 items has a standard error of
@@ -39,7 +37,7 @@ _SPLIT_SALT = 0x5EED_ADD3
 
 
 def reversed_sum(a: int, b: int) -> str:
-    """The correct completion for ``f"{a}+{b}="``: the digits of a + b, least significant first."""
+    """The correct completion for the pair (a, b): the digits of a + b, least significant first."""
     return str(a + b)[::-1]
 
 
@@ -55,7 +53,7 @@ def split_indices(split: str) -> torch.Tensor:
 
 def example(index: int) -> dict[str, str]:
     a, b = _LOW + index // (_HIGH - _LOW), _LOW + index % (_HIGH - _LOW)
-    return {"prompt": f"{a}+{b}=", "answer": reversed_sum(a, b)}
+    return {"prompt": f"{str(a)[::-1]}+{str(b)[::-1]}=", "answer": reversed_sum(a, b)}  # 123, 456: "321+654="
 
 
 class Add3Prompts(Dataset):

@@ -4,8 +4,8 @@
     python bench/quality.py --quick    # every row at 4 steps, 2 seeds, 64 held-out items: checks the script (CI)
 
 The task is `configs/add3.yaml`'s (3-digit addition written least significant digit first, the shipped partially
-trained model, greedy pass@1 0.2 at the start), where pass@1 is far from its ceiling, so methods can differ. Every run is
-`python cli.py fit` of a config built from add3.yaml (written beside the runs), one thread each, `--parallel` at a
+trained model, greedy pass@1 0.2 at the start), where pass@1 is far from its ceiling, so methods can differ. Every run
+is `python cli.py fit` of a config built from add3.yaml (written beside the runs), one thread each, `--parallel` at a
 time. Paired seeds: seed s sets the sampling, the prompt order, the projections and the adapters' initialization of
 every row alike, so row differences are measured on the same batches.
 

@@ -1,5 +1,6 @@
 """Build the model shipped for the harder embedded task (`lightning_logra/data/add3.py`, 3-digit addition written
-least significant digit first): the tiny Qwen2 of `scripts/make_tiny_arith.py`, supervised part of the way on the train split.
+least significant digit first): the tiny Qwen2 of `scripts/make_tiny_arith.py`, supervised part of the way on the train
+split.
 
     python scripts/make_add3.py      # from the repository root, package installed (pip install -e .)
 
@@ -8,8 +9,9 @@ writes lightning_logra/data/add3/ in a few minutes on one CPU thread (it sets on
 Supervised fine-tuning (AdamW, loss on the answer and <eos> tokens only) stops as soon as the *greedy* exact match on
 a fixed probe of train prompts reaches ``STOP_GREEDY``. The benchmark's headline is greedy pass@1 on the held-out
 split, so the stop is set on it: low enough that RL has a long way up (the 2-digit model starts at 0.62 and every
-method reaches ~0.97 within 300 steps; this one starts at 0.2), high enough that sampled answers are right often enough for binary rewards
-to carry a signal (a group of 8 samples with one right and one wrong answer has nonzero advantages).
+method reaches ~0.97 within 300 steps; this one starts at 0.2), high enough that sampled answers are right often
+enough for binary rewards to carry a signal (a group of 8 samples with one right and one wrong answer has nonzero
+advantages).
 
 Seeded, deterministic algorithms, one thread: a rerun on the same machine gives the same weights.
 """
@@ -111,7 +113,8 @@ def main() -> None:
 
 A {n_params:,}-parameter Qwen2 (the architecture of `tiny_arith`: hidden 128, 4 layers, tied embeddings, fp32,
 character-level tokenizer) for the harder embedded task in `lightning_logra/data/add3.py` (3-digit addition written
-least significant digit first: 123 + 456 is `321+654=` → `975`). It is trained only part of the way on purpose, so that RL starts well below ceiling.
+least significant digit first: 123 + 456 is `321+654=` → `975`). It is trained only part of the way on purpose, so
+that RL starts well below ceiling.
 
 Made with `python scripts/make_add3.py` (seed {args.seed}, one thread): AdamW lr {args.lr}, batch {args.batch_size},
 loss on the answer and `<eos>` only, stopped after {step} steps when the greedy exact match on {args.probe} train

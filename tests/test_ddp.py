@@ -72,8 +72,8 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_mod
 
 
 def _dense_on_two_processes(path: Path) -> str:
-    # tiny_arith_dense_all.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside every
-    # backward; the data module shards each step's prompts itself.
+    # tiny_arith_dense_all.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside
+    # every backward; the data module shards each step's prompts itself.
     data = yaml.safe_load((ROOT / "configs" / "tiny_arith_dense_all.yaml").read_text())
     data["trainer"].update(devices=2, use_distributed_sampler=False, strategy={
         "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"process_group_backend": "gloo"}})

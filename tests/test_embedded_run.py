@@ -102,7 +102,8 @@ def test_add3_learns_from_well_below_half(tmp_path):
     # a minute (the full run's numbers and bench/quality.py's comparison are in the README).
     limit = ["--data.init_args.eval_limit", "1000"]
     start = main(["validate", "--config", str(ROOT / "configs" / "add3.yaml"), *limit,
-                  "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"])
+                  "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                  "--trainer.default_root_dir", str(tmp_path / "validate")])
     before = float(start.trainer.callback_metrics["val/pass@1"])
     cli, scalars = _fit("add3.yaml", tmp_path / "fit", *limit, "--trainer.max_steps", "150",
                         "--trainer.val_check_interval", "150", "--trainer.default_root_dir", str(tmp_path))

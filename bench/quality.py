@@ -13,7 +13,9 @@ Rows:
 - dense AdamW on all parameters, and on the target matrices only (`model.target_modules`: what LoGRA and LoRA train);
 - LoRA (peft, `lightning_logra.lora.LoRAStrategy`) on the same targets at the same rank (alpha = 2·rank);
 - LoGRA (sketch Adam) at rank `--rank`: fixed Rademacher projection, Rademacher and Gaussian refreshed every quarter
-  of the run; fixed Rademacher at `--rank2`; and with `train_rest` (embeddings, norms and biases trained densely at
+  of the run; fixed Rademacher at `--rank2`, at the grid's learning rates up to rank `--rank`'s best (a higher rank
+  sketches the gradient more faithfully, so the same rate moves the policy further: uncontrolled, rank 64 at rank
+  16's best rate collapsed to pass@1 0.01); and with `train_rest` (embeddings, norms and biases trained densely at
   dense AdamW's best learning rate).
 The learning rates of dense AdamW (both rows), LoRA and LoGRA are swept on a grid, every grid point on every seed;
 the rows use each method's best (highest mean final pass@1; the LoGRA variants take the fixed-projection's best), and
@@ -34,6 +36,7 @@ tenth − first tenth) per unit of KL travelled (the sum of the per-step KL). JS
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import statistics
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kl-budget", type=float, default=None,
                         help="δ₀ of the KL-controlled LoGRA row (default: LoRA 2e-4's realized KL per step, see above)")
     parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true",
+                        help="measure, not rerun, every run whose config is unchanged in --runs-dir and whose log "
+                             "holds all its evaluations (a rerun after an interruption or a change to some rows)")
     parser.add_argument("--quick", action="store_true",
                         help="every row, 4 steps, 2 seeds, one learning rate per method, 64 held-out items")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "quality.json")
@@ -172,12 +178,27 @@ def measure(run: dict, args: argparse.Namespace) -> dict:
             "reward_per_kl": (last - first) / total_kl if total_kl > 0 else math.nan}
 
 
+def finished(run: dict, args: argparse.Namespace) -> bool:
+    """With --reuse: the run's config in --runs-dir is the one it would get now, and its log holds every evaluation."""
+    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
+    if not args.reuse or not path.exists():
+        return False
+    if run["method"] != "start" and yaml.safe_load(path.read_text()) != run_config(run, args):
+        return False
+    if not glob.glob(str(args.runs_dir / run["name"] / "version_*")):
+        return False
+    evaluations = 1 if run["method"] == "start" else args.evals  # `start` only validates
+    return len(scalars(latest_run(args.runs_dir, run["name"])).get("val/pass@1", [])) == evaluations
+
+
 def train(runs: list[dict], args: argparse.Namespace) -> list[dict]:
-    done = run_all(runs, lambda run: command(run, args), args.parallel)
-    failed = [row for row in done if "error" in row]
+    """Every run (those `finished` only measured), in order; stops naming the runs that failed."""
+    todo = [run for run in runs if not finished(run, args)]
+    done = {row["name"]: row for row in run_all(todo, lambda run: command(run, args), args.parallel)}
+    failed = [row for row in done.values() if "error" in row]
     if failed:
         raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
-    return [measure(row, args) for row in done]
+    return [done.get(run["name"], run) for run in runs]
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------
@@ -211,16 +232,16 @@ def second_runs(args: argparse.Namespace, results: list[dict], budget: float) ->
     lr, dense_lr = best_lr(results, "logra"), best_lr(results, "dense_all")
     refresh = max(1, args.steps // 4)
     variants = [("logra_refresh_rademacher", dict(distribution="rademacher", refresh_every=refresh)),
-                ("logra_refresh_gaussian", dict(distribution="gaussian", refresh_every=refresh)),
-                ("logra_rank2", dict(rank=args.rank2)),
-                ("logra_train_rest", dict(rest_lr=dense_lr)),
-                ("pair_logra_kl", dict(kl_budget=budget))]
+                ("logra_refresh_gaussian", dict(distribution="gaussian", refresh_every=refresh))]
+    variants += [("logra_rank2", dict(rank=args.rank2, lr=rank2_lr)) for rank2_lr in grids(args)["logra"]
+                 if rank2_lr <= lr]
+    variants += [("logra_train_rest", dict(rest_lr=dense_lr)), ("pair_logra_kl", dict(kl_budget=budget))]
     runs = []
     for row, settings in variants:
         for seed in range(args.seeds):
             run = dict(row=row, method="logra", lr=lr, seed=seed, rank=args.rank, distribution="rademacher",
                        refresh_every=None) | settings
-            runs.append(run | {"name": _name(row, lr, seed)})
+            runs.append(run | {"name": _name(row, run["lr"], seed)})
     return runs
 
 
@@ -288,18 +309,18 @@ def tables(summary: dict[str, dict], grid_summary: list[dict], start: float, arg
               "| method | lr | greedy pass@1 | sampled reward, last tenth |", "|---|---:|---:|---:|"]
     for entry in grid_summary:
         mark = " *" if entry["chosen"] else ""
-        lines.append(f"| {LABELS[entry['method']]} | {entry['lr']:g}{mark} | {_pm(entry['pass_at_1'])} "
+        lines.append(f"| {entry['label']} | {entry['lr']:g}{mark} | {_pm(entry['pass_at_1'])} "
                      f"| {_pm(entry['reward_last'])} |")
     return "\n".join(lines)
 
 
 def grid_table(results: list[dict], chosen: dict[str, float]) -> list[dict]:
     entries = []
-    for method in GRIDS:
+    for method in [*GRIDS, "logra_rank2"]:
         lrs = sorted({r["lr"] for r in results if r["row"] == method})
         for lr in lrs:
             runs = [r for r in results if r["row"] == method and r["lr"] == lr]
-            entries.append(dict(method=method, lr=lr, chosen=chosen[method] == lr,
+            entries.append(dict(method=method, label=label(method, runs[0]), lr=lr, chosen=chosen[method] == lr,
                                 pass_at_1=_mean_std([r["pass_at_1"] for r in runs]),
                                 reward_last=_mean_std([r["reward_last"] for r in runs])))
     return entries
@@ -345,21 +366,19 @@ def main(argv: list[str] | None = None) -> None:
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     start_run = dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank,
                      distribution="rademacher", refresh_every=None)
-    first = run_all([start_run, *grid_runs(args)], lambda run: command(run, args), args.parallel)
-    failed = [row for row in first if "error" in row]
-    if failed:
-        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
+    first = train([start_run, *grid_runs(args)], args)
     start = scalars(latest_run(args.runs_dir, "start"))["val/pass@1"][-1]
     results = [measure(row, args) for row in first if row["method"] != "start"]
     chosen = {method: best_lr(results, method) for method in GRIDS}
     budget = kl_budget(args, results)
-    results += train(second_runs(args, results, budget), args)
+    results += [measure(row, args) for row in train(second_runs(args, results, budget), args)]
+    chosen["logra_rank2"] = best_lr(results, "logra_rank2")
 
     rows: dict[str, list[dict]] = {}
     for method in GRIDS:  # the grid's best, then the variants and the pair
         rows[method] = [r for r in results if r["row"] == method and r["lr"] == chosen[method]]
     for row in ("logra_refresh_rademacher", "logra_refresh_gaussian", "logra_rank2", "logra_train_rest"):
-        rows[row] = [r for r in results if r["row"] == row]
+        rows[row] = [r for r in results if r["row"] == row and r["lr"] == chosen.get(row, r["lr"])]
     rows["pair_lora"] = [r for r in results if r["row"] == "lora" and r["lr"] == PAPER_LORA_LR]
     rows["pair_logra_kl"] = [r for r in results if r["row"] == "pair_logra_kl"]
     summary = summarize(rows, start)

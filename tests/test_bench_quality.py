@@ -36,6 +36,15 @@ def test_quick_mode_reports_every_row_over_paired_seeds(tmp_path):
     for seed in (0, 1):
         assert len(runs[("pair_logra_kl", seed)]["rewards"]) == 4
         assert math.isfinite(runs[("logra", seed)]["kl_per_step"])
-    assert {entry["method"] for entry in report["grid"]} == {"dense_all", "dense_targets", "lora", "logra"}
+    grid = {entry["method"] for entry in report["grid"]}
+    assert grid == {"dense_all", "dense_targets", "lora", "logra", "logra_rank2"}  # rank 2 has learning rates too
     assert "| LoGRA + train_rest, rank 16 |" in result.stdout
     assert plot.stat().st_size > 0
+
+    # --reuse: a second call with nothing changed trains nothing and reports the same numbers
+    again = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--reuse", "--out", str(tmp_path / "again.json"),
+                            "--plot", str(plot), "--runs-dir", str(tmp_path / "runs")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "training" not in again.stderr
+    assert json.loads((tmp_path / "again.json").read_text())["summary"] == report["summary"]

@@ -1,6 +1,6 @@
 """Does LoGRA give up task performance? Methods side by side on the harder embedded task, paired seeds.
 
-    python bench/quality.py            # the full comparison (see --steps, --seeds; about 52 runs of 400 steps)
+    python bench/quality.py            # the full comparison (see --steps, --seeds; 55 runs of 400 steps, ~65 min)
     python bench/quality.py --quick    # every row at 4 steps, 2 seeds, 64 held-out items: checks the script (CI)
 
 The task is `configs/add3.yaml`'s (3-digit addition written least significant digit first, the shipped partially
@@ -18,7 +18,7 @@ Rows:
   16's best rate collapsed to pass@1 0.01); and with `train_rest` (embeddings, norms and biases trained densely at
   dense AdamW's best learning rate).
 The learning rates of dense AdamW (both rows), LoRA and LoGRA are swept on a grid, every grid point on every seed;
-the rows use each method's best (highest mean final pass@1; the LoGRA variants take the fixed-projection's best), and
+the rows use each method's best (highest mean final pass@1; the other LoGRA rows take the fixed projection's), and
 the grid is reported. These rows have no KL control: each run measures the KL it realizes per step with a
 `PredictedKLBudget` whose budget never binds (α = 1 at every step: it only logs `kl/realized`).
 

@@ -33,13 +33,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_logra.batch import positions
 from lightning_logra.logprobs import plain_head
 from lightning_logra.loss import completion_logits, compute_dtype
 from lightning_logra.sketch.rounding import LOW_PRECISION
-from lightning_logra.update import Update
+from lightning_logra.update import Update, swap_values
 
 
 @dataclass
@@ -129,22 +128,11 @@ def dense_values(policy: nn.Module, dense: Mapping[str, torch.Tensor], alpha: fl
         for name, value in dense.items():
             param = params[name]
             # lerp is exact at α = 1: the optimizer's own step, not θ + (value − θ) rounded twice.
-            new = value if alpha == 1.0 else torch.lerp(param.data, value, alpha)
-            if isinstance(param, DTensor):
-                # FSDP all-gathers a sharded parameter from its own storage, not from what `.data` points to: the
-                # values are copied in, and the saved ones copied back (bit for bit) afterwards.
-                saved[name] = param.detach().clone()
-                param.detach().copy_(new)
-            else:
-                saved[name] = param.data
-                param.data = new
+            saved[name] = swap_values(param, value if alpha == 1.0 else torch.lerp(param.data, value, alpha))
         yield
     finally:
         for name, data in saved.items():
-            if isinstance(params[name], DTensor):
-                params[name].detach().copy_(data)
-            else:
-                params[name].data = data
+            swap_values(params[name], data)
 
 
 VOCAB_BLOCK = 16384  # head rows cast to fp32 at a time: 16k × h × 4 bytes (224 MiB at h = 3584)

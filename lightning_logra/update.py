@@ -69,6 +69,21 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 @torch.no_grad()
+def swap_values(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Puts `value` into `param` and returns the values it held, bit for bit (no arithmetic on either).
+
+    A plain parameter swaps tensors (`.data`). FSDP all-gathers a sharded parameter (a DTensor) from its own storage,
+    not from what `.data` points to, so there the values are copied in, and the old ones returned as a copy."""
+    if isinstance(param, DTensor):
+        old = param.detach().clone()
+        param.detach().copy_(value)
+        return old
+    old = param.data
+    param.data = value
+    return old
+
+
+@torch.no_grad()
 def propose_dense(optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> dict[torch.Tensor, torch.Tensor]:
     """Run a dense optimizer's `step` as a proposal: returns {parameter: its value after the step} and leaves every
     parameter exactly where it was, so that a step-size controller can scale the step before it is taken.
@@ -78,16 +93,8 @@ def propose_dense(optimizer: torch.optim.Optimizer, step: Callable[[], Any]) -> 
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     before = [p.detach().clone() for p in params]
     step()
-    proposed = {}
-    for param, old in zip(params, before):
-        if isinstance(param, DTensor):
-            # FSDP all-gathers a sharded parameter from its own storage, not from what `.data` points to: copy back.
-            proposed[param] = param.detach().clone()  # θ + Δ
-            param.copy_(old)  # θ again, bit for bit
-            continue
-        proposed[param] = param.data  # θ + Δ
-        param.data = old  # θ again, bit for bit (no subtraction that would round)
-    return proposed
+    # θ again, bit for bit (no subtraction that would round); the stepped values θ + Δ kept as the proposal
+    return {param: swap_values(param, old) for param, old in zip(params, before)}
 
 
 @torch.no_grad()

@@ -121,13 +121,17 @@ class SketchOptimizer(torch.optim.Optimizer):
         self._proposal = {}
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0  # updates since the last refresh
-                    state["refresh_index"] = self._layer_of[p].refresh_index
                 # Only the layer's own rows: under FSDP each rank keeps state (rows, r) for its shard alone.
-                self._proposal[p] = self._direction(self._layer_of[p].sketch_rows(), state, group)
+                self._proposal[p] = self._direction(self._layer_of[p].sketch_rows(), self._state_of(p), group)
         return True
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        """The carrier's optimizer state, started (no updates since a refresh) the first time it is asked for."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0  # updates since the last refresh
+            state["refresh_index"] = self._layer_of[p].refresh_index
+        return state
 
     @torch.no_grad()
     def materialize_state(self) -> None:
@@ -135,12 +139,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         step 0), changing nothing else: a sharded checkpoint's state is then loaded into it in place."""
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    layer = self._layer_of[p]
-                    state["step"] = 0
-                    state["refresh_index"] = layer.refresh_index
-                    self._direction(torch.zeros_like(layer.sketch_rows()), state, group)
+                if not self.state[p]:
+                    self._direction(torch.zeros_like(self._layer_of[p].sketch_rows()), self._state_of(p), group)
 
     def skip(self, reason: str) -> None:
         """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in

@@ -37,8 +37,9 @@ class PredictedKLBudget(Callback, StepSizeController):
         schedule: constant, or linear / cosine / exponential (geometric) interpolation from δ₀ to δ₁.
         anneal_steps: steps from δ₀ to δ₁; δ₁ is kept afterwards.
         alpha_max: the largest scale of a proposal (stops tiny-q proposals from blowing up).
-        subset: how many responses D to measure on: a count (int) or a fraction of the batch (float ≤ 1).
-        seed: the subset of step s is drawn from a generator seeded with (seed, s).
+        subset: how many responses D to measure on: a count (int) or a fraction of the global batch (float ≤ 1).
+        seed: the subset of step s is drawn from the global batch by a generator seeded with (seed, s), the same
+            responses whatever the number of processes.
     """
 
     def __init__(
@@ -81,18 +82,26 @@ class PredictedKLBudget(Callback, StepSizeController):
 
     # ---- the module asks for α once the step's update is proposed (lightning_logra.control) --------------------------
 
-    def _select(self, rollout: Rollout, step: int) -> Responses:
-        n = rollout.completion_ids.shape[0]
-        size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * n))
-        rows = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step))[:size]
-        chosen = rollout.select(rows.sort().values.to(rollout.completion_ids.device))
-        return Responses(chosen.prompt_ids, chosen.prompt_mask, chosen.completion_ids, chosen.completion_mask)
+    def _select(self, rollout: Rollout, step: int, rank: int, world_size: int) -> Responses:
+        """This rank's rows of the step's subset D. D is drawn from the global batch (every rank's rows, rank-major,
+        as one process holds them), so that 1 and several processes measure q on the same responses; a rank none of
+        whose rows were drawn still runs the check's forward passes (a collective under FSDP) on one row whose tokens
+        all count zero."""
+        n = rollout.completion_ids.shape[0]  # this rank's rows; every rank holds as many
+        total = n * world_size
+        size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * total))
+        drawn = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step))[:size]
+        mine = drawn[(drawn >= rank * n) & (drawn < (rank + 1) * n)].sort().values - rank * n
+        device = rollout.completion_ids.device
+        chosen = rollout.select((mine if mine.numel() else torch.zeros(1, dtype=torch.int64)).to(device))
+        mask = chosen.completion_mask if mine.numel() else torch.zeros_like(chosen.completion_mask)
+        return Responses(chosen.prompt_ids, chosen.prompt_mask, chosen.completion_ids, mask)
 
     def choose_alpha(self, module: LightningModule, proposal: Update, rollout: Rollout) -> float:
         start = time.perf_counter()
         step = module.global_step
         temperature = module.hparams.temperature  # the distribution the rollouts were sampled from
-        responses = self._select(rollout, step)
+        responses = self._select(rollout, step, module.global_rank, module.trainer.world_size)
         q, current = predicted_kl(module.policy, proposal, responses, temperature)
         # Every rank must take the same α: q over the tokens of every rank's subset before deciding.
         q = _over_ranks(module, q, responses)
@@ -127,8 +136,8 @@ class PredictedKLBudget(Callback, StepSizeController):
 
 
 def _over_ranks(module: LightningModule, kl: torch.Tensor, responses: Responses) -> float:
-    """A mean KL over the tokens of this rank's responses, made the mean over the tokens of every rank's: with the
-    whole batch as the subset (`subset: 1.0`), exactly what one process measures on the same global batch."""
+    """A mean KL over the tokens of this rank's responses, made the mean over the tokens of every rank's: since D is
+    drawn from the global batch, what one process measures on the same global batch."""
     if module.trainer.world_size == 1:
         return float(kl)
     reduce = module.trainer.strategy.reduce

@@ -5,7 +5,9 @@ is only valid under (the weights' dtype, sketch or dense training; the sketch op
 state). Resuming under other settings, or from a newer format, is refused with the reason; a checkpoint of format 1
 (written before checkpoints said what they are: the same layout without the entry) loads as it is, with a warning.
 
-A crash mid-save leaves the previous checkpoint, never a truncated one.
+A crash mid-save leaves the previous checkpoint, never a truncated one. A checkpoint records the sha256 of what it
+holds and is checked against it when it loads, and loading one never runs code from it (`lightning_logra.digests`,
+`lightning_logra.safe_load`).
 
 Each save writes a hidden temporary file beside the checkpoint (`.last.ckpt.<pid>.<random>.tmp`) and renames it
 over the checkpoint when complete. A process killed mid-save (SIGKILL, out of memory) leaves its temporary file
@@ -25,6 +27,10 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_logra.digests import KEY as DIGESTS
+from lightning_logra.digests import content_digests, verify_content
+from lightning_logra.safe_load import load_file
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +77,13 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, writing atomically, recording the sha256 of everything it writes inside the file
+    (`lightning_logra.digests`), and loading without running code from the file (`lightning_logra.safe_load`)
+    after checking it against those digests."""
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = Path(path)
+        checkpoint = {**checkpoint, DIGESTS: content_digests(checkpoint)}
         # The temporary file sits in the same directory so that os.replace is a rename, atomic on POSIX. It is
         # created with mode 0666 minus the umask, as any other file the run writes (tempfile.mkstemp would make
         # it 0600, and the rename keeps that).
@@ -93,6 +104,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                               f"space there or point ModelCheckpoint's dirpath at another disk; the previous "
                               f"checkpoint, if any, is intact") from None
             raise
+
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        """The checkpoint at `path`, checked against the digests it records (one written before checkpoints recorded
+        them loads with a warning). `weights_only` is ignored: nothing but plain data and the project's own classes
+        is ever built from a checkpoint."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--ckpt_path: no such checkpoint file {str(path)!r}")
+        return load_verified(path, map_location)
+
+
+def load_verified(path: Path | str, map_location: Any = "cpu") -> dict[str, Any]:
+    """A single-file checkpoint, loaded without running code from it and checked against its recorded digests."""
+    checkpoint = load_file(path, map_location)
+    recorded = checkpoint.pop(DIGESTS, None)
+    if recorded is None:
+        log.warning("%s records no sha256 digests (written before checkpoints did): it is not checked for damage",
+                    path)
+    else:
+        verify_content(checkpoint, recorded, str(path))
+    return checkpoint
 
 
 def _disk_full(err: BaseException | None) -> bool:
@@ -132,6 +164,16 @@ def replace_folder(new: Path, path: Path) -> None:
         path.rename(old)
     new.rename(path)
     _remove(old)
+
+
+def follow_umask(folder: Path) -> None:
+    """Give every file in `folder` the mode any new file of this process gets (0666 less the umask): safetensors
+    writes model.safetensors 0600 while every other file of an export is 0644."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _remove(path: Path) -> None:

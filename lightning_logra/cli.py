@@ -13,11 +13,13 @@ import logging
 import sys
 from typing import Any
 
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_logra.callbacks import RunDirectory, SketchModelSummary, StepProgressBar
+from lightning_logra.callbacks import RunDirectory, SaveOnSignal, SketchModelSummary, StepProgressBar
+from lightning_logra.checkpoint import AtomicCheckpointIO
 from lightning_logra.checks import check_before_loading
 from lightning_logra.data.module import RLVRDataModule
 from lightning_logra.module import RLVRModule
@@ -31,6 +33,12 @@ class RLVRCLI(LightningCLI):
         if self.subcommand in (None, "fit"):
             check_before_loading(self.model, self.trainer)
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI would replace the model's settings with those a single-file checkpoint recorded, silently
+        # overriding the config and the command line (`--model.lr` given on resume was dropped, while the run's saved
+        # config recorded it). The run's own settings apply; the module logs where the checkpoint's differ.
+        return
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         configured = config["trainer"].get("callbacks") or []
@@ -39,7 +47,12 @@ class RLVRCLI(LightningCLI):
         if any(isinstance(callback, ModelSummary) for callback in defaults):
             # Ours is in the list: without this, Lightning announces that it skips adding its own.
             kwargs.setdefault("enable_model_summary", False)
-        return super().instantiate_trainer(callbacks=configured + defaults, **kwargs)
+        trainer = super().instantiate_trainer(callbacks=configured + defaults, **kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            # Lightning's own strategies (the dense baseline's) write and load checkpoints as the project's do:
+            # atomically, with their digests, running no code from the file.
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
 
 def default_callbacks(trainer: Any, configured: list[Callback]) -> list[Callback]:
@@ -52,6 +65,8 @@ def default_callbacks(trainer: Any, configured: list[Callback]) -> list[Callback
     defaults: list[Callback] = []
     if wanted(RunDirectory, "logger"):
         defaults.append(RunDirectory())
+    if not any(isinstance(callback, SaveOnSignal) for callback in configured):
+        defaults.append(SaveOnSignal())
     if wanted(ProgressBar, "enable_progress_bar"):
         defaults.append(StepProgressBar())
     if wanted(ModelSummary, "enable_model_summary"):

@@ -11,88 +11,110 @@ becomes W₀ + s·B·A under its own name, so the folder is a plain transformers
 writes the adapters alone instead, as peft saves them (`adapter_config.json`, `adapter_model.safetensors`; load with
 `PeftModel.from_pretrained(base, folder)` on the base model the run started from), plus the tokenizer.
 A sharded checkpoint (a folder, written by `SketchFSDPStrategy`) is consolidated first, in this one process.
+
+The checkpoint is loaded without running code from it and checked against the sha256 digests it records
+(`lightning_logra.safe_load`, `lightning_logra.digests`). `--out` must not exist or be an empty folder;
+`--overwrite` replaces a folder that is not empty, whole: the export is written into a new folder beside it, with a
+`SHA256SUMS` of its files, and moved into place once complete, so a failed export leaves `--out` as it was.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import tempfile
+import os
+import secrets
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
-from lightning.fabric.utilities.consolidate_checkpoint import _load_distributed_checkpoint
 
-from lightning_logra.checkpoint import KEY
+from lightning_logra.checkpoint import KEY, follow_umask, load_verified, replace_folder
+from lightning_logra.digests import verify_sums, write_sums
+from lightning_logra.safe_load import load_sharded_whole
 
 
-def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = False) -> Path:
-    """Write the policy of `ckpt_path` (a Lightning checkpoint of an RLVRModule) to `out` with save_pretrained;
-    `adapter`: a LoRA checkpoint's adapters alone, in peft's format."""
-    from lightning_logra.module import RLVRModule
-
+def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = False, overwrite: bool = False) -> Path:
+    """Write the policy of `ckpt_path` (a Lightning checkpoint of an RLVRModule: a file, or a sharded folder) to the
+    folder `out` with save_pretrained; `adapter`: a LoRA checkpoint's adapters alone, in peft's format; `overwrite`:
+    replace `out` if it is a folder that is not empty (it is never merged into)."""
     ckpt_path, out = Path(ckpt_path), Path(out)
-    if ckpt_path.is_dir():
-        with tempfile.TemporaryDirectory() as folder:
-            # The shards as one ordinary checkpoint (the whole tensors, in this process), then exported as any other.
-            whole = Path(folder) / "consolidated.ckpt"
-            torch.save(_load_distributed_checkpoint(ckpt_path), whole)
-            return export_checkpoint(whole, out, adapter)
-    if not ckpt_path.is_file():
-        raise FileNotFoundError(f"--ckpt_path: no such checkpoint {str(ckpt_path)!r}")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    _check_out(out, overwrite)
+    checkpoint = _load(ckpt_path)
     lora_settings = checkpoint.get(KEY, {}).get("lora")
     if adapter and lora_settings is None:
         raise ValueError(f"--adapter: {str(ckpt_path)!r} was not trained with LoRA adapters (there are none to "
                          "export); export it without --adapter")
-    if lora_settings is not None:
-        return _export_lora(checkpoint, out, lora_settings, adapter)
-    # The base model (config, tokenizer) comes from the path the run trained; the reward is not needed to export.
-    # weights_only=False: the checkpoint's hyperparameters hold the run's own objects (an LRSchedule, say), and it is
-    # the user's own checkpoint (loaded in full just above).
-    module = RLVRModule.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False, reward="exact_match",
-                                             reward_timeout_s=None)
-    dtype = checkpoint.get(KEY, {}).get("weights_dtype")  # format 1 has no record: the module's dtype
-    if dtype is not None:
-        module.policy.to(getattr(torch, dtype))
-    module.export(out)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir(parents=True)  # mode 0777 less the umask, as every other folder the run writes
+    try:
+        _write(checkpoint, tmp, lora_settings, adapter)
+        replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
-def _export_lora(checkpoint: dict, out: Path, settings: dict, adapter: bool) -> Path:
-    """A LoRA checkpoint: the base model with the recorded adapters installed takes the checkpoint's state (strictly:
-    every base weight and adapter), then is written merged or as peft's adapter folder."""
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out: {str(out)!r} is a file; name a folder to write the model into")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--out: the folder {str(out)!r} is not empty; name a new folder, or pass --overwrite "
+                              "to replace it and everything in it")
+
+
+def _load(ckpt_path: Path) -> dict[str, Any]:
+    """The checkpoint at `ckpt_path` (a sharded folder consolidated in this process), checked for damage and loaded
+    without running code from it."""
+    if ckpt_path.is_dir():
+        verify_sums(ckpt_path)
+        return load_sharded_whole(ckpt_path)
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(f"--ckpt_path: no such checkpoint {str(ckpt_path)!r}")
+    return load_verified(ckpt_path, map_location="cpu")
+
+
+def _write(checkpoint: dict[str, Any], out: Path, lora_settings: dict | None, adapter: bool) -> None:
+    """The checkpoint's policy into the (empty) folder `out`: the base model the run trained (its config and
+    tokenizer, from the path the checkpoint records) takes the checkpoint's weights, strictly, in the dtype it was
+    trained in. The reward and every other setting are not needed to export."""
     from lightning_logra import lora
     from lightning_logra.module import RLVRModule
     from lightning_logra.paths import model_path
 
-    accepted = inspect.signature(RLVRModule.__init__).parameters  # (LightningCLI adds keys of its own)
-    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if k in accepted}
-    module = RLVRModule(**{**hparams, "reward": "exact_match", "reward_timeout_s": None})
+    hparams = checkpoint["hyper_parameters"]
+    module = RLVRModule(model=hparams["model"], dtype=hparams.get("dtype", "float32"), reward="exact_match",
+                        reward_timeout_s=None)
     module.configure_model()
-    config = lora.LoRAConfig(**settings)
-    config.install(module.policy)
+    if lora_settings is not None:
+        config = lora.LoRAConfig(**lora_settings)
+        config.install(module.policy)
     module.load_state_dict(checkpoint["state_dict"])
-    dtype = checkpoint[KEY].get("weights_dtype")
+    dtype = checkpoint.get(KEY, {}).get("weights_dtype")  # format 1 has no record: the module's dtype
     if dtype is not None:
         module.policy.to(getattr(torch, dtype))
     if adapter:
         lora.save_adapter(module.policy, config, model_path(module.hparams.model), out)
         module.tokenizer.save_pretrained(out)
-    else:
-        lora.merge_adapters_(module.policy)
-        module.export(out)
-    return out
+        follow_umask(out)
+        write_sums(out)
+        return
+    if lora_settings is not None:
+        lora.merge_adapters_(module.policy)  # each adapted matrix becomes W₀ + s·B·A under its own name
+    module.export(out)  # with its SHA256SUMS, its files following the umask
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-logra export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by `fit` (e.g. .../last.ckpt)")
-    parser.add_argument("--out", required=True, help="the folder to write the transformers model into")
+    parser.add_argument("--out", required=True, help="the folder to write the transformers model into (new or empty)")
     parser.add_argument("--adapter", action="store_true",
                         help="a LoRA checkpoint: write its adapters alone, as peft saves them (default: merged)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out, and everything in it, if it is a folder that is not empty")
     args = parser.parse_args(argv)
-    print(f"exported {args.ckpt_path} to {export_checkpoint(args.ckpt_path, args.out, args.adapter)}")
+    print(f"exported {args.ckpt_path} to {export_checkpoint(args.ckpt_path, args.out, args.adapter, args.overwrite)}")
 
 
 if __name__ == "__main__":

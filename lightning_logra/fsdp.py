@@ -25,6 +25,7 @@ micro-batch (`shards_weights`), and the in-process engine generates until every 
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from datetime import timedelta
@@ -34,26 +35,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import (
-    _distributed_checkpoint_load,
-    _is_sharded_checkpoint,
-    _load_checkpoint,
-)
+from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _is_sharded_checkpoint
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_logra.checkpoint import replace_folder, temporary_path
+from lightning_logra.digests import (
+    SUMS,
+    DamagedCheckpoint,
+    digests_of,
+    folder_files,
+    read_sums,
+    verify_sums,
+    write_sums,
+)
 from lightning_logra.rollout import HFEngine
+from lightning_logra.safe_load import load_file, load_sharded
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketched_layers
 from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.sketch.update import LowRankDelta
 from lightning_logra.strategy import SketchTraining
+
+log = logging.getLogger(__name__)
 
 
 def shard_rows(rows: int, rank: int, world: int) -> slice:
@@ -262,11 +276,18 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         tmp = Path(self.broadcast(str(temporary_path(path)) if self.global_rank == 0 else None))
         try:
             super().save_checkpoint(checkpoint, tmp, storage_options)
+            self.barrier("sharded checkpoint written")
+            # Every rank hashes a share of the files (its own shards are as many as any other's), rank 0 writes them
+            # all into SHA256SUMS inside the folder before it is moved into place.
+            names = folder_files(tmp)
+            shares = self._gather(digests_of(tmp, names[self.global_rank :: self.world_size]))
+            if self.global_rank == 0:
+                write_sums(tmp, {name: digest for share in shares for name, digest in share.items()})
         except BaseException:
             if self.global_rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.barrier("sharded checkpoint written")
+        self.barrier("sharded checkpoint hashed")
         if self.global_rank == 0:
             replace_folder(tmp, path)
         self.barrier("sharded checkpoint in place")
@@ -276,6 +297,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         if not _is_sharded_checkpoint(path):
             raise ValueError(f"--ckpt_path: {str(path)!r} is not a sharded checkpoint folder (SketchFSDPStrategy "
                              "writes and resumes those); train from an exported model folder instead")
+        self._verify(path)
         # The sketch optimizer's state is read in place into state created for it (its shards of DTensors); the
         # model and any dense optimizer go through Lightning's torch.distributed.checkpoint loading.
         others = {}
@@ -283,7 +305,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
             if isinstance(optimizer, SketchOptimizer):
                 optimizer.materialize_state()
                 state = {f"optimizer_{index}": self._sharded_sketch_state(optimizer)}
-                _distributed_checkpoint_load(state, path)
+                load_sharded(state, path)
                 loaded = state[f"optimizer_{index}"]
                 # torch.distributed.checkpoint loads the tensors in place under the parameter's index (an int) but
                 # puts the other values (the step count, ...) under the index as a string: merge them.
@@ -296,8 +318,41 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
                 optimizer.load_state_dict(loaded)  # checks the sketch settings; the update counter comes back
             else:
                 others[f"optimizer_{index}"] = optimizer
-        return _load_checkpoint(path, {"state_dict": self.model, **others}, strict=self.lightning_module.strict_loading,
-                                optimizer_states_from_list=True, weights_only=weights_only)
+        # Lightning's loading of the model's and the dense optimizers' shards and of the rest of the checkpoint, through
+        # the reader and planner that run no code from the folder (lightning_logra.safe_load).
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        load_sharded(model_state, path)
+        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for key, optimizer in others.items():
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            load_sharded(optimizer_state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return load_file(path / _METADATA_FILENAME)
+
+    def _verify(self, path: Path) -> None:
+        """Check the folder against its SHA256SUMS, each rank a share of the files; all ranks raise if any finds
+        damage (before any collective of the load begins)."""
+        names = folder_files(path)
+        try:
+            verify_sums(path, names[self.global_rank :: self.world_size])
+            problem = None
+        except DamagedCheckpoint as err:
+            problem = str(err)
+        found = [p for p in self._gather(problem) if p is not None]
+        if found:
+            raise DamagedCheckpoint(found[0])
+        if read_sums(path) is None:
+            log.warning("%s has no %s (written before sharded checkpoints had one): it is not checked for damage",
+                        path, SUMS)
+
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (a small picklable one), on every rank."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return [value]
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     def whole_policy_state(self) -> dict[str, torch.Tensor] | None:
         # Every rank takes part in the gathers; rank 0 receives the whole tensors (on the CPU), the others nothing.

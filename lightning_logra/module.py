@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_logra.batch import Rollout
 from lightning_logra.checkpoint import KEY as CHECKPOINT_KEY
-from lightning_logra.checkpoint import check_resumable, stamp
+from lightning_logra.checkpoint import check_resumable, follow_umask, stamp
+from lightning_logra.digests import verify_sums, write_sums
 from lightning_logra.control import find_controller
 from lightning_logra.hashing import prompt_seeds
 from lightning_logra.logprobs import completion_logprobs
@@ -38,7 +39,8 @@ from lightning_logra.loss import (
     token_weights,
 )
 from lightning_logra.paths import PACKAGE_DIR, check_hub_model, model_path
-from lightning_logra.rewards import Reward, RewardFn, RewardName, resolve_rewards
+from lightning_logra import resume
+from lightning_logra.rewards import DEFAULT_MEMORY_GIB, Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.scoring import reward_metrics, reward_tensor
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams
 from lightning_logra.schedule import LRSchedule
@@ -114,6 +116,7 @@ class RLVRModule(LightningModule):
         engine: RolloutEngine | None = None,
         is_cap: float | None = 2.0,
         reward_timeout_s: float | None = 600.0,
+        reward_memory_gib: float | None = DEFAULT_MEMORY_GIB,
         max_unlearnable_steps: int | None = None,
         log_completions_every: int | None = 50,
         export_every: int | None = None,
@@ -175,6 +178,9 @@ class RLVRModule(LightningModule):
             reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
                 many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
                 this process without a deadline.
+            reward_memory_gib: the address space, in GiB, that process may map beyond what it holds once started
+                (default: 8, or a quarter of the machine's memory if less); a batch that needs more scores None and
+                the process is replaced, as at the deadline. None: no limit (a reward that runs on a GPU may need it).
             max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
                 (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
                 about when no completion got a usable reward at all.
@@ -184,7 +190,7 @@ class RLVRModule(LightningModule):
         super().__init__()
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
         # refused here, naming the key.
-        self.rewards: list[Reward] = resolve_rewards(reward, reward_weights, reward_timeout_s)
+        self.rewards: list[Reward] = resolve_rewards(reward, reward_weights, reward_timeout_s, reward_memory_gib)
         self.save_hyperparameters(ignore=["engine"])
         _check_settings(self.hparams)
         self.automatic_optimization = False
@@ -223,6 +229,8 @@ class RLVRModule(LightningModule):
             check_hub_model(path)
         elif not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
+        else:
+            verify_sums(Path(path))  # an export of this project's: its files as they were written
         with waiting_for(f"loading the model {hp.model}", log):  # a hub model may download for minutes first
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, hp.dtype)).train()
@@ -263,6 +271,28 @@ class RLVRModule(LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         return {"optimizer": optimizer, "lr_scheduler": self.lr_schedule.scheduler(optimizer)}
+
+    def prompt_token_limit(self, stage: str) -> tuple[int, str] | None:
+        """The longest prompt, in tokens, that leaves room in the model's context for the completions of `stage`
+        ("fit": model.max_new_tokens; "validate", "test": the evaluation's), with where the limit comes from (for the
+        data module's messages). The context is the engine's max_model_len when set, else the policy's
+        max_position_embeddings; None when neither states one. The data module asks for it when
+        data.max_prompt_length is unset: a prompt past the context would grow generation's memory without bound."""
+        max_model_len = self.engine.max_model_len()
+        if max_model_len is not None:
+            context, context_key, longer = max_model_len, "model.engine's max_model_len", "raise it"
+        else:
+            context = getattr(self.policy.config, "max_position_embeddings", None)
+            context_key, longer = "model.model's max_position_embeddings", "use a model with a longer one"
+            if context is None:  # a model without a fixed context (state-space models)
+                return None
+        evaluating = stage != "fit" and self.hparams.eval_max_new_tokens is not None
+        new_tokens_key = "model.eval_max_new_tokens" if evaluating else "model.max_new_tokens"
+        new_tokens = (self.sampling if stage == "fit" else self.eval_sampling).max_new_tokens
+        if context - new_tokens < 1:
+            raise ValueError(f"{new_tokens_key}={new_tokens} leaves no room for a prompt in the model's context of "
+                             f"{context} tokens ({context_key}): set {new_tokens_key} below {context}, or {longer}")
+        return context - new_tokens, f"{context_key}={context}, less {new_tokens_key}={new_tokens}"
 
     # ---- one RL iteration ---------------------------------------------------------------------------------------
 
@@ -556,6 +586,8 @@ class RLVRModule(LightningModule):
         `state_dict`: the policy's weights when this process does not hold them whole (gathered from FSDP shards)."""
         self.policy.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
+        follow_umask(Path(path))
+        write_sums(Path(path))  # checked when a run loads the folder (`_load_policy`); `sha256sum -c SHA256SUMS` too
 
     def _export_from_every_rank(self, path: str | Path) -> None:
         """Called on every rank: a sharded policy is gathered first (a collective), and rank 0 writes the folder."""
@@ -580,11 +612,32 @@ class RLVRModule(LightningModule):
         self._check_engine_is_synced()
         # Asked for α between each step's proposal and its application (lightning_logra.control); None: α = 1.
         self._controller = find_controller(self.trainer.callbacks)
+        # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
+        self._configured = resume.configured(self.trainer.optimizers)
         # The sketch settings beside the module's own hyperparameters, so that runs differ by them in the loggers
         strategy = self.trainer.strategy
         if isinstance(strategy, (SketchTraining, LoRAStrategy)):
             for logger in self.loggers:
                 logger.log_hyperparams(strategy.config.hparams())
+
+    def on_train_start(self) -> None:
+        # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        for change in resume.reapply(self.trainer.optimizers, schedulers, self._configured, self._config_key):
+            log.warning("resuming: %s; training on with this run's value", change)
+
+    def _config_key(self, index: int, key: str) -> str:
+        """Where the config sets setting `key` of optimizer `index` (as `trainer.optimizers` orders them)."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, SketchTraining):
+            sketch = "trainer.strategy.init_args.sketch"
+            if index == 0:
+                return f"{sketch}.optimizer.init_args.{key}"
+            return {"lr": f"{sketch}.rest_lr", "weight_decay": f"{sketch}.rest_weight_decay"}.get(
+                key, f"{sketch}: the AdamW of train_rest / train_bias, {key}")
+        if isinstance(strategy, LoRAStrategy):
+            return f"trainer.strategy.init_args.lora.{key}"
+        return f"model.{key}"
 
     def on_validation_start(self) -> None:
         self._check_engine_is_synced()
@@ -613,6 +666,11 @@ class RLVRModule(LightningModule):
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
             check_resumable(checkpoint, self._stamp())
             self.num_tokens = checkpoint.get(CHECKPOINT_KEY, {}).get("num_tokens", 0)
+        # This run's settings apply, not the checkpoint's (lightning_logra.cli): say where they differ.
+        saved = checkpoint.get("hyper_parameters", {})
+        for key, value in self.hparams.items():
+            if key in saved and saved[key] != value:
+                log.warning("model.%s: the checkpoint was made with %r, this run uses %r", key, saved[key], value)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         every = self.hparams.export_every

@@ -10,7 +10,9 @@ rewards here judge every sample and never do. A reward with settings is a class 
 by ``model.reward_weights`` (`resolve_rewards`).
 
 The trainer calls every reward in a process of its own (`TimedReward`), so that a batch it cannot score in time
-can be cut off (`model.reward_timeout_s`); math_answer also bounds each check in a pool of verifier processes.
+can be cut off (`model.reward_timeout_s`) and one that allocates without bound fails there rather than take the
+host's memory (`model.reward_memory_gib`); math_answer also bounds each check, in time and memory, in a pool of
+verifier processes.
 """
 
 import atexit
@@ -23,6 +25,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import sys
 import threading
 import time
 import traceback
@@ -43,6 +46,9 @@ RewardName = Literal["exact_match", "math_answer"]
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_WORKERS = 2
+# The address space a reward or verifier process may map beyond what it holds once started (`_limit_address_space`):
+# 8 GiB, or a quarter of this machine's memory if that is less, so that several such processes cannot take it all.
+DEFAULT_MEMORY_GIB = round(min(8.0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30), 1)
 # Starting the verifier process (interpreter, the parent's main module, math-verify, sympy) takes seconds; allow for
 # a loaded machine.
 _START_TIMEOUT_S = 120.0
@@ -117,8 +123,41 @@ def _judge(prediction: str, gold: str) -> float:
     return float(verify(gold_parsed, prediction_parsed, timeout_seconds=None))
 
 
-def _serve_checks(conn: Connection, check: Callable[..., float], warmup: tuple) -> None:
-    """A check worker's loop: score each item it receives with ``check(*item)`` until the parent closes the pipe."""
+def _check_memory_gib(memory_gib: float | None, key: str) -> None:
+    """Refuses a memory limit that is not a positive, finite number of GiB (or None: no limit), naming its key."""
+    if memory_gib is not None and (isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float))
+                                   or not 0 < memory_gib < math.inf):
+        raise ValueError(f"{key} must be a positive number of GiB (or null: no limit), got {memory_gib!r}")
+
+
+def _limit_address_space(memory_gib: float | None) -> None:
+    """Lets this process map at most ``memory_gib`` GiB more than it has mapped now (RLIMIT_AS), so that a reward
+    or a check that allocates without bound gets a MemoryError (or, failing inside C code, dies) instead of taking
+    the host's memory. Called first thing in a started child, before the reward is unpickled.
+
+    Relative to what is mapped now, not an absolute cap: "spawn" has already re-imported the trainer's main module,
+    which under the command line is torch, Lightning and transformers, about 1 GiB of address space with a CPU torch
+    and more with CUDA's libraries, none of it the reward's doing (and not all of it memory in use). Only the soft
+    limit is set, so a verifier process started by a reward process (which inherits its limit) can set its own.
+    Linux only: RLIMIT_AS is not enforced on macOS, and /proc, which gives what is mapped, is Linux's."""
+    if memory_gib is None or sys.platform != "linux":
+        return
+    import resource  # not on Windows
+
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")  # VmSize, in bytes
+    limit = mapped + int(memory_gib * 2**30)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:  # a `ulimit -v` of the shell: the soft limit cannot exceed it
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _serve_checks(conn: Connection, check: Callable[..., float], warmup: tuple, memory_gib: float | None) -> None:
+    """A check worker's loop: score each item it receives with ``check(*item)`` until the parent closes the pipe.
+    A check that runs out of memory (past ``memory_gib``) is reported as "memory" rather than scored, so that the
+    parent warns and replaces this process (sympy's caches may be half-built)."""
+    _limit_address_space(memory_gib)
     # Run one check before reporting ready (for math-verify: import it and sympy and warm their caches), so that
     # a check's deadline measures the check, not the start of this process.
     check(*warmup)
@@ -130,6 +169,8 @@ def _serve_checks(conn: Connection, check: Callable[..., float], warmup: tuple) 
             return
         try:
             score = float(check(*item))
+        except MemoryError:
+            score = "memory"
         except Exception:
             # An answer that makes math-verify or sympy raise cannot be confirmed right, so it is wrong.
             score = 0.0
@@ -221,9 +262,10 @@ class _CheckWorker(_ChildProcess):
     """One process of a `CheckPool`, and what it is doing: starting (until it reports ready), checking one item (its
     index in the batch), or idle."""
 
-    def __init__(self, check: Callable[..., float], warmup: tuple, name: str, start_error: str) -> None:
+    def __init__(self, check: Callable[..., float], warmup: tuple, memory_gib: float | None, name: str,
+                 start_error: str) -> None:
         # daemon: the child dies with this process even if close() is never called.
-        super().__init__(_serve_checks, (check, warmup), name, daemon=True, start_error=start_error)
+        super().__init__(_serve_checks, (check, warmup, memory_gib), name, daemon=True, start_error=start_error)
         self.starting = False
         self.index: int | None = None
         self.deadline = math.inf  # of the start or of the check
@@ -242,7 +284,8 @@ class _CheckWorker(_ChildProcess):
 
 
 class CheckPool:
-    """``workers`` processes that score items with ``check(*item)`` in parallel, each check cut off after ``timeout_s``.
+    """``workers`` processes that score items with ``check(*item)`` in parallel, each check cut off after ``timeout_s``
+    and allowed ``memory_gib`` GiB of address space beyond what its process maps once started (None: no limit).
 
     Why processes, and of our own: rewards get called from threads other than the main one (Lightning hooks, data-
     loader and rollout threads), where math-verify's ``signal.alarm`` timeout cannot be set. A check run in a thread
@@ -252,13 +295,16 @@ class CheckPool:
     worker, only wait for it or stop them all. So each worker here takes one item at a time with a deadline; one that
     overruns it is killed (its item scores 0.0) and a fresh one started in its place, while the other workers go on
     with the rest of the batch. The fresh one joins when it reports ready (an interpreter start and the imports, not
-    counted against any item's deadline). A check that raises scores 0.0. Calls from several threads take turns.
+    counted against any item's deadline). A check that raises scores 0.0; one that runs out of memory scores 0.0 and
+    its process is replaced, with a warning that ends with ``memory_advice`` (the setting to raise). Calls from
+    several threads take turns.
     """
 
-    def __init__(self, check: Callable[..., float], workers: int, warmup: tuple, name: str, start_error: str) -> None:
-        self._name = name
+    def __init__(self, check: Callable[..., float], workers: int, warmup: tuple, name: str, start_error: str,
+                 memory_gib: float | None, memory_advice: str) -> None:
+        self._name, self._memory_gib, self._memory_advice = name, memory_gib, memory_advice
         self._lock = threading.Lock()
-        self._workers = [_CheckWorker(check, warmup, name, start_error) for _ in range(workers)]
+        self._workers = [_CheckWorker(check, warmup, memory_gib, name, start_error) for _ in range(workers)]
 
     def close(self) -> None:
         """Stops the worker processes; the next batch starts new ones."""
@@ -316,6 +362,10 @@ class CheckPool:
             return
         if worker.starting:
             worker.starting, worker.deadline = False, math.inf  # the "ready" message
+        elif message == "memory":
+            logger.warning("%s ran out of memory (%s GiB beyond its start) on %.200r; scored 0.0 and replaced its "
+                           "process: %s", self._name, self._memory_gib, items[worker.index], self._memory_advice)
+            worker.launch()
         else:
             scores[worker.index] = message
             worker.index, worker.deadline = None, math.inf
@@ -328,31 +378,36 @@ class CheckPool:
         worker.launch()  # kills the stuck process first
 
 
-# The math verifier pools of this process, by their number of workers, started on first use (importing this module
-# starts nothing).
-_MATH_POOLS: dict[int, CheckPool] = {}
+# The math verifier pools of this process, by their number of workers and memory limit, started on first use
+# (importing this module starts nothing).
+_MATH_POOLS: dict[tuple[int, float | None], CheckPool] = {}
 _MATH_POOLS_LOCK = threading.Lock()
 
 
-def _math_pool(workers: int) -> CheckPool:
+def _math_pool(workers: int, memory_gib: float | None) -> CheckPool:
     with _MATH_POOLS_LOCK:
-        if workers not in _MATH_POOLS:
-            _MATH_POOLS[workers] = CheckPool(
+        if (workers, memory_gib) not in _MATH_POOLS:
+            _MATH_POOLS[workers, memory_gib] = CheckPool(
                 _judge, workers, warmup=("1", "1"), name="math verifier",
-                start_error="math_answer needs math-verify: pip install 'lightning-logra[math]'")
-        return _MATH_POOLS[workers]
+                start_error="math_answer needs math-verify: pip install 'lightning-logra[math]'",
+                memory_gib=memory_gib,
+                memory_advice="if right answers need more, raise memory_gib in model.reward's init_args "
+                              "(class_path: lightning_logra.rewards.MathAnswer; null: no limit)")
+        return _MATH_POOLS[workers, memory_gib]
 
 
 def math_answer(prompts: list, completions: list[Completion], answer: list[str], timeout_s: float = DEFAULT_TIMEOUT_S,
-                workers: int = DEFAULT_WORKERS, **_: object) -> list[float | None]:
+                workers: int = DEFAULT_WORKERS, memory_gib: float | None = DEFAULT_MEMORY_GIB,
+                **_: object) -> list[float | None]:
     """1.0 where the completion's final answer (its last ``\\boxed{}``, else its last ``Answer:`` line) is
     mathematically equal to the gold answer by math-verify (``\\frac{1}{2}`` = ``0.5``, ``2\\sqrt{2}`` =
     ``\\sqrt{8}``), else 0.0. The answers are checked by ``workers`` processes in parallel; each check is cut off
-    after ``timeout_s`` seconds and then scores 0.0. Safe to call from any thread."""
+    after ``timeout_s`` seconds, or when it needs more than ``memory_gib`` GiB, and then scores 0.0. Safe to call
+    from any thread."""
     predictions = [extract_final_answer(completion_text(completion)) for completion in completions]
     items = [None if prediction is None else (prediction, str(gold))
              for prediction, gold in zip(predictions, answer, strict=True)]
-    return _math_pool(workers).score(items, timeout_s)
+    return _math_pool(workers, memory_gib).score(items, timeout_s)
 
 
 class MathAnswer:
@@ -367,23 +422,29 @@ class MathAnswer:
             on an answer such as ``10^{10^{10}}``), its verifier process is replaced, and the others go on.
         workers: verifier processes checking a batch's answers in parallel (each a few milliseconds per answer,
             and about 100 MB for sympy).
+        memory_gib: the address space, in GiB, a verifier process may map beyond what it holds once started
+            (default: 8, or a quarter of the machine's memory if less); a check that needs more scores 0.0 and its
+            process is replaced, as at the timeout. None: no limit.
     """
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = DEFAULT_WORKERS) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = DEFAULT_WORKERS,
+                 memory_gib: float | None = DEFAULT_MEMORY_GIB) -> None:
         if not timeout_s > 0:
             raise ValueError(f"model.reward: MathAnswer's timeout_s must be a positive number of seconds, "
                              f"got {timeout_s}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"model.reward: MathAnswer's workers must be a positive number of processes, "
                              f"got {workers!r}")
-        self.timeout_s, self.workers = timeout_s, workers
+        _check_memory_gib(memory_gib, "model.reward: MathAnswer's memory_gib")
+        self.timeout_s, self.workers, self.memory_gib = timeout_s, workers, memory_gib
 
     def __call__(self, prompts: list, completions: list[Completion], answer: list[str],
                  **_: object) -> list[float | None]:
-        return math_answer(prompts, completions, answer, timeout_s=self.timeout_s, workers=self.workers)
+        return math_answer(prompts, completions, answer, timeout_s=self.timeout_s, workers=self.workers,
+                           memory_gib=self.memory_gib)
 
     def __repr__(self) -> str:
-        return f"MathAnswer(timeout_s={self.timeout_s}, workers={self.workers})"
+        return f"MathAnswer(timeout_s={self.timeout_s}, workers={self.workers}, memory_gib={self.memory_gib})"
 
 
 _REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
@@ -409,10 +470,12 @@ def reward_name(reward: str | RewardFn) -> str:
     return f"{type(reward).__module__}.{type(reward).__qualname__}"
 
 
-def _serve_reward(conn: Connection, payload: bytes) -> None:
+def _serve_reward(conn: Connection, payload: bytes, memory_gib: float | None) -> None:
     """The reward process's loop: call the reward on each batch it receives until the parent closes the pipe (or
     dies: the pipe closes with it). The reward is unpickled once, so state it builds on first use (a client, a
-    judge model) lasts for the life of the process."""
+    judge model) lasts for the life of the process. Its memory is limited from the start (`_limit_address_space`),
+    unpickling included."""
+    _limit_address_space(memory_gib)
     fn = pickle.loads(payload)
     conn.send("ready")
     while True:
@@ -422,6 +485,11 @@ def _serve_reward(conn: Connection, payload: bytes) -> None:
             return
         try:
             answer = ("rewards", list(fn(prompts, completions, **columns)))
+        except MemoryError:
+            # Past the limit: reported apart from other errors (which stop the run), since the parent scores the
+            # batch as a missed deadline. No traceback is formatted: until this block ends, the traceback keeps the
+            # reward's frames, and what they allocated, alive.
+            answer = ("memory", None)
         except Exception:
             answer = ("error", traceback.format_exc())
         try:
@@ -431,18 +499,19 @@ def _serve_reward(conn: Connection, payload: bytes) -> None:
 
 
 class RewardProcess(_ChildProcess):
-    """Calls a reward (sent pickled) in a child process, giving up on a batch after ``timeout_s``.
+    """Calls a reward (sent pickled) in a child process, giving up on a batch after ``timeout_s``, or when the
+    reward needs more than ``memory_gib`` GiB of address space beyond what the process holds once started.
 
-    Custom rewards can be anything (running code, asking a model, a regex that backtracks forever). As for the math
-    check, only a process can be stopped: when a batch runs past the deadline, the child is killed, every completion
-    of the batch scores None (nothing is learned from it) and a fresh child takes the next batch. Not a daemon, so
-    that the reward may start processes of its own (math_answer does).
-    It is stopped when this process exits, and, blocked on the pipe, ends by itself if this process is killed.
+    Custom rewards can be anything (running code, asking a model, a regex that backtracks forever, a list that
+    grows without end). As for the math check, only a process can be stopped: when a batch runs past the deadline or
+    out of memory, the child is killed, every completion of the batch scores None (nothing is learned from it) and a
+    fresh child takes the next batch. Not a daemon, so that the reward may start processes of its own (math_answer
+    does). It is stopped when this process exits, and, blocked on the pipe, ends by itself if this process is killed.
     """
 
-    def __init__(self, payload: bytes, name: str) -> None:
-        self.name = name
-        super().__init__(_serve_reward, (payload,), "reward", daemon=False,
+    def __init__(self, payload: bytes, name: str, memory_gib: float | None) -> None:
+        self.name, self.memory_gib = name, memory_gib
+        super().__init__(_serve_reward, (payload, memory_gib), "reward", daemon=False,
                          start_error=f"model.reward {name!r} could not be started")
 
     def __call__(self, prompts: list, completions: list, timeout_s: float,
@@ -459,9 +528,16 @@ class RewardProcess(_ChildProcess):
                 if kind == "rewards":
                     return value
                 if kind == "error":
-                    raise RuntimeError(f"model.reward {self.name!r} raised in its reward process:\n{value}")
-                logger.warning("the reward process of model.reward %r died on a batch of %d completions; they "
-                               "score None and a new process is started", self.name, len(completions))
+                    raise RuntimeError(f"model.reward {self.name!r} raised in its reward process:\n{value}"
+                                       f"{self._memory_note()}")
+                if kind == "memory":
+                    logger.warning("model.reward %r ran out of memory on a batch of %d completions: its process may "
+                                   "map model.reward_memory_gib=%s GiB beyond what it holds once started. They score "
+                                   "None and the process is replaced; raise model.reward_memory_gib (null: no limit) "
+                                   "if the reward needs more", self.name, len(completions), self.memory_gib)
+                else:
+                    logger.warning("the reward process of model.reward %r died on a batch of %d completions; they "
+                                   "score None and a new process is started", self.name, len(completions))
             else:
                 logger.warning("model.reward %r ran past model.reward_timeout_s=%.0f s on a batch of %d completions "
                                "(%.0f s): they score None (nothing is learned from them) and the reward process is "
@@ -469,18 +545,30 @@ class RewardProcess(_ChildProcess):
             self._stop()
             return [None] * len(completions)
 
+    def _memory_note(self) -> str:
+        """What to know of an error that may be an allocation refused under the limit but not raised as a
+        MemoryError: torch's ("can't allocate memory") is a RuntimeError, and CUDA reserves far more address space
+        than the memory it uses."""
+        if self.memory_gib is None:
+            return ""
+        return (f"\n(The reward process may map model.reward_memory_gib={self.memory_gib:g} GiB beyond what it holds "
+                f"once started; if the error is an allocation that failed, raise it, or set it to null for a reward "
+                f"that runs on a GPU.)")
 
-# One reward process per reward (its pickled form: the same function, or a class with the same settings) and
-# training process, started on first use and shared by every module that holds it (a test session builds many).
-_REWARD_PROCESSES: dict[bytes, RewardProcess] = {}
+
+# One reward process per reward (its pickled form: the same function, or a class with the same settings), memory
+# limit and training process, started on first use and shared by every module that holds it (a test session builds
+# many).
+_REWARD_PROCESSES: dict[tuple[bytes, float | None], RewardProcess] = {}
 
 
 class TimedReward:
-    """A reward called in its `RewardProcess` with a deadline of ``timeout_s`` per batch. Holds the reward pickled,
-    as it is sent to that process, so a module that holds it can still be copied and pickled."""
+    """A reward called in its `RewardProcess` with a deadline of ``timeout_s`` per batch and a limit of
+    ``memory_gib`` GiB of address space beyond the process's start (None: no limit). Holds the reward pickled, as it
+    is sent to that process, so a module that holds it can still be copied and pickled."""
 
-    def __init__(self, reward: RewardFn, timeout_s: float) -> None:
-        self.name, self.timeout_s = reward_name(reward), timeout_s
+    def __init__(self, reward: RewardFn, timeout_s: float, memory_gib: float | None = DEFAULT_MEMORY_GIB) -> None:
+        self.name, self.timeout_s, self.memory_gib = reward_name(reward), timeout_s, memory_gib
         # Fail at set-up, naming the key, rather than when the first batch is scored.
         try:
             self.payload = pickle.dumps(reward)
@@ -493,9 +581,10 @@ class TimedReward:
             ) from err
 
     def __call__(self, prompts: list, completions: list, **columns: list) -> list[float | None]:
-        process = _REWARD_PROCESSES.get(self.payload)
+        key = (self.payload, self.memory_gib)
+        process = _REWARD_PROCESSES.get(key)
         if process is None:
-            process = _REWARD_PROCESSES[self.payload] = RewardProcess(self.payload, self.name)
+            process = _REWARD_PROCESSES[key] = RewardProcess(self.payload, self.name, self.memory_gib)
         return process(prompts, completions, self.timeout_s, **columns)
 
 
@@ -507,9 +596,11 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REWARDS)}") from None
 
 
-def resolve_reward(reward: str | RewardFn, timeout_s: float | None) -> RewardFn:
-    """``model.reward`` made a callable, called in a process of its own with a deadline of `timeout_s` per batch
-    (None: in this process, without a deadline).
+def resolve_reward(reward: str | RewardFn, timeout_s: float | None,
+                   memory_gib: float | None = DEFAULT_MEMORY_GIB) -> RewardFn:
+    """``model.reward`` made a callable, called in a process of its own with a deadline of `timeout_s` per batch and
+    `memory_gib` GiB of address space beyond that process's start (`timeout_s` None: in this process, without a
+    deadline or a limit).
 
     The reward is a built-in name ("exact_match", "math_answer"), a dotted path ("pkg.mod.fn"; a class named so is
     built with its defaults), or a callable already built: what the command line hands over for a dotted path or a
@@ -522,7 +613,7 @@ def resolve_reward(reward: str | RewardFn, timeout_s: float | None) -> RewardFn:
     if not callable(reward):
         raise TypeError(f"model.reward must be a reward name, a dotted path or a callable "
                         f"fn(prompts, completions, **columns); got {type(reward).__name__}")
-    return reward if timeout_s is None else TimedReward(reward, timeout_s)
+    return reward if timeout_s is None else TimedReward(reward, timeout_s, memory_gib)
 
 
 @dataclass(frozen=True)
@@ -543,10 +634,12 @@ def _metric_key(reward: RewardFn) -> str:
 
 
 def resolve_rewards(reward: str | RewardFn | list[str | RewardFn], weights: list[float] | None,
-                    timeout_s: float | None) -> list[Reward]:
+                    timeout_s: float | None, memory_gib: float | None = DEFAULT_MEMORY_GIB) -> list[Reward]:
     """``model.reward`` (one reward or a list, each as `resolve_reward` takes it) with ``model.reward_weights`` (one
-    weight per reward; None: 1.0 each), as TRL's ``reward_funcs`` and ``reward_weights``. Metric names are unique:
+    weight per reward; None: 1.0 each), as TRL's ``reward_funcs`` and ``reward_weights``, each called in a process of
+    its own with ``model.reward_timeout_s`` and ``model.reward_memory_gib`` (`TimedReward`). Metric names are unique:
     a name met again is numbered (``StartsWith``, ``StartsWith_2``)."""
+    _check_memory_gib(memory_gib, "model.reward_memory_gib")
     rewards = list(reward) if isinstance(reward, (list, tuple)) else [reward]
     if not rewards:
         raise ValueError("model.reward is an empty list: give at least one reward")
@@ -566,6 +659,6 @@ def resolve_rewards(reward: str | RewardFn | list[str | RewardFn], weights: list
             number += 1
             key = f"{base}_{number}"
         keys.append(key)
-        resolved.append(Reward(fn if timeout_s is None else TimedReward(fn, timeout_s), reward_name(given), key,
-                               float(weight)))
+        resolved.append(Reward(fn if timeout_s is None else TimedReward(fn, timeout_s, memory_gib), reward_name(given),
+                               key, float(weight)))
     return resolved

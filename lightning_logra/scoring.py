@@ -3,8 +3,10 @@ GRPOTrainer combines them, and each function's mean and std for the logs."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
+import numpy
 import torch
 
 
@@ -24,13 +26,18 @@ def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], pr
     for output, name in zip(outputs, names, strict=True):
         try:
             output = list(output)
-            columns.append([float("nan") if r is None else float(r) for r in output])
-        except (TypeError, ValueError) as err:
+        except TypeError:
             raise ValueError(f"model.reward {name!r} must return a list of {count} numbers (or None), one per "
-                             f"completion; got {type(output).__name__} ({err})") from None
+                             f"completion; got {type(output).__name__}") from None
         if len(output) != count:
             raise ValueError(f"model.reward {name!r} returned {len(output)} rewards for {count} completions "
                              f"({prompts} prompts × {n} samples): it must return one per completion, in order")
+        for index, r in enumerate(output):
+            if not (r is None or _is_real_scalar(r)):
+                raise ValueError(f"model.reward {name!r} returned a {type(r).__name__} ({r!r:.40}) for completion "
+                                 f"{index}: a reward must be a number (int, float, bool, a numpy or 0-d torch "
+                                 f"scalar) or None")
+        columns.append([float("nan") if r is None else float(r) for r in output])
         nones.append([r is None for r in output])
     values = torch.tensor(columns, dtype=torch.float32).T  # (N, F)
     none = torch.tensor(nones).T  # (N, F)
@@ -41,6 +48,15 @@ def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], pr
     total[missing] = 0.0
     total.view(prompts, n)[dropped] = 0.0
     return total, values, missing, dropped
+
+
+def _is_real_scalar(value: Any) -> bool:
+    """Whether a reward function's value is one real number. Not a string ("1.0"): float() would take it, but a
+    reward that returns text is broken. numbers.Real covers Python's bool, int and float and numpy's integers and
+    floats; numpy's bool is not registered there. A 0-d tensor is what indexing a tensor of rewards gives."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_complex()
+    return isinstance(value, (numbers.Real, numpy.bool_))
 
 
 def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict[str, torch.Tensor]:

@@ -15,6 +15,28 @@ def sleepy_reward(prompts, completions, **_):
     return [float(os.getpid())] * len(completions)
 
 
+def allocate_without_bound():
+    """Allocates 100 MB after 100 MB until an allocation fails. bytes(n) takes zeroed memory from calloc, which maps
+    fresh pages without writing them: it takes address space (what RLIMIT_AS counts) but not the machine's memory,
+    so that should the limit fail to hold, the test runs to its deadline without exhausting the host."""
+    held = []
+    while True:
+        held.append(bytes(100 * 2**20))
+
+
+def hungry_reward(prompts, completions, **_):
+    """Allocates without bound on a batch that contains "hog"; otherwise scores each completion with the id of its
+    process."""
+    if "hog" in completions:
+        allocate_without_bound()
+    return [float(os.getpid())] * len(completions)
+
+
+def string_rewards(prompts, completions, **_):
+    """Rewards as text, which float() would take ("1.0"), but a reward that returns text is broken."""
+    return ["1.0"] * len(completions)
+
+
 def broken_reward(prompts, completions, **_):
     raise KeyError("answer")
 
@@ -68,7 +90,7 @@ class RecordCalls:
 def pool_check(kind: str, path: str) -> float:
     """A check for CheckPool's tests, by kind: "hang" writes its process id to `path` and never returns; "wait"
     returns 1.0 once the file `path` exists, which a "signal" check writes (so it returns only if another worker runs
-    that check meanwhile); "raise" raises; any other kind returns 0.5."""
+    that check meanwhile); "raise" raises; "hog" allocates without bound; any other kind returns 0.5."""
     if kind == "hang":
         with open(path, "w") as file:
             file.write(str(os.getpid()))
@@ -82,4 +104,6 @@ def pool_check(kind: str, path: str) -> float:
         return 1.0
     if kind == "raise":
         raise ValueError("unparsable")
+    if kind == "hog":
+        allocate_without_bound()
     return 0.5

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -145,3 +146,20 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     else:
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+class StepMarks(Callback):
+    """For subprocess runs that a test signals mid-run: after each training step, writes `<global step> <pid>` to
+    `step.rank<N>` in the run's root directory (written beside it and renamed over it, so that a reader never sees
+    half a line); and where the run ends in a SystemExit, the status it carries to `exit.rank<N>` (how a test
+    learns the status of a rank that another rank started and waited for)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        path = Path(trainer.default_root_dir) / f"step.rank{trainer.global_rank}"
+        written = path.with_name(path.name + ".tmp")
+        written.write_text(f"{trainer.global_step} {os.getpid()}")
+        written.replace(path)
+
+    def on_exception(self, trainer, pl_module, exception):
+        if isinstance(exception, SystemExit):
+            (Path(trainer.default_root_dir) / f"exit.rank{trainer.global_rank}").write_text(str(exception.code))

@@ -95,4 +95,5 @@ def test_a_sharded_checkpoint_replaces_the_previous_one_only_once_written(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     strategy.save_checkpoint({"step": "step 100"}, target)
     assert (target / "__0_0.distcp").read_text() == (target / "meta.pt").read_text() == "step 100"
+    assert sorted(p.name for p in target.iterdir()) == ["SHA256SUMS", "__0_0.distcp", "meta.pt"]  # hashed inside
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # the previous one and the temporary gone

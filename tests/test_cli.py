@@ -124,13 +124,45 @@ def test_resume_refuses_other_sketch_settings(tiny_arith_model, tmp_path, overri
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("config, changed, key, value", [
+    ("tiny_arith.yaml", ["--trainer.strategy.init_args.sketch.optimizer.lr", "5.0e-4",
+                         "--trainer.strategy.init_args.sketch.optimizer.betas", "[0.8, 0.99]"],
+     "sketch.optimizer.init_args.lr", 5e-4),
+    ("tiny_arith_dense.yaml", ["--model.lr", "3.0e-5", "--model.weight_decay", "0.01"], "model.lr", 3e-5),
+    ("tiny_arith_lora.yaml", ["--trainer.strategy.init_args.lora.lr", "1.0e-3"], "lora.lr", 1e-3),
+], ids=["sketch", "dense", "lora"])
+def test_a_resume_trains_with_this_runs_optimizer_settings_and_says_so(tiny_arith_model, tmp_path, caplog, config,
+                                                                       changed, key, value):
+    # The checkpoint's param_groups used to win silently, while the run's saved config recorded the new value.
+    config = str(Path(CONFIGS[0]).parent / config)
+    main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 1)])
+    checkpoint = glob.glob(str(tmp_path / "a" / "**" / "last.ckpt"), recursive=True)[0]
+    resumed = main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "b", 2), *changed,
+                    "--ckpt_path", checkpoint])
+    optimizer = resumed.trainer.optimizers[0]
+    assert optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["initial_lr"] == pytest.approx(value)
+    assert resumed.trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(value)]
+    assert float(resumed.trainer.callback_metrics["train/lr"]) == pytest.approx(value)  # the resumed step's lr
+    assert f"{key}: the checkpoint has" in caplog.text and "training on with this run's value" in caplog.text
+    if "betas" in changed[-2]:
+        assert tuple(optimizer.param_groups[0]["betas"]) == (0.8, 0.99) and "init_args.betas" in caplog.text
+    if "--model.weight_decay" in changed:
+        assert optimizer.param_groups[0]["weight_decay"] == 0.01 and "model.weight_decay" in caplog.text
+        # LightningCLI would have replaced the module's settings with the checkpoint's (dropping --model.lr)
+        assert resumed.model.hparams.lr == 3e-5
+        assert "model.lr: the checkpoint was made with 0.0001, this run uses 3e-05" in caplog.text
+
+
 def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(tiny_arith_model, tmp_path, caplog):
     from lightning_logra.checkpoint import FORMAT, KEY
+    from lightning_logra.digests import KEY as DIGESTS
 
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
     main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 1)])
     path = glob.glob(str(tmp_path / "a" / "**" / "last.ckpt"), recursive=True)[0]
     checkpoint = torch.load(path, weights_only=False)
+    # (what the file records of its own bytes goes: the files made below are edited, not damaged)
+    assert set(checkpoint.pop(DIGESTS)) >= {"state_dict/policy.lm_head.weight", "(the rest)"}
     assert checkpoint[KEY]["format"] == FORMAT == 2
     assert (checkpoint[KEY]["weights_dtype"], checkpoint[KEY]["training"]) == ("float32", "with sketches")
     # a newer format is refused, not misread

@@ -21,13 +21,13 @@ ROOT = Path(__file__).parents[1]
 
 def _config(name: str, path: Path, **checkpointing) -> str:
     """`configs/<name>` with the embedding, norms and head trained densely (train_rest, at a learning rate that moves
-    them), and the KL controller measuring q on the whole batch: then q over the tokens of both ranks' halves is
-    exactly the single process's q, and so is α. `checkpointing`: ModelCheckpoint's init_args to change."""
+    them), and the KL controller measuring q on a quarter of the global batch (drawn from it as one process draws
+    it, so q and α equal the single process's). `checkpointing`: ModelCheckpoint's init_args to change."""
     data = yaml.safe_load((ROOT / "configs" / name).read_text())
     data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("PredictedKLBudget"):
-            callback["init_args"]["subset"] = 1.0
+            callback["init_args"]["subset"] = 0.25
         if callback["class_path"].endswith("ModelCheckpoint"):
             callback["init_args"].update(checkpointing)
     path.write_text(yaml.safe_dump(data))

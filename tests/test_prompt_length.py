@@ -1,20 +1,26 @@
 """Prompts as the rollout engine receives them: conversations through the chat template whole (system message
-included), and data.max_prompt_length with its two policies, drop and truncate."""
+included), data.max_prompt_length with its two policies, drop and truncate, the model's context as the limit when
+it is unset, and prompts that tokenize to nothing."""
 
 import logging
+from pathlib import Path
 
 import pytest
 from conftest import write_rows
 from lightning.pytorch import Callback, Trainer
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import MambaConfig, MambaForCausalLM, PreTrainedTokenizerFast
 
+from cli import main
 from lightning_logra.data.arith import build_tokenizer
 from lightning_logra.data.module import PromptDataModule, TokenizedPrompts, collate_rows, limit_prompt_length
 from lightning_logra.data.prompts import PromptDataset
 from lightning_logra.module import RLVRModule
+from lightning_logra.rollout import VLLMEngine
 
 pytestmark = pytest.mark.usefixtures("hf_cache")
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 SPECIALS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 VOCAB = {token: i for i, token in enumerate([*SPECIALS, "\n", *(chr(c) for c in range(32, 127))])}
@@ -170,3 +176,107 @@ def test_a_run_rolls_out_only_prompts_within_the_limit(tmp_path, tiny_arith_mode
     assert all(ids == expected[prompt] for prompt, ids in rows)
     # The engine got those ids: the module did not tokenize the prompts again.
     assert seen.engine_prompts == [ids for _, ids in rows]
+
+
+def test_a_prompt_of_no_tokens_is_dropped_and_counted(tmp_path, caplog):
+    # A tokenizer without an unknown token drops the characters it has no token for: "αβγ" becomes no tokens.
+    tokenizer = Tokenizer(models.BPE({token: i for token, i in VOCAB.items() if token != "<unk>"}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    module = encoder(chat_template=False)
+    module.tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+    dataset = prompt_set(tmp_path, ["ab", "αβγ", "abc"])
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        limited = limit_prompt_length(dataset, module.encode_prompts, 5, "drop", "data.train")
+    assert [limited[i]["prompt"] for i in range(len(limited))] == ["ab", "abc"]
+    assert "data.train: 1 of 3 prompts tokenize to no tokens at all and were dropped" in caplog.text
+    with pytest.raises(ValueError, match="data.test: every prompt tokenizes to no tokens at all"):
+        limit_prompt_length(prompt_set(tmp_path, ["αβ", "γ"]), module.encode_prompts, 5, "drop", "data.test")
+
+
+def test_the_limit_is_what_the_model_context_leaves_beside_each_stage_s_completions(tiny_arith_model):
+    # The embedded tokenizer's model has 32 positions.
+    module = RLVRModule(tiny_arith_model, max_new_tokens=4, eval_max_new_tokens=8, reward_timeout_s=None)
+    module.configure_model()
+    assert module.prompt_token_limit("fit") == (28, "model.model's max_position_embeddings=32, less "
+                                                    "model.max_new_tokens=4")
+    assert module.prompt_token_limit("validate") == (24, "model.model's max_position_embeddings=32, less "
+                                                         "model.eval_max_new_tokens=8")
+    too_long = RLVRModule(tiny_arith_model, max_new_tokens=4, eval_max_new_tokens=32, reward_timeout_s=None)
+    too_long.policy = module.policy
+    assert too_long.prompt_token_limit("fit")[0] == 28
+    with pytest.raises(ValueError, match=r"model.eval_max_new_tokens=32 leaves no room for a prompt in the model's "
+                                         r"context of 32 tokens \(model.model's max_position_embeddings\): set "
+                                         r"model.eval_max_new_tokens below 32, or use a model with a longer one"):
+        too_long.prompt_token_limit("test")
+    # An engine that sets a context of its own: that one holds the prompt and the completion.
+    module = RLVRModule(tiny_arith_model, max_new_tokens=4, reward_timeout_s=None, engine=VLLMEngine(max_model_len=20))
+    assert module.prompt_token_limit("fit") == (16, "model.engine's max_model_len=20, less model.max_new_tokens=4")
+    assert module.prompt_token_limit("validate")[0] == 16  # eval_max_new_tokens unset: max_new_tokens
+    module = RLVRModule(tiny_arith_model, max_new_tokens=4, reward_timeout_s=None, engine=VLLMEngine(max_model_len=4))
+    with pytest.raises(ValueError, match=r"model.max_new_tokens=4 leaves no room .* context of 4 tokens "
+                                         r"\(model.engine's max_model_len\): set model.max_new_tokens below 4, or "
+                                         r"raise it"):
+        module.prompt_token_limit("fit")
+
+
+def test_a_model_without_a_fixed_context_sets_no_limit(tmp_path):
+    module = encoder(chat_template=False)
+    module.policy = MambaForCausalLM(MambaConfig(vocab_size=len(VOCAB), hidden_size=8, num_hidden_layers=1,
+                                                 state_size=2))  # a state-space model: no max_position_embeddings
+    assert module.prompt_token_limit("fit") is None
+    limited = limit_prompt_length(prompt_set(tmp_path, ["a" * 100, "b"]), module.encode_prompts, None, "drop",
+                                  "data.train")
+    assert [len(limited[i]["prompt_ids"]) for i in range(2)] == [100, 1]
+
+
+LONG_PROMPT = "1+" * 3000 + "1="  # 6,002 tokens (one per character) for a model of 32 positions
+SHORT_PROMPTS = ["12+34=", "56+7=", "8+9=", "10+11="]
+
+
+def fit_one_step_without_a_length_limit(tmp_path, model, *overrides):
+    """One training step through the CLI, on four short prompts and LONG_PROMPT, data.max_prompt_length unset."""
+    rows = [{"prompt": p, "answer": "1"} for p in [*SHORT_PROMPTS[:2], LONG_PROMPT, *SHORT_PROMPTS[2:]]]
+    path = write_rows(tmp_path / "p.jsonl", rows)
+    config = tmp_path / "data.yaml"
+    config.write_text(f"""data:
+  class_path: lightning_logra.data.module.PromptDataModule
+  init_args: {{train: {path}, batch_size: 4}}
+""")
+    return main(["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), "--config", str(config), "--model.model", model,
+                 "--model.reward", "conftest.odd_first_digit", "--trainer.max_steps", "1",
+                 "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
+                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *overrides])
+
+
+CONTEXT = ("28 tokens (the model's context: model.model's max_position_embeddings=32, less model.max_new_tokens=4; "
+           "data.max_prompt_length is unset)")
+
+
+def test_without_max_prompt_length_a_prompt_past_the_model_context_is_dropped(tmp_path, tiny_arith_model, caplog):
+    # Before, the 6,002-token prompt went to generation whole and grew the run past 19 GB.
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        cli = fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model)
+    assert cli.trainer.global_step == 1
+    assert f"data.train: 1 of 5 prompts are longer than {CONTEXT} and were dropped, 4 left" in caplog.text
+    trained = cli.datamodule.train_dataloader().dataset  # the set the run was given (made once, kept)
+    assert sorted(trained[i]["prompt"] for i in range(len(trained))) == sorted(SHORT_PROMPTS)
+
+
+def test_without_max_prompt_length_truncate_keeps_the_end_that_fits_the_context(tmp_path, tiny_arith_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        cli = fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model,
+                                                  "--data.init_args.overlong_prompts", "truncate",
+                                                  "--data.init_args.batch_size", "5")  # every prompt in the step
+    assert cli.trainer.global_step == 1
+    assert f"data.train: 1 of 5 prompts are longer than {CONTEXT} and keep only their last 28" in caplog.text
+    trained = cli.datamodule.train_dataloader().dataset
+    cut = next(trained[i]["prompt_ids"] for i in range(len(trained)) if trained[i]["prompt"] == LONG_PROMPT)
+    assert cut == build_tokenizer()(LONG_PROMPT)["input_ids"][-28:]
+    # Every sample (8 per prompt) fit the 32 positions: the rollouts were given the cut prompt.
+    assert cli.model.num_tokens <= 5 * 8 * 32
+
+
+def test_new_tokens_that_fill_the_model_context_fail_naming_the_key(tmp_path, tiny_arith_model):
+    with pytest.raises(ValueError, match=r"model.max_new_tokens=32 leaves no room for a prompt in the model's context "
+                                         r"of 32 tokens \(model.model's max_position_embeddings\)"):
+        fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model, "--model.max_new_tokens", "32")

@@ -1,11 +1,15 @@
 """Prompt rows: formats, presets, column mapping, conversations, deduplication, and the step stream over them."""
 
 import logging
+import re
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import write_rows
 
+from lightning_logra.data import prompts
 from lightning_logra.data.module import PromptDataModule, StepBatchSampler, collate_rows
 from lightning_logra.data.prompts import PromptDataset
 
@@ -216,6 +220,88 @@ def test_invalid_jsonl_line_names_the_file(tmp_path):
     path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"data.train: .*bad.jsonl: JSON parse error: .* in row 1"):
         PromptDataset(str(path))
+
+
+def test_empty_prompts_are_dropped_and_counted(tmp_path, caplog):
+    rows = [{"prompt": p, "answer": "1"} for p in ["1+1=", "", "2+2=", " \n\t"]]
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.prompts"):
+        dataset = PromptDataset(str(write_rows(tmp_path / "p.jsonl", rows)), config_key="data.val")
+    assert [item["prompt"] for item in dataset] == ["1+1=", "2+2="]
+    assert re.search(r"data.val \(.*p.jsonl\): 2 of 4 rows have an empty prompt \(prompt_key='prompt': no text, or "
+                     r"only whitespace; in a conversation, the last user message\) and were dropped", caplog.text)
+    assert "repeat an earlier row" not in caplog.text  # dropped as empty, not counted as repeats of each other
+
+
+def test_a_conversation_whose_last_user_message_is_empty_is_dropped(tmp_path, caplog):
+    asked = [SYSTEM, {"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": [SYSTEM, {"role": "user", "content": ""}], "answer": "4"},
+            {"prompt": asked, "answer": "4"},
+            {"prompt": [*asked, {"role": "assistant", "content": "Which base?"}, {"role": "user", "content": " "}],
+             "answer": "4"}]
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.prompts"):
+        dataset = PromptDataset(str(write_rows(tmp_path / "c.parquet", rows)))
+    assert [item["prompt"] for item in dataset] == [asked]
+    assert "2 of 3 rows have an empty prompt" in caplog.text
+
+
+def test_a_set_of_empty_prompts_fails_naming_the_key(tmp_path):
+    path = write_rows(tmp_path / "p.jsonl", [{"prompt": "", "answer": "1"}, {"prompt": " ", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"prompt_key='prompt' is empty \(no text, or only whitespace\) in every row "
+                                         r"of data.test \(.*p.jsonl\); point prompt_key at the column"):
+        PromptDataset(str(path), config_key="data.test")
+
+
+# The second row holds bytes that are not UTF-8 (a Latin-1 file, say): JSONL and JSON line 2, CSV line 3 (after the
+# header).
+NOT_UTF8 = {
+    ".jsonl": (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xff\xfe", "answer": "3"}\n', 2),
+    ".csv": (b'prompt,answer\n1+1=,2\ncaf\xff\xfe,3\n', 3),
+    ".json": (b'[{"prompt": "1+1=", "answer": "2"},\n{"prompt": "caf\xff\xfe", "answer": "3"}]', 2),
+}
+
+
+@pytest.mark.parametrize("suffix", sorted(NOT_UTF8))
+def test_bytes_that_are_not_utf8_name_the_key_the_file_the_line_and_the_offset(tmp_path, suffix):
+    content, line = NOT_UTF8[suffix]
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"data.val: .*latin1\{suffix} is not UTF-8 text: line {line} \(byte offset "
+                                         rf"{content.index(0xff)}\) has 0xff \(invalid start byte\); save the file as "
+                                         "UTF-8"):
+        PromptDataset(str(path), config_key="data.val")
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 7])
+def test_the_offset_is_the_same_whatever_the_chunks_the_file_is_read_in(tmp_path, monkeypatch, chunk_bytes):
+    # Two- and three-byte characters before the bad byte: chunks of a few bytes cut them, which must not count. The
+    # bad byte starts a Latin-1 "é" that UTF-8 reads as the first of three bytes: a chunk that ends after it holds it.
+    content = '{"prompt": "café €", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n'.encode() + b'{"prompt": "\xe9"}\n'
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    monkeypatch.setattr(prompts, "_CHECK_BYTES", chunk_bytes)
+    with pytest.raises(ValueError, match=rf"line 3 \(byte offset {content.index(0xe9)}\) has 0xe9"):
+        PromptDataset(str(path))
+
+
+def test_bytes_that_are_not_utf8_in_another_column_fail_at_load_not_in_training(tmp_path):
+    # The prompt and answer read fine; the reward's column would fail only when its batch is read.
+    content = (b'{"prompt": "1+1=", "answer": "2", "source": "ok"}\n'
+               b'{"prompt": "2+2=", "answer": "4", "source": "caf\xe9"}\n')
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"data.train: .*p.jsonl is not UTF-8 text: line 2 \(byte offset "
+                                         rf"{content.index(0xe9)}\) has 0xe9 \(invalid continuation byte\)"):
+        PromptDataset(str(path))
+
+
+def test_bytes_that_are_not_utf8_in_parquet_name_the_row_and_column(tmp_path):
+    # Parquet does not check its text: the bytes reach Arrow as they are.
+    raw = pa.array([b"1+1=", b"caf\xff", b"3+3="], pa.binary())
+    text = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+    pq.write_table(pa.table({"prompt": pa.array(["a", "b", "c"]), "answer": text}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"data.test: .*p.parquet: row 1, column 'answer', holds text that is not "
+                                         r"UTF-8; save the data as UTF-8, or remove that row"):
+        PromptDataset(str(tmp_path / "p.parquet"), config_key="data.test")
 
 
 def test_rows_with_other_columns_get_nulls_so_every_batch_has_every_column(tmp_path):

@@ -2,10 +2,13 @@ import logging
 import math
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from typing import get_args
 
+import numpy
 import psutil
 import pytest
 import torch
@@ -142,7 +145,7 @@ def test_a_check_pool_checks_in_parallel_and_replaces_only_a_stuck_worker(tmp_pa
     # bad_rewards.pool_check: a "wait" check returns (1.0) only if another worker runs the "signal" check while it
     # waits, so checks that ran one at a time would score it 0.0 at its timeout. The "hang" check never returns.
     pool = CheckPool(bad_rewards.pool_check, workers=3, warmup=("warm", ""), name="test checker",
-                     start_error="bad_rewards must be importable")
+                     start_error="bad_rewards must be importable", memory_gib=None, memory_advice="")
     try:
         assert pool.score([("ok", "")] * 4, timeout_s=60.0) == [0.5] * 4  # starts the workers
         workers = {worker._process.pid for worker in pool._workers}
@@ -162,6 +165,53 @@ def test_a_check_pool_checks_in_parallel_and_replaces_only_a_stuck_worker(tmp_pa
         assert len(workers & {worker._process.pid for worker in pool._workers}) == 2
     finally:
         pool.close()
+
+
+GIB = 2**30
+
+
+def _room(pid: int) -> float:
+    """The address space, in GiB, process `pid` may still map: its soft RLIMIT_AS less its size now (VmSize)."""
+    process = psutil.Process(pid)
+    return (process.rlimit(psutil.RLIMIT_AS)[0] - process.memory_info().vms) / GIB
+
+
+def test_a_check_that_runs_out_of_memory_scores_zero_and_only_its_worker_is_replaced(tmp_path, caplog):
+    # bad_rewards.pool_check "hog" allocates 100 MB after 100 MB; 0.5 GiB beyond the worker's start stops it.
+    pool = CheckPool(bad_rewards.pool_check, workers=2, warmup=("warm", ""), name="test checker",
+                     start_error="bad_rewards must be importable", memory_gib=0.5,
+                     memory_advice="raise the test's memory_gib")
+    try:
+        # "wait" returns only while the other worker runs "signal": both workers have started (and set their limit)
+        signal = str(tmp_path / "signal")
+        assert pool.score([("wait", signal), ("signal", signal)], timeout_s=60.0) == [1.0, 1.0]
+        workers = {worker._process.pid for worker in pool._workers}
+        for pid in workers:  # the limit counts from what the worker held once started
+            assert 0.25 < _room(pid) <= 0.5
+        with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
+            scores = pool.score([("hog", ""), ("ok", ""), ("ok", "")], timeout_s=30.0)
+        assert scores == [0.0, 0.5, 0.5]
+        assert any("test checker ran out of memory (0.5 GiB beyond its start) on ('hog', '')" in r.getMessage()
+                   and "raise the test's memory_gib" in r.getMessage() for r in caplog.records)
+        assert pool.score([("ok", "")] * 2, timeout_s=60.0) == [0.5] * 2
+        assert len(workers & {worker._process.pid for worker in pool._workers}) == 1
+    finally:
+        pool.close()
+
+
+def test_math_answer_verifiers_get_their_memory_limit():
+    reward = MathAnswer(workers=1, memory_gib=1.5)  # one worker: it has started once the batch is scored
+    assert reward(["p"], [r"\boxed{2}"], answer=["2"]) == [1.0]
+    (worker,) = rewards._MATH_POOLS[1, 1.5]._workers
+    assert 1.0 < _room(worker._process.pid) <= 1.5
+    assert repr(reward) == "MathAnswer(timeout_s=5.0, workers=1, memory_gib=1.5)"
+    # the default: 8 GiB, or a quarter of the machine's memory if less
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    assert MathAnswer().memory_gib == rewards.DEFAULT_MEMORY_GIB == pytest.approx(min(8.0, host_gib / 4), abs=0.05)
+    for bad in (0, -1.0, math.inf, math.nan, "8", True):
+        with pytest.raises(ValueError, match=r"model.reward: MathAnswer's memory_gib must be a positive number of "
+                                             r"GiB \(or null: no limit\), got"):
+            MathAnswer(memory_gib=bad)
 
 
 def test_get_reward():
@@ -201,6 +251,51 @@ def test_a_custom_reward_past_its_deadline_is_stopped_and_the_batch_scores_none(
     assert int(reward(["p"], ["ok"])[0]) not in (pid, os.getpid())  # a fresh process takes the next batch
 
 
+def test_a_reward_past_its_memory_limit_is_replaced_and_the_batch_scores_none(caplog):
+    # bad_rewards.hungry_reward allocates 100 MB after 100 MB on a batch with "hog": a MemoryError once its process
+    # maps 0.5 GiB more than at its start. That is the batch's end (None, as at the deadline), not the run's.
+    reward = resolve_reward("bad_rewards.hungry_reward", timeout_s=30.0, memory_gib=0.5)
+    pid = int(reward(["p"], ["ok"])[0])
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
+        assert reward(["p", "p"], ["hog", "ok"]) == [None, None]
+    assert any("'bad_rewards.hungry_reward' ran out of memory on a batch of 2 completions: its process may map "
+               "model.reward_memory_gib=0.5 GiB" in r.getMessage() and "raise model.reward_memory_gib" in r.getMessage()
+               for r in caplog.records)
+    assert not psutil.pid_exists(pid)  # replaced
+    assert int(reward(["p"], ["ok"])[0]) not in (pid, os.getpid())  # a fresh process takes the next batch
+
+
+def test_a_reward_process_may_map_model_reward_memory_gib_beyond_its_start(tiny_arith_model):
+    # Beyond, not in all: what the process maps once started (the interpreter and the re-import of the trainer's
+    # main module: about 1 GiB under the command line, which imports torch) is not the reward's.
+    for memory_gib in (1.5, rewards.DEFAULT_MEMORY_GIB):
+        pid = int(resolve_reward("bad_rewards.sleepy_reward", timeout_s=60.0, memory_gib=memory_gib)(["p"], ["ok"])[0])
+        assert memory_gib - 0.5 < _room(pid) <= memory_gib
+    module = RLVRModule(tiny_arith_model, reward="bad_rewards.sleepy_reward", reward_memory_gib=None)
+    pid = int(module.rewards[0].fn(["p"], ["ok"])[0])
+    assert psutil.Process(pid).rlimit(psutil.RLIMIT_AS)[0] == psutil.RLIM_INFINITY  # null: no limit
+    for bad in (0, -2, math.inf, math.nan, "8"):
+        with pytest.raises(ValueError, match=r"model.reward_memory_gib must be a positive number of GiB \(or null: "
+                                             r"no limit\), got"):
+            RLVRModule(tiny_arith_model, reward="exact_match", reward_memory_gib=bad)
+
+
+def test_the_memory_limit_stays_under_a_hard_limit_of_the_shell():
+    # `ulimit -v` sets a hard limit, which the soft limit may not exceed: the limit is capped at it, not refused.
+    hard = 64 * GIB
+    script = ("import resource; from lightning_logra.rewards import _limit_address_space; "
+              "_limit_address_space(1000.0); print(*resource.getrlimit(resource.RLIMIT_AS))")
+
+    def limit_the_child():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+    result = subprocess.run([sys.executable, "-c", script], preexec_fn=limit_the_child, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout.split() == [str(hard), str(hard)]
+
+
 def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
     module = RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=60.0)
     (reward,) = module.rewards
@@ -212,11 +307,11 @@ def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
 def test_a_class_reward_keeps_its_settings_in_its_reward_process():
     reward = resolve_reward(bad_rewards.StartsWith(prefix="4"), timeout_s=60.0)
     assert reward(["p"] * 3, ["42", "24", "4"]) == [1.0, 0.0, 1.0]
-    child = rewards._REWARD_PROCESSES[reward.payload]._process
+    child = rewards._REWARD_PROCESSES[reward.payload, reward.memory_gib]._process
     assert child.is_alive() and child.pid != os.getpid()  # it was scored there, not here
     # other settings are another reward, with a process of its own
     assert resolve_reward(bad_rewards.StartsWith(prefix="2"), timeout_s=60.0)(["p"], ["24"]) == [1.0]
-    assert rewards._REWARD_PROCESSES[reward.payload]._process is child
+    assert rewards._REWARD_PROCESSES[reward.payload, reward.memory_gib]._process is child
 
 
 def test_a_reward_that_does_not_pickle_is_refused_at_set_up_naming_the_key(tiny_arith_model):
@@ -230,8 +325,11 @@ def test_a_reward_that_does_not_pickle_is_refused_at_set_up_naming_the_key(tiny_
 
 
 def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
-    with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError"):
-        resolve_reward("bad_rewards.broken_reward", timeout_s=60.0)(["p"], ["c"], answer=["1"])
+    # and, since an allocation refused under the memory limit need not be a MemoryError (torch's is a RuntimeError),
+    # the limit and its key
+    with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError.*"
+                                           r"model.reward_memory_gib=0.75 GiB"):
+        resolve_reward("bad_rewards.broken_reward", timeout_s=60.0, memory_gib=0.75)(["p"], ["c"], answer=["1"])
 
 
 def test_reward_output_is_checked_and_a_nan_drops_only_its_group():
@@ -246,6 +344,26 @@ def test_reward_output_is_checked_and_a_nan_drops_only_its_group():
     assert missing.tolist() == [False, True] + [False] * 4 + [True] + [False] * 5
     assert dropped.tolist() == [False, True, False]
     assert values.shape == (12, 1) and values[1, 0].isnan() and values[4, 0] == 1  # as returned, None as NaN
+
+
+@pytest.mark.parametrize(("value", "kind"), [("1.0", "str"), (b"1", "bytes"), ([1.0], "list"), (1j, "complex"),
+                                           (torch.tensor([1.0]), "Tensor"), (torch.tensor(1j), "Tensor"),
+                                           (numpy.array([1.0]), "ndarray")])
+def test_a_reward_that_is_not_a_number_names_the_reward_its_type_and_the_completion(value, kind):
+    # A string would pass float(); a reward that returns text (or a list, or a tensor of several) is broken.
+    with pytest.raises(ValueError, match=rf"model.reward 's' returned a {kind} \(.*\) for completion 2: a reward "
+                                         r"must be a number \(int, float, bool, a numpy or 0-d torch scalar\) or None"):
+        reward_tensor([[1.0] * 4, [0.0, None, value, 1.0]], ["r", "s"], [1.0, 1.0], 2, 2)
+
+
+def test_numbers_of_numpy_and_torch_are_rewards():
+    # what a reward computed with numpy or torch gives: list(array) and list(tensor) hold numpy scalars and 0-d tensors
+    outputs = [[numpy.float32(0.5), numpy.int64(1), numpy.bool_(True), True],
+               list(torch.tensor([0.25, 2.0, 1.0, 0.0])), [1, None, 0.5, torch.tensor(True)]]
+    rewards, values, missing, dropped = reward_tensor(outputs, ["a", "b", "c"], [1.0, 1.0, 1.0], 2, 2)
+    assert values.tolist()[0] == [0.5, 0.25, 1.0] and values[1, 2].isnan() and values[3].tolist() == [1, 0, 1]
+    assert rewards.tolist() == [1.75, 3.0, 2.5, 2.0]
+    assert not missing.any() and not dropped.any()
 
 
 def test_weighted_rewards_combine_as_trl_does():
@@ -348,10 +466,16 @@ def _fit(model_path, reward, steps=2, **kwargs):
     return trainer, module, before
 
 
-def test_a_wrong_number_of_rewards_names_the_reward_and_the_expected_length(tiny_arith_model):
-    with pytest.raises(ValueError, match=r"model.reward 'bad_rewards.one_short' returned 15 rewards for 16 "
-                                         r"completions \(4 prompts × 4 samples\)"):
-        _fit(tiny_arith_model, "one_short", steps=1)
+@pytest.mark.parametrize(("reward", "error"), [
+    ("one_short", r"model.reward 'bad_rewards.one_short' returned 15 rewards for 16 completions \(4 prompts × 4 "
+                  r"samples\)"),
+    ("string_rewards", r"model.reward 'bad_rewards.string_rewards' returned a str \('1.0'\) for completion 0: a reward "
+                       r"must be a number"),
+])
+def test_a_wrong_number_of_rewards_or_one_that_is_not_a_number_stops_the_run_naming_the_reward(tiny_arith_model, reward,
+                                                                                             error):
+    with pytest.raises(ValueError, match=error):
+        _fit(tiny_arith_model, reward, steps=1)
 
 
 def test_a_nan_reward_drops_its_group_not_the_update(tiny_arith_model, caplog):

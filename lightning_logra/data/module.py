@@ -4,9 +4,10 @@ The training stream is a pure function of (seed, step): batch b is a slice of th
 b // batches_per_epoch, drawn from a generator seeded with seed + epoch. The loader starts at the trainer's
 global step, so a resumed run sees exactly the prompts an uninterrupted run would have seen.
 
-With `max_prompt_length`, each prompt is tokenized once, when its loader is made, by the model's own
-`encode_prompts` (what the rollout engine receives, chat template included); prompts over the limit are dropped
-there or keep their last tokens, and the batches carry the token ids.
+In a Trainer with an RLVRModule, each prompt is tokenized once, when its loader is made, by the model's own
+`encode_prompts` (what the rollout engine receives, chat template included); prompts of no tokens are dropped there,
+prompts over `max_prompt_length` (unset: what the model's context leaves beside the completions) are dropped or keep
+their last tokens, and the batches carry the token ids.
 """
 
 from __future__ import annotations
@@ -93,36 +94,48 @@ class TokenizedPrompts(Dataset):
         return [{**row, "prompt_ids": self.prompt_ids(i)} for row, i in zip(rows, indices)]
 
 
-def limit_prompt_length(dataset: Dataset, encode: Callable[[list[Any]], list[list[int]]], max_prompt_length: int,
-                        overlong_prompts: OverlongPolicy, where: str) -> TokenizedPrompts:
-    """Every prompt of `dataset` tokenized once by `encode`; those longer than `max_prompt_length` tokens dropped
-    ("drop") or cut to their last `max_prompt_length` tokens ("truncate": the end of a prompt, where the question
-    and the generation prompt are, is what the model answers). Logs how many, naming `where`."""
+def limit_prompt_length(dataset: Dataset, encode: Callable[[list[Any]], list[list[int]]],
+                        max_prompt_length: int | None, overlong_prompts: OverlongPolicy, where: str,
+                        origin: str | None = None) -> TokenizedPrompts:
+    """Every prompt of `dataset` tokenized once by `encode`. Prompts of no tokens are dropped (nothing to answer);
+    those longer than `max_prompt_length` tokens (None: no limit) are dropped ("drop") or cut to their last
+    `max_prompt_length` tokens ("truncate": the end of a prompt, where the question and the generation prompt are, is
+    what the model answers). `origin` says where a limit other than data.max_prompt_length came from (the model's
+    context). Logs how many, naming `where`."""
+    limit = f"data.max_prompt_length={max_prompt_length} tokens" if origin is None else (
+        f"{max_prompt_length} tokens (the model's context: {origin}; data.max_prompt_length is unset)")
     kept: list[int] = []
     ids: list[torch.Tensor] = []
-    too_long, shortest = 0, None
+    empty, too_long, shortest = 0, 0, None
     batches = DataLoader(dataset, batch_size=_ENCODE_BATCH, collate_fn=collate_rows)
     for index, row in enumerate(row for batch in batches for row in encode(batch["prompt"])):
+        if not row:
+            empty += 1
+            continue
         shortest = len(row) if shortest is None else min(shortest, len(row))
-        if len(row) > max_prompt_length:
+        if max_prompt_length is not None and len(row) > max_prompt_length:
             too_long += 1
             if overlong_prompts == "drop":
                 continue
             row = row[-max_prompt_length:]
         kept.append(index)
         ids.append(torch.tensor(row, dtype=torch.int64))
+    if shortest is None:
+        raise ValueError(f"{where}: every prompt tokenizes to no tokens at all; check the prompts and the model's "
+                         "tokenizer")
     if not kept:
-        raise ValueError(f"{where}: every prompt is longer than data.max_prompt_length={max_prompt_length} tokens "
-                         f"(the shortest has {shortest}); raise data.max_prompt_length, or set "
+        fix = ("raise data.max_prompt_length" if origin is None
+               else "leave the prompts more of the context (fewer new tokens, or a model with a longer context)")
+        raise ValueError(f"{where}: every prompt is longer than {limit} (the shortest has {shortest}); {fix}, or set "
                          "data.overlong_prompts: truncate")
+    if empty:
+        log.warning("%s: %d of %d prompts tokenize to no tokens at all and were dropped", where, empty, len(dataset))
     if too_long and overlong_prompts == "drop":
-        log.warning("%s: %d of %d prompts are longer than data.max_prompt_length=%d tokens and were dropped, %d left "
-                    "(data.overlong_prompts: truncate keeps their last tokens instead)", where, too_long, len(dataset),
-                    max_prompt_length, len(kept))
+        log.warning("%s: %d of %d prompts are longer than %s and were dropped, %d left (data.overlong_prompts: "
+                    "truncate keeps their last tokens instead)", where, too_long, len(dataset), limit, len(kept))
     elif too_long:
-        log.warning("%s: %d of %d prompts are longer than data.max_prompt_length=%d tokens and keep only their last "
-                    "%d (data.overlong_prompts: drop leaves them out instead)", where, too_long, len(dataset),
-                    max_prompt_length, max_prompt_length)
+        log.warning("%s: %d of %d prompts are longer than %s and keep only their last %d (data.overlong_prompts: "
+                    "drop leaves them out instead)", where, too_long, len(dataset), limit, max_prompt_length)
     return TokenizedPrompts(dataset, kept, ids)
 
 
@@ -137,8 +150,8 @@ class RLVRDataModule(LightningDataModule):
         if batch_size < 1 or eval_batch_size < 1:
             raise ValueError("data.batch_size and data.eval_batch_size must be positive")
         if max_prompt_length is not None and max_prompt_length < 1:
-            raise ValueError(f"data.max_prompt_length must be a positive number of tokens (or null: no limit), got "
-                             f"{max_prompt_length}")
+            raise ValueError(f"data.max_prompt_length must be a positive number of tokens (or null: what the model's "
+                             f"context leaves), got {max_prompt_length}")
         if overlong_prompts not in ("drop", "truncate"):
             raise ValueError(f"data.overlong_prompts must be 'drop' or 'truncate', got {overlong_prompts!r}")
         self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed
@@ -162,17 +175,23 @@ class RLVRDataModule(LightningDataModule):
                 self.eval_sets[name] = dataset
 
     def _within_prompt_length(self, dataset: Dataset, stage: str) -> Dataset:
-        """`dataset` with max_prompt_length applied, made when the first loader of `stage` is: the tokenizer is the
+        """`dataset` tokenized, with empty prompts dropped and max_prompt_length applied (unset: the room the model's
+        context leaves beside `stage`'s completions), made when the first loader of `stage` is: the tokenizer is the
         model's, loaded after `setup`."""
-        if self.max_prompt_length is None:
-            return dataset
         if stage not in self._within_length:
             module = self.trainer.lightning_module if self.trainer is not None else None
             if not hasattr(module, "encode_prompts"):
+                if self.max_prompt_length is None:
+                    return dataset  # used on its own: no model to count tokens with, and no limit asked for
                 raise ValueError("data.max_prompt_length counts tokens with the model's encode_prompts: run the data "
                                  "module in a Trainer with an RLVRModule, or set data.max_prompt_length: null")
-            self._within_length[stage] = limit_prompt_length(dataset, module.encode_prompts, self.max_prompt_length,
-                                                             self.overlong_prompts, STAGE_KEYS[stage])
+            # Without a limit of its own, a prompt past the model's context would still reach generation, whose
+            # memory then grows without bound (a 6k-token prompt took a 32-position model's run to 19 GB).
+            limit, origin = self.max_prompt_length, None
+            if limit is None:
+                limit, origin = module.prompt_token_limit(stage) or (None, None)
+            self._within_length[stage] = limit_prompt_length(dataset, module.encode_prompts, limit,
+                                                             self.overlong_prompts, STAGE_KEYS[stage], origin)
         return self._within_length[stage]
 
     def train_dataloader(self) -> DataLoader:
@@ -241,7 +260,10 @@ class PromptDataModule(RLVRDataModule):
         limit, eval_limit: keep the first rows only.
         deduplicate: drop rows whose prompt repeats an earlier row's (the first stays, in order; the count is logged).
         max_prompt_length: the longest prompt, in tokens as the rollout engine receives them (chat template
-            included); null: no limit. Prompts are tokenized once, when the loaders are made.
+            included); null: what the model's context leaves beside the completions (the engine's max_model_len
+            when set, else the model's max_position_embeddings, less model.max_new_tokens for the training set and
+            the evaluation's for val/test). Prompts are tokenized once, when the loaders are made; prompts of no
+            tokens are dropped, with a count logged.
         overlong_prompts: what happens to a longer prompt: "drop" leaves it out of the set, "truncate" keeps its
             last max_prompt_length tokens. Either way the count is logged.
     """

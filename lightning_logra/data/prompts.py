@@ -9,12 +9,14 @@ A prompt is text, or a conversation: a list of ``{"role", "content"}`` messages 
 the trainer passes whole through the tokenizer's chat template, a system message included.
 """
 
+import codecs
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import pyarrow as pa
 from torch.utils.data import Dataset
 
 from lightning_logra.waits import waiting_for
@@ -36,6 +38,7 @@ LOCAL_FORMATS: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": 
 
 _KEY_HINT = "dotted paths such as 'reward_model.ground_truth' reach nested values"
 _SCAN_BATCH = 10_000  # rows read into Python at a time while checking and deduplicating
+_CHECK_BYTES = 1 << 24  # bytes of a file read at a time while looking for bytes that are not UTF-8
 
 
 @dataclass
@@ -91,7 +94,7 @@ def _load_rows(source: DatasetSource, default_split: str, config_key: str):
         args = (source.path, source.name)
         kwargs = {"data_files": source.data_files, "revision": source.revision, "split": source.split or default_split}
     try:
-        return load_dataset(*args, **kwargs)
+        rows = load_dataset(*args, **kwargs)
     except ValueError as error:
         # A missing or unknown subset name, an unknown split, a file without rows: all fixed in the config.
         raise ValueError(f"{config_key}: {error}\n({config_key} takes path, name, data_files, revision and split, "
@@ -100,8 +103,59 @@ def _load_rows(source: DatasetSource, default_split: str, config_key: str):
         # A hub dataset that is not there (or not reachable offline), data_files that match nothing.
         raise FileNotFoundError(f"{config_key}: {error}") from error
     except DatasetGenerationError as error:
-        # A file that does not parse; the cause names the row.
+        # A file that does not parse; the cause names the row, unless it is bytes that are not UTF-8 (CSV, JSON).
+        if builder in ("json", "csv"):
+            _check_utf8_file(path, config_key)
         raise ValueError(f"{config_key}: {source.path}: {error.__cause__ or error}") from error
+    # A JSONL or Parquet file loads with bytes that are not UTF-8 in a text column; they would fail only when read,
+    # in the middle of training if the column is not the prompt's or the answer's. Arrow's check is fast (GB/s).
+    try:
+        rows.data.validate(full=True)
+    except pa.ArrowInvalid as error:
+        if builder in ("json", "csv"):
+            _check_utf8_file(path, config_key)
+        raise ValueError(f"{config_key}: {source.path}: {_invalid_row(rows) or error}; save the data as UTF-8, or "
+                         "remove that row") from error
+    return rows
+
+
+def _check_utf8_file(path: Path, config_key: str) -> None:
+    """Raises an error naming the byte offset and line of the first bytes of a text file that are not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, lines = 0, 1  # bytes before this chunk, and the line it starts on
+    with path.open("rb") as file:
+        while True:
+            chunk = file.read(_CHECK_BYTES)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)  # the end of the file: a character cut there is an error
+            except UnicodeDecodeError as error:
+                at = offset - held + error.start  # the error counts from the held bytes, which hold no newline
+                line = lines + chunk.count(b"\n", 0, max(at - offset, 0))
+                raise ValueError(f"{config_key}: {path} is not UTF-8 text: line {line} (byte offset {at}) has "
+                                 f"0x{error.object[error.start]:02x} ({error.reason}); save the file as UTF-8 (for "
+                                 "example `iconv -f latin1 -t utf-8`), or remove that row") from None
+            if not chunk:
+                return
+            offset, lines = offset + len(chunk), lines + chunk.count(b"\n")
+
+
+def _invalid_row(rows) -> str | None:
+    """Which row and column of ``rows`` hold text that is not UTF-8 (None: none does)."""
+    table = rows.data.table
+    for name, column in zip(table.column_names, table.columns):
+        start = 0
+        for chunk in column.chunks:
+            try:
+                chunk.validate(full=True)
+            except pa.ArrowInvalid:
+                for index in range(len(chunk)):
+                    try:
+                        chunk[index].as_py()
+                    except UnicodeDecodeError:
+                        return f"row {start + index}, column {name!r}, holds text that is not UTF-8"
+            start += len(chunk)
+    return None
 
 
 def _feature_at(features: Any, key: str, key_arg: str, where: str) -> Any:
@@ -145,6 +199,14 @@ def _is_conversation(feature: Any) -> bool:
 def _prompt_key_of(prompt: str | list[dict[str, Any]]) -> str:
     """What two prompts must share to be the same prompt: the text, or every message's fields and values."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def _is_blank(prompt: str | list[dict[str, Any]]) -> bool:
+    """No question to answer: text that is empty or only whitespace, or a conversation whose last user message (the
+    one the model answers, where a template goes) is."""
+    if not isinstance(prompt, str):
+        prompt = next(message for message in reversed(prompt) if message["role"] == "user")["content"]
+    return not (prompt or "").strip()
 
 
 def _apply_template(prompt: str | list[dict[str, Any]], template: str) -> str | list[dict[str, Any]]:
@@ -209,6 +271,7 @@ class PromptDataset(Dataset):
         columns = sorted({self.prompt_key.split(".")[0], self.answer_key.split(".")[0]})
         keep: list[int] = []
         seen: set[str] = set()
+        blank = repeated = 0
         batches = rows.select_columns(columns).iter(batch_size=_SCAN_BATCH)
         each_row = (dict(zip(batch, values)) for batch in batches for values in zip(*batch.values()))
         for index, row in enumerate(each_row):
@@ -220,15 +283,26 @@ class PromptDataset(Dataset):
                                  "with no {'role': 'user', ...} message")
             if _value_at(row, self.answer_key) is None:
                 raise ValueError(f"answer_key={self.answer_key!r} is empty (null) in row {index} of {where}")
+            if _is_blank(prompt):  # nothing to answer: its samples would train on noise
+                blank += 1
+                continue
             if deduplicate:
                 key = _prompt_key_of(prompt)
                 if key in seen:
+                    repeated += 1
                     continue
                 seen.add(key)
             keep.append(index)
-        if len(keep) < len(rows):
+        if not keep:
+            raise ValueError(f"prompt_key={self.prompt_key!r} is empty (no text, or only whitespace) in every row of "
+                             f"{where}; point prompt_key at the column that holds the prompts")
+        if blank:
+            log.warning("%s: %d of %d rows have an empty prompt (prompt_key=%r: no text, or only whitespace; in a "
+                        "conversation, the last user message) and were dropped", where, blank, len(rows),
+                        self.prompt_key)
+        if repeated:
             log.warning("%s: %d of %d rows repeat an earlier row's prompt and were dropped, %d prompts left "
-                        "(deduplicate: false keeps them)", where, len(rows) - len(keep), len(rows), len(keep))
+                        "(deduplicate: false keeps them)", where, repeated, len(rows), len(keep))
         return keep
 
     def _format(self, row: dict[str, Any]) -> dict[str, Any]:

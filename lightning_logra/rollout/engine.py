@@ -53,6 +53,10 @@ class RolloutEngine(ABC):
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Full copies of the named tensors as the engine holds them (for checks and tests: moves d·k numbers)."""
 
+    def max_model_len(self) -> int | None:
+        """The longest prompt + completion the engine takes, when it sets one of its own (None: the model's)."""
+        return None
+
     def memory_bytes(self) -> int | None:
         """Memory the engine holds outside the trainer's process (None: none of its own, e.g. the in-process engine,
         whose memory is the trainer's)."""

@@ -340,6 +340,9 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up()
             self._asleep = False
 
+    def max_model_len(self) -> int | None:
+        return self.options["max_model_len"]
+
     def memory_bytes(self) -> int:
         """Host memory (RSS) of the engine's own processes — the engine core and its workers; 0 when it runs in
         this process, whose memory already includes it. Device memory shows in `memory/device_used_gib`."""

@@ -28,7 +28,7 @@ import torch
 
 KEY = "lightning_logra_sha256"  # where a single-file checkpoint keeps its digests
 SUMS = "SHA256SUMS"  # the digests of a folder's files, in sha256sum's format
-_THREADS = min(8, os.cpu_count() or 1)
+HASH_THREADS = min(8, os.cpu_count() or 1)
 _BLOCK = 1 << 24  # bytes read at a time when hashing a file
 
 
@@ -75,7 +75,7 @@ def _skeleton(value: Any) -> Any:
 def content_digests(checkpoint: dict[str, Any]) -> dict[str, str]:
     """{tensor path: sha256} for every tensor of `checkpoint`, plus "(the rest)": the sha256 of everything else."""
     leaves = list(tensor_leaves(checkpoint))
-    with ThreadPoolExecutor(_THREADS) as pool:
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
         digests = dict(zip((path for path, _ in leaves), pool.map(_tensor_digest, (t for _, t in leaves))))
     rest = json.dumps(_skeleton(checkpoint), allow_nan=True).encode()
     digests["(the rest)"] = hashlib.sha256(rest).hexdigest()
@@ -108,7 +108,7 @@ def folder_files(folder: Path) -> list[str]:
 
 
 def digests_of(folder: Path, names: list[str]) -> dict[str, str]:
-    with ThreadPoolExecutor(_THREADS) as pool:
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
         return dict(zip(names, pool.map(lambda name: file_digest(folder / name), names)))
 
 
@@ -131,8 +131,8 @@ def read_sums(folder: Path) -> dict[str, str] | None:
         return None
     sums = {}
     for line in path.read_text().splitlines():
-        digest, _, name = line.partition("  ")
-        sums[name] = digest
+        digest, _, name = line.partition(" ")
+        sums[name[1:]] = digest  # "<sha256>  <name>", or "<sha256> *<name>" as `sha256sum --binary` writes
     return sums
 
 

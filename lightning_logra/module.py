@@ -278,7 +278,7 @@ class RLVRModule(LightningModule):
         data module's messages). The context is the engine's max_model_len when set, else the policy's
         max_position_embeddings; None when neither states one. The data module asks for it when
         data.max_prompt_length is unset: a prompt past the context would grow generation's memory without bound."""
-        max_model_len = self.engine.max_model_len()
+        max_model_len = self.engine.max_model_len() if self.engine is not None else None
         if max_model_len is not None:
             context, context_key, longer = max_model_len, "model.engine's max_model_len", "raise it"
         else:

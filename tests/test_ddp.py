@@ -29,7 +29,9 @@ def _fit(config: str, model: str, root: Path, steps: int = 3) -> dict[str, torch
         "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
         "--trainer.callbacks+=conftest.GradNormLog",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a
+    # sum over as many threads as they find free, which moves the comparison's last bits from one run to the next.
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return load_file(root / "export" / "model.safetensors")

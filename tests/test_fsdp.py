@@ -43,7 +43,9 @@ def _fit(config: str, model: str, root: Path, *extra: str) -> subprocess.Complet
         "--trainer.callbacks+=conftest.NoDenseSketchGradients", "--trainer.callbacks+=conftest.GradNormLog",
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a
+    # sum over as many threads as they find free, which moves the comparison's last bits from one run to the next.
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done

@@ -280,3 +280,18 @@ def test_new_tokens_that_fill_the_model_context_fail_naming_the_key(tmp_path, ti
     with pytest.raises(ValueError, match=r"model.max_new_tokens=32 leaves no room for a prompt in the model's context "
                                          r"of 32 tokens \(model.model's max_position_embeddings\)"):
         fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model, "--model.max_new_tokens", "32")
+
+
+def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_prompt(tmp_path, tiny_arith_model):
+    # Their prompts fit the shipped model's context: the sets are passed on untokenized (add3's 807,946 prompts
+    # are not tokenized one by one at every start); when the longest does not fit, every prompt is checked.
+    args = ["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), "--model.model", tiny_arith_model,
+            "--model.reward", "conftest.odd_first_digit", "--trainer.max_steps", "1", "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--trainer.val_check_interval", "1000",
+            "--data.init_args.batch_size", "4"]
+    cli = main(args)
+    assert not isinstance(cli.datamodule.train_dataloader().dataset, TokenizedPrompts)
+    # "12+34=" and the like are 6 tokens; 32 positions less 27 new tokens leave 5
+    with pytest.raises(ValueError, match=r"data.train: every prompt is longer than 5 tokens \(the model's context"):
+        main([*args, "--model.max_new_tokens", "27"])

@@ -69,3 +69,6 @@ class Add3Prompts(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, str]:
         return example(int(self.indices[index]))
+
+    def longest_prompt(self) -> str:
+        return example(int(self.indices[0]))["prompt"]  # every prompt has PROMPT_LEN characters

@@ -81,6 +81,9 @@ class ArithPrompts(Dataset):
     def __getitem__(self, index: int) -> dict[str, str]:
         return self.examples[index]
 
+    def longest_prompt(self) -> str:
+        return max((example["prompt"] for example in self.examples), key=len)
+
 
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, intermediate_size: int = 384,

@@ -244,9 +244,11 @@ def kl_control(plan: Plan, progress: Progress) -> dict:
     per trained response give the check's share of a step at the config's own batch (prompts × generations), which
     is too large to run here; the check's fp32 passes are what a GPU runs slowest relative to bf16."""
     from lightning_logra.callbacks.kl_budget import PredictedKLBudget
-    from lightning_logra.kl import Responses, predicted_kl, step_scale
-    from lightning_logra.loss import group_advantages, token_weights
-    from lightning_logra.update import Update
+    from lightning_logra.algo.kl import predicted_kl, step_scale
+    from lightning_logra.base.batch import Rollout
+    from lightning_logra.algo.advantages import group_advantages
+    from lightning_logra.algo.losses import token_weights
+    from lightning_logra.algo.update import Update
 
     config = yaml.safe_load((ROOT / "configs" / "qwen1_5b.yaml").read_text())
     controller = PredictedKLBudget(**kl_budget_args(config))
@@ -288,8 +290,9 @@ def kl_control(plan: Plan, progress: Progress) -> dict:
         if not optimizer.propose():
             result["steps"].append(dict(step=step, skipped=True))
             continue
-        responses = Responses(*(batch[key][:subset] for key in
-                                ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+        responses = Rollout(*(batch[key][:subset] for key in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                              "completion_mask")),
+                            sampler_logprobs=torch.zeros_like(batch["completion_mask"][:subset]).float())
         synchronize(device)
         kl_start = time.perf_counter()
         q, _ = predicted_kl(policy, Update(low_rank=optimizer.proposal()), responses, model_config["temperature"])
@@ -321,8 +324,8 @@ def tiny_arith(plan: Plan, progress: Progress) -> dict:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     from lightning_logra.callbacks.memory import MemoryProfiler
-    from lightning_logra.module import RLVRModule
-    from lightning_logra.strategy import SketchStrategy
+    from lightning_logra.train.module import RLVRModule
+    from lightning_logra.train.strategies import SketchStrategy
 
     class Record(Callback):
         """Each step's reward and whether the KL control acted (listed after PredictedKLBudget, which logs it)."""

@@ -62,14 +62,17 @@ import torch
 from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
 from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
-from lightning_logra.kl import Responses, intended_kl, predicted_kl, realized_kl, step_scale
-from lightning_logra.logprobs import completion_logprobs
-from lightning_logra.loss import completion_logits, group_advantages, token_logprobs, token_weights
+from lightning_logra.algo.kl import intended_kl, predicted_kl, realized_kl, step_scale
+from lightning_logra.base.batch import Rollout
+from lightning_logra.algo.logprobs import completion_logprobs
+from lightning_logra.algo.advantages import group_advantages
+from lightning_logra.algo.logprobs import completion_logits, token_logprobs
+from lightning_logra.algo.losses import token_weights
 from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
 from lightning_logra.sketch.memory import saved_activation_bytes
 from lightning_logra.sketch.rounding import LOW_PRECISION
-from lightning_logra.update import Update
+from lightning_logra.algo.update import Update
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
@@ -266,7 +269,7 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
 def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
     """−Σ coef·log π over the batch's completion tokens (the logits are dropped before the caller's backward, as a
     trainer's micro-batch loop drops them when they go out of scope). `chunk_tokens` > 0: the trainer's chunked
-    path (`lightning_logra.logprobs`), whose logits exist that many tokens at a time."""
+    path (`lightning_logra.algo.logprobs`), whose logits exist that many tokens at a time."""
     if chunk_tokens > 0:
         logprobs, _ = completion_logprobs(policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                           batch["completion_mask"], chunk_tokens=chunk_tokens)
@@ -284,7 +287,8 @@ class KLCheck:
     def __init__(self, policy: torch.nn.Module, batch: dict[str, torch.Tensor], count: int, budget: float) -> None:
         self.policy, self.budget = policy, budget
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        self.responses = Responses(*(batch[key][:count] for key in keys))
+        mask = batch["completion_mask"][:count]
+        self.responses = Rollout(*(batch[key][:count] for key in keys), sampler_logprobs=torch.zeros_like(mask).float())
         self.seconds = 0.0  # this step's, reset by the caller
 
     def alpha(self, optimizer: SketchOptimizer) -> float:
@@ -316,7 +320,8 @@ def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch
         reduce()
     for optimizer in optimizers:
         if kl is not None and isinstance(optimizer, SketchOptimizer):
-            optimizer.step(alpha=lambda: kl.alpha(optimizer))
+            optimizer.propose()
+            optimizer.step(alpha=kl.alpha(optimizer))  # the proposal measured, then applied
             kl.realized()
         else:
             optimizer.step()
@@ -330,8 +335,8 @@ def run_lightning_worker(args: argparse.Namespace) -> dict | None:
     from lightning.pytorch import Callback, LightningModule, Trainer
 
     from lightning_logra.callbacks.memory import MemoryProfiler
-    from lightning_logra.fsdp import SketchFSDPStrategy
-    from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
+    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
+    from lightning_logra.train.strategies import SketchDDPStrategy, SketchStrategy
 
     class Replay(LightningModule):
         """Trains `policy` on the fixed batch at every step, as `train_step` does."""

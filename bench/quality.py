@@ -11,7 +11,7 @@ every row alike, so row differences are measured on the same batches.
 
 Rows:
 - dense AdamW on all parameters, and on the target matrices only (`model.target_modules`: what LoGRA and LoRA train);
-- LoRA (peft, `lightning_logra.lora.LoRAStrategy`) on the same targets at the same rank (alpha = 2·rank);
+- LoRA (peft, `lightning_logra.train.strategies.LoRAStrategy`) on the same targets at the same rank (alpha = 2·rank);
 - LoGRA (sketch Adam) at rank `--rank`: fixed Rademacher projection, Rademacher and Gaussian refreshed every quarter
   of the run; fixed Rademacher at `--rank2`, at the grid's learning rates up to rank `--rank`'s best (a higher rank
   sketches the gradient more faithfully, so the same rate moves the policy further: uncontrolled, rank 64 at rank
@@ -140,7 +140,7 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
         if method == "dense_targets":
             model["target_modules"] = TARGETS
     elif method == "lora":
-        trainer["strategy"] = {"class_path": "lightning_logra.lora.LoRAStrategy", "init_args": {"lora": {
+        trainer["strategy"] = {"class_path": "lightning_logra.train.strategies.LoRAStrategy", "init_args": {"lora": {
             "target_modules": TARGETS, "rank": run["rank"], "alpha": 2.0 * run["rank"], "lr": run["lr"],
             "seed": seed}}}
     else:

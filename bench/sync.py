@@ -135,7 +135,7 @@ def make_payload(shapes: dict[str, torch.Size], rank: int, scale: float, seed: i
                  share_projection: bool = False):
     """One LowRankDelta per matrix: F (d, r) ~ N(0, scale²) (each entry of F·A, A = ±1/√r, then has std `scale`),
     rounded to `dtype`, and A's seed: one per matrix, or with `share_projection` one per input (q/k/v, gate/up)."""
-    from lightning_logra.update import Update
+    from lightning_logra.algo.update import Update
 
     gen = torch.Generator().manual_seed(seed)
     payload = Update()

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback
 
-from lightning_logra.batch import Rollout
-from lightning_logra.control import StepSizeController
-from lightning_logra.kl import Responses, intended_kl, predicted_kl, realized_kl, step_scale
+from lightning_logra.algo.kl import NextTokens, intended_kl, predicted_kl, realized_kl, step_scale
+from lightning_logra.algo.step_size import StepContext, StepSizeController
+from lightning_logra.algo.update import Update
+from lightning_logra.base.batch import Rollout
 from lightning_logra.sketch.rounding import LOW_PRECISION
-from lightning_logra.update import Update
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]
 
@@ -64,9 +64,9 @@ class PredictedKLBudget(Callback, StepSizeController):
             raise ValueError(f"PredictedKLBudget: subset is a count >= 1 or a fraction in (0, 1], got {subset}")
         self.budget, self.final_budget, self.schedule = budget, final_budget, schedule
         self.anneal_steps, self.alpha_max, self.subset, self.seed = anneal_steps, alpha_max, subset, seed
-        self._pending: tuple[Responses, torch.Tensor, float] | None = None
-        self._metrics: dict[str, float] = {}  # this step's, logged at its end
-        self._logged: set[str] = set()  # the per-step metrics this callback has logged (NaN on skipped steps)
+        self._pending: tuple[Rollout, NextTokens, StepContext] | None = None  # the measured subset, until applied
+        self._metrics: dict[str, float] = {}  # this step's, returned once the update is applied
+        self._logged: set[str] = set()  # the per-step metrics returned so far (NaN on skipped steps)
 
     def budget_at(self, step: int) -> float:
         """δ at a step: δ₀ → δ₁ over anneal_steps by the schedule, δ₁ afterwards."""
@@ -80,9 +80,9 @@ class PredictedKLBudget(Callback, StepSizeController):
             return d1 + (d0 - d1) * 0.5 * (1.0 + math.cos(math.pi * t))
         return d0 * (d1 / d0) ** t  # exponential: a constant ratio per step
 
-    # ---- the module asks for α once the step's update is proposed (lightning_logra.control) --------------------------
+    # ---- the module asks for α once the step's update is proposed (lightning_logra.algo.step_size) ---------------
 
-    def _select(self, rollout: Rollout, step: int, rank: int, world_size: int) -> Responses:
+    def _select(self, rollout: Rollout, step: int, rank: int, world_size: int) -> Rollout:
         """This rank's rows of the step's subset D. D is drawn from the global batch (every rank's rows, rank-major,
         as one process holds them), so that 1 and several processes measure q on the same responses; a rank none of
         whose rows were drawn still runs the check's forward passes (a collective under FSDP) on one row whose tokens
@@ -94,52 +94,47 @@ class PredictedKLBudget(Callback, StepSizeController):
         mine = drawn[(drawn >= rank * n) & (drawn < (rank + 1) * n)].sort().values - rank * n
         device = rollout.completion_ids.device
         chosen = rollout.select((mine if mine.numel() else torch.zeros(1, dtype=torch.int64)).to(device))
-        mask = chosen.completion_mask if mine.numel() else torch.zeros_like(chosen.completion_mask)
-        return Responses(chosen.prompt_ids, chosen.prompt_mask, chosen.completion_ids, mask)
+        if not mine.numel():
+            chosen.completion_mask = torch.zeros_like(chosen.completion_mask)
+        return chosen
 
-    def choose_alpha(self, module: LightningModule, proposal: Update, rollout: Rollout) -> float:
+    def choose_alpha(self, proposal: Update, rollout: Rollout, context: StepContext) -> float:
         start = time.perf_counter()
-        step = module.global_step
-        temperature = module.hparams.temperature  # the distribution the rollouts were sampled from
-        responses = self._select(rollout, step, module.global_rank, module.trainer.world_size)
-        q, current = predicted_kl(module.policy, proposal, responses, temperature)
+        responses = self._select(rollout, context.step, context.rank, context.world_size)
+        q, current = predicted_kl(context.policy, proposal, responses, context.temperature)
         # Every rank must take the same α: q over the tokens of every rank's subset before deciding.
-        q = _over_ranks(module, q, responses)
-        budget = self.budget_at(step)
+        q = _over_ranks(context, q, responses)
+        budget = self.budget_at(context.step)
         alpha = step_scale(q, budget, self.alpha_max)
-        self._pending = (responses, current, temperature)
+        self._pending = (responses, current, context)
         metrics = {"kl/q": q, "kl/alpha": alpha, "kl/budget": budget, "kl/predicted": alpha**2 * q,
                    "kl/acting": float(alpha < self.alpha_max)}
-        if any(p.dtype in LOW_PRECISION for p in module.policy.parameters()):
-            intended = intended_kl(module.policy, proposal, responses, current, alpha, temperature)
-            metrics["kl/intended"] = _over_ranks(module, intended, responses)
+        if any(p.dtype in LOW_PRECISION for p in context.policy.parameters()):
+            intended = intended_kl(context.policy, proposal, responses, current, alpha, context.temperature)
+            metrics["kl/intended"] = _over_ranks(context, intended, responses)
         self._metrics = {**metrics, "kl/control_s": time.perf_counter() - start}
         return alpha
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        # Every metric is logged here, at every step: Lightning repeats a metric that a hook logged once and then
-        # not, so a step whose update was skipped logs NaN rather than the last step's values.
-        if self._pending is None or outputs["update"] is None:
-            self._pending = None
-            if self._logged:
-                pl_module.log_dict({key: math.nan for key in sorted(self._logged)})
-            return
+    def applied(self, update: Update | None) -> dict[str, float]:
+        # Every metric at every step: a step whose update was skipped (or that asked for no α) logs NaN, not the last
+        # step's values (which Lightning would repeat).
+        pending, self._pending = self._pending, None
+        if pending is None or update is None:
+            return {key: math.nan for key in sorted(self._logged)}
         start = time.perf_counter()
-        responses, before, temperature = self._pending
-        self._pending = None
-        realized = _over_ranks(pl_module, realized_kl(pl_module.policy, responses, before, temperature), responses)
-        metrics = {**self._metrics, "kl/realized": realized, "kl/realized_s": time.perf_counter() - start}
+        responses, before, context = pending
+        realized = realized_kl(context.policy, responses, before, context.temperature)
+        metrics = {**self._metrics, "kl/realized": _over_ranks(context, realized, responses),
+                   "kl/realized_s": time.perf_counter() - start}
         metrics["kl/seconds"] = metrics["kl/control_s"] + metrics["kl/realized_s"]  # the whole check's share of a step
         self._logged.update(metrics)
-        pl_module.log_dict(metrics)
+        return metrics
 
 
-def _over_ranks(module: LightningModule, kl: torch.Tensor, responses: Responses) -> float:
+def _over_ranks(context: StepContext, kl: torch.Tensor, responses: Rollout) -> float:
     """A mean KL over the tokens of this rank's responses, made the mean over the tokens of every rank's: since D is
     drawn from the global batch, what one process measures on the same global batch."""
-    if module.trainer.world_size == 1:
+    if context.world_size == 1:
         return float(kl)
-    reduce = module.trainer.strategy.reduce
     tokens = responses.completion_mask.sum().to(kl.dtype)
-    return float(reduce(kl * tokens, reduce_op="sum") / reduce(tokens, reduce_op="sum"))
+    return float(context.sum_over_ranks(kl * tokens) / context.sum_over_ranks(tokens))

@@ -18,44 +18,29 @@ from lightning.pytorch import Trainer
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_logra.lora import CONFIG_KEY as LORA_KEY
-from lightning_logra.lora import LoRAStrategy
-from lightning_logra.module import RLVRModule
 from lightning_logra.paths import model_path
-from lightning_logra.sketch.config import CONFIG_KEY
-from lightning_logra.strategy import SketchTraining
-
-# The module's dense-optimizer settings, and what acts instead of each under a sketch strategy.
-_DENSE_ONLY = {
-    "lr": f"{CONFIG_KEY}.optimizer.init_args.lr (the sketched matrices) and {CONFIG_KEY}.rest_lr (parameters "
-          "trained densely with train_rest / train_bias)",
-    "weight_decay": f"{CONFIG_KEY}.rest_weight_decay (parameters trained densely)",
-    "lr_schedule": f"{CONFIG_KEY}.lr_schedule",
-    "target_modules": f"{CONFIG_KEY}.target_modules",
-}
-# ... and under the LoRA strategy.
-_DENSE_ONLY_LORA = {key: f"{LORA_KEY}.{key}" for key in ("lr", "weight_decay", "lr_schedule", "target_modules")}
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.modes import training_mode
+from lightning_logra.train.strategies.base import distribution_of
 
 
 def check_before_loading(module: RLVRModule, trainer: Trainer) -> None:
-    """What a fit with a sketch strategy would refuse or ignore, checked without loading anything; each error names
-    its config key and the fix. Called by the CLI once its classes are built, before `fit`."""
-    strategy = trainer.strategy
-    if not isinstance(strategy, (SketchTraining, LoRAStrategy)):
-        return
-    _check_dense_settings_unused(module, _DENSE_ONLY_LORA if isinstance(strategy, LoRAStrategy) else _DENSE_ONLY)
-    skeleton = policy_skeleton(module.hparams.model)
-    if skeleton is not None:
-        strategy.config.check_targets(skeleton)
+    """What a fit would refuse or ignore, checked without loading anything; each error names its config key and the
+    fix. Called by the CLI once its classes are built, before `fit`."""
+    mode = training_mode(trainer.strategy, distribution_of(trainer), module.hparams, module.lr_schedule)
+    ignored = mode.ignored_module_settings()
+    if not ignored:
+        return  # the dense baseline: the module's settings are its own
+    _check_dense_settings_unused(module, ignored, mode.description)
+    mode.check_settings(policy_skeleton(module.hparams.model))
 
 
-def _check_dense_settings_unused(module: RLVRModule, acting_keys: dict[str, str]) -> None:
+def _check_dense_settings_unused(module: RLVRModule, acting_keys: dict[str, str], kind: str) -> None:
     """The module's lr, weight_decay, lr_schedule and target_modules set the dense baseline's AdamW; a sketch or LoRA
-    strategy builds its own optimizers, so a value other than the default would be ignored: refused instead."""
+    run builds its own optimizers, so a value other than the default would be ignored: refused instead."""
     defaults = inspect.signature(RLVRModule.__init__).parameters
     current = {"lr": module.hparams.lr, "weight_decay": module.hparams.weight_decay,
                "lr_schedule": module.lr_schedule, "target_modules": module.hparams.target_modules}
-    kind = "the LoRA strategy" if acting_keys is _DENSE_ONLY_LORA else "a sketch strategy"
     for key, acting in acting_keys.items():
         if current[key] != defaults[key].default:
             raise ValueError(

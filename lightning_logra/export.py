@@ -6,14 +6,14 @@ The folder (weights in the dtype they were trained in, config, generation config
 `AutoModelForCausalLM.from_pretrained` and with vLLM. A sketch-trained checkpoint needs nothing sketch-specific:
 sketched layers keep the original parameter names and shapes, and the sketch carriers are not in state_dicts.
 
-A LoRA-trained checkpoint (`lightning_logra.lora.LoRAStrategy`) exports merged by default: each adapted matrix
+A LoRA-trained checkpoint (`lightning_logra.train.strategies.LoRAStrategy`) exports merged by default: each adapted matrix
 becomes W₀ + s·B·A under its own name, so the folder is a plain transformers model like any other. `--adapter`
 writes the adapters alone instead, as peft saves them (`adapter_config.json`, `adapter_model.safetensors`; load with
 `PeftModel.from_pretrained(base, folder)` on the base model the run started from), plus the tokenizer.
 A sharded checkpoint (a folder, written by `SketchFSDPStrategy`) is consolidated first, in this one process.
 
 The checkpoint is loaded without running code from it and checked against the sha256 digests it records
-(`lightning_logra.safe_load`, `lightning_logra.digests`). `--out` must not exist or be an empty folder;
+(`lightning_logra.train.safe_load`, `lightning_logra.train.digests`). `--out` must not exist or be an empty folder;
 `--overwrite` replaces a folder that is not empty, whole: the export is written into a new folder beside it, with a
 `SHA256SUMS` of its files, and moved into place once complete, so a failed export leaves `--out` as it was.
 """
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from lightning_logra.checkpoint import KEY, follow_umask, load_verified, replace_folder
-from lightning_logra.digests import verify_sums, write_sums
-from lightning_logra.safe_load import load_sharded_whole
+from lightning_logra.train.checkpoint import KEY, follow_umask, load_verified, replace_folder
+from lightning_logra.train.digests import verify_sums, write_sums
+from lightning_logra.train.safe_load import load_sharded_whole
 
 
 def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = False, overwrite: bool = False) -> Path:
@@ -79,8 +79,8 @@ def _write(checkpoint: dict[str, Any], out: Path, lora_settings: dict | None, ad
     """The checkpoint's policy into the (empty) folder `out`: the base model the run trained (its config and
     tokenizer, from the path the checkpoint records) takes the checkpoint's weights, strictly, in the dtype it was
     trained in. The reward and every other setting are not needed to export."""
-    from lightning_logra import lora
-    from lightning_logra.module import RLVRModule
+    from lightning_logra.train import lora
+    from lightning_logra.train.module import RLVRModule
     from lightning_logra.paths import model_path
 
     hparams = checkpoint["hyper_parameters"]

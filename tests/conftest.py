@@ -13,6 +13,7 @@ from lightning.pytorch import Callback
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_logra.sketch import sketched_layers
+from lightning_logra.train.policy import pad_token_id
 
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -76,7 +77,7 @@ class PoisonSketchAt(Callback):
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == self.step:
-            handle = next(iter(trainer.strategy.handles.values()))
+            handle = next(iter(sketched_layers(pl_module.policy).values()))
             handle.sketch_param.grad[0, 0] = float("nan")
 
 
@@ -120,7 +121,7 @@ class EngineSnapshot(Callback):
         prompts, seeds = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 11, 13]], [0, 1, 2]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
         self.engine_greedy = pl_module.engine.generate(prompts, 1, greedy, seeds).completion_ids
-        policy = HFEngine(pl_module.policy, pl_module._stop_token_ids(), pl_module._pad_token_id())
+        policy = HFEngine(pl_module.policy, pl_module.stop_token_ids(), pad_token_id(pl_module.tokenizer))
         self.trainer_greedy = policy.generate(prompts, 1, greedy, seeds).completion_ids
 
 

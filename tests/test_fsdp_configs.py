@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli import main
-from lightning_logra.fsdp import SketchFSDPStrategy, shard_rows
+from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy, shard_rows
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 # config.json of Qwen/Qwen2.5-7B and Qwen/Qwen2.5-32B

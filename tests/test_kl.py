@@ -6,9 +6,9 @@ import torch
 
 from lightning_logra.callbacks import PredictedKLBudget
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
-from lightning_logra.loss import completion_logits
-from lightning_logra.kl import (
-    Responses,
+from lightning_logra.algo.logprobs import completion_logits
+from lightning_logra.base.batch import Rollout
+from lightning_logra.algo.kl import (
     NextTokens,
     next_tokens,
     intended_kl,
@@ -20,15 +20,15 @@ from lightning_logra.kl import (
 )
 from lightning_logra.sketch import SketchSGD, apply_low_rank_update_, install_sketches
 from lightning_logra.sketch.update import LowRankDelta
-from lightning_logra.update import Update
+from lightning_logra.algo.update import Update
 
 
 def _responses(n=4, prompt=5, completion=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     mask = torch.ones(n, completion, dtype=torch.long)
     mask[0, 4:] = 0  # one shorter completion
-    return Responses(torch.randint(0, 97, (n, prompt), generator=g), torch.ones(n, prompt, dtype=torch.long),
-                     torch.randint(0, 97, (n, completion), generator=g), mask)
+    return Rollout(torch.randint(0, 97, (n, prompt), generator=g), torch.ones(n, prompt, dtype=torch.long),
+                   torch.randint(0, 97, (n, completion), generator=g), mask, torch.zeros(n, completion))
 
 
 def _random_proposal(handles, scale, dtype=torch.float32, seed=1):
@@ -174,7 +174,7 @@ def test_bad_budget_settings_fail_fast():
 def test_the_subset_is_drawn_from_the_global_batch_whatever_the_number_of_processes(subset, world_size):
     # Each rank used to draw `subset` of its own rows: 1 and 2 processes measured q on different responses and took
     # different steps (α 0.174 against 0.196 with subset 16). The ranks' rows together must be one process's.
-    from lightning_logra.batch import Rollout
+    from lightning_logra.base.batch import Rollout
 
     total, width = 32, 3
     ids = torch.arange(total)[:, None].repeat(1, width)  # each row's tokens say which global row it is

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
-from lightning_logra.logprobs import completion_logprobs, plain_head
+from lightning_logra.algo.logprobs import completion_logprobs, plain_head
 from lightning_logra.sketch import install_sketches
 
 

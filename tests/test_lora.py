@@ -1,4 +1,4 @@
-"""The LoRA training mode (`lightning_logra.lora`): one step equals a hand-written peft + AdamW step on the same
+"""The LoRA training mode (`lightning_logra.train.lora`): one step equals a hand-written peft + AdamW step on the same
 rollouts, a resume continues exactly, exports equal the merged weights (and peft loads the adapter export), an engine
 with its own weights follows through rank-2r deltas, and bad settings fail naming their key."""
 
@@ -14,17 +14,20 @@ from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
 
 from conftest import SKETCH_TARGETS, odd_first_digit
-from lightning_logra import lora
+from lightning_logra.train import lora
+from lightning_logra.train.strategies import LoRAStrategy
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
-from lightning_logra.checkpoint import check_resumable
+from lightning_logra.train.checkpoint import check_resumable
 from lightning_logra.cli import main
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.export import export_checkpoint
-from lightning_logra.logprobs import completion_logprobs
-from lightning_logra.loss import group_advantages, token_weights
-from lightning_logra.module import RLVRModule
+from lightning_logra.algo.logprobs import completion_logprobs
+from lightning_logra.algo.advantages import group_advantages
+from lightning_logra.algo.losses import token_weights
+from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import HFEngine, SamplingParams
-from lightning_logra.update import Update
+from lightning_logra.algo.update import Update
+from lightning_logra.train.policy import pad_token_id
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith_lora.yaml")
 G = 4
@@ -47,10 +50,10 @@ def test_one_step_is_a_hand_written_peft_adamw_step(tiny_arith_model, tmp_path):
     module.configure_model()
     base = copy.deepcopy(module.policy)
     scored = []
-    rollout_and_score = module._rollout_and_score
-    module._rollout_and_score = lambda *args: scored.append(rollout_and_score(*args)) or scored[-1]
+    rollouts = module.rollouts
+    module.rollouts = lambda *args: scored.append(rollouts(*args)) or scored[-1]
     config = lora.LoRAConfig(target_modules=SKETCH_TARGETS, rank=4, alpha=8.0, lr=1e-2, seed=3)
-    _trainer(tmp_path, lora.LoRAStrategy(config), 1).fit(module, ArithDataModule(batch_size=4))
+    _trainer(tmp_path, LoRAStrategy(config), 1).fit(module, ArithDataModule(batch_size=4))
     (rollout, rewards, _), = scored
     assert 0 < rewards.mean() < 1  # something to learn
 
@@ -201,12 +204,12 @@ def test_the_low_rank_delta_is_the_change_of_the_merged_weight():
 def test_an_engine_with_its_own_weights_follows_a_controlled_lora_run(tiny_arith_model, tmp_path):
     module = _module(tiny_arith_model)
     module.configure_model()
-    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    module.engine = HFEngine(copy.deepcopy(module.policy), module.stop_token_ids(), pad_token_id(module.tokenizer))
     start = {name: t.clone() for name, t in module.engine.model.state_dict().items()}
     sync = RolloutWeightSync(check_every=1, tolerance=1e-5)
     budget = PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4)
     config = lora.LoRAConfig(target_modules=SKETCH_TARGETS, rank=4, lr=1e-2)
-    _trainer(tmp_path, lora.LoRAStrategy(config), 3, [budget, sync]).fit(module, ArithDataModule(batch_size=4))
+    _trainer(tmp_path, LoRAStrategy(config), 3, [budget, sync]).fit(module, ArithDataModule(batch_size=4))
 
     assert sync.syncs == 3 and sync.full_loads == 1  # fingerprints matched at every check: no repair needed
     metrics = module.trainer.callback_metrics
@@ -219,7 +222,7 @@ def test_an_engine_with_its_own_weights_follows_a_controlled_lora_run(tiny_arith
         torch.testing.assert_close(theirs[name], weight, rtol=0, atol=1e-6, msg=name)
     assert any(not torch.equal(theirs[name], start[name]) for name in theirs)  # the updates did reach the engine
     prompts, greedy = [[3, 4, 13, 5, 6, 14], [9, 8, 13, 7, 7, 14]], SamplingParams(temperature=0.0, max_new_tokens=4)
-    trainer_side = HFEngine(module.policy, module._stop_token_ids(), module._pad_token_id())
+    trainer_side = HFEngine(module.policy, module.stop_token_ids(), pad_token_id(module.tokenizer))
     assert torch.equal(module.engine.generate(prompts, 1, greedy, [0, 1]).completion_ids,
                        trainer_side.generate(prompts, 1, greedy, [0, 1]).completion_ids)
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lightning_logra.loss import group_advantages, token_weights
+from lightning_logra.algo.advantages import group_advantages
+from lightning_logra.algo.losses import token_weights
 
 
 def test_group_advantages_center_and_scale_per_group():

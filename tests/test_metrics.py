@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cli import main
-from lightning_logra.batch import Rollout
-from lightning_logra.loss import token_entropy
+from lightning_logra.base.batch import Rollout
+from lightning_logra.algo.logprobs import token_entropy
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.yaml")
 
@@ -38,25 +38,24 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(tiny_arith_model, tmp_pa
     from conftest import odd_first_digit  # noqa: F401  (the reward the fast runs use)
     from test_cli import _fast
 
-    from lightning_logra.module import RLVRModule
+    from lightning_logra.train.module import RLVRModule
 
-    seen = []  # every step's rollout, as the module scored it
-    score = RLVRModule._rollout_and_score
+    seen = []  # every training step's rollout, as the module scored it
+    rollouts = RLVRModule.rollouts
 
-    def recording(self, batch, n, sampling, step):
-        rollout, *rewards = score(self, batch, n, sampling, step)
-        if step >= 0:
-            seen.append(rollout)
+    def recording(self, batch, step):
+        rollout, *rewards = rollouts(self, batch, step)
+        seen.append(rollout)
         return rollout, *rewards
 
-    monkeypatch.setattr(RLVRModule, "_rollout_and_score", recording)
+    monkeypatch.setattr(RLVRModule, "rollouts", recording)
     cli = main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 2), "--model.log_completions_every", "1"])
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     last = seen[-1]
     lengths = last.completion_lengths.float()
     assert metrics["completions/mean_length"] == pytest.approx(float(lengths.mean()))
     assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (lengths.min(), lengths.max())
-    stop = cli.model._stop_token_ids()
+    stop = cli.model.stop_token_ids()
     assert metrics["completions/terminated_ratio"] == pytest.approx(float(last.terminated(stop).float().mean()))
     assert metrics["completions/clipped_ratio"] == pytest.approx(1.0 - metrics["completions/terminated_ratio"])
     tokens = sum(int(r.prompt_mask.sum() + r.completion_mask.sum()) for r in seen)

@@ -9,7 +9,7 @@ import pytest
 from lightning_logra.callbacks import StepProgressBar
 from lightning_logra.cli import main
 from lightning_logra.data.prompts import PromptDataset
-from lightning_logra.waits import waiting_for
+from lightning_logra.base.waits import waiting_for
 
 CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.yaml")
 

@@ -15,7 +15,7 @@ from cli import main
 from lightning_logra.data.arith import build_tokenizer
 from lightning_logra.data.module import PromptDataModule, TokenizedPrompts, collate_rows, limit_prompt_length
 from lightning_logra.data.prompts import PromptDataset
-from lightning_logra.module import RLVRModule
+from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
 
 pytestmark = pytest.mark.usefixtures("hf_cache")

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 from lightning_logra.data.module import ArithDataModule
 import bad_rewards
 from lightning_logra import rewards
-from lightning_logra.module import RLVRModule
-from lightning_logra.scoring import reward_metrics, reward_tensor
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.rewards.scoring import reward_metrics, reward_tensor
 from lightning_logra.rewards import (
     CheckPool,
     MathAnswer,
@@ -202,7 +202,7 @@ def test_a_check_that_runs_out_of_memory_scores_zero_and_only_its_worker_is_repl
 def test_math_answer_verifiers_get_their_memory_limit():
     reward = MathAnswer(workers=1, memory_gib=1.5)  # one worker: it has started once the batch is scored
     assert reward(["p"], [r"\boxed{2}"], answer=["2"]) == [1.0]
-    (worker,) = rewards._MATH_POOLS[1, 1.5]._workers
+    (worker,) = rewards.builtin._MATH_POOLS[1, 1.5]._workers
     assert 1.0 < _room(worker._process.pid) <= 1.5
     assert repr(reward) == "MathAnswer(timeout_s=5.0, workers=1, memory_gib=1.5)"
     # the default: 8 GiB, or a quarter of the machine's memory if less
@@ -217,10 +217,11 @@ def test_math_answer_verifiers_get_their_memory_limit():
 def test_get_reward():
     assert get_reward("exact_match") is exact_match
     assert get_reward("math_answer") is math_answer
-    with pytest.raises(ValueError, match=r"unknown reward 'f1'; known rewards: \['exact_match', 'math_answer'\]"):
+    with pytest.raises(ValueError, match=r"model.reward: unknown reward 'f1'; the built-in rewards are \['exact_match', "
+                                         r"'math_answer'\]"):
         get_reward("f1")
     # the names the config parser accepts are the built-in rewards
-    assert sorted(get_args(RewardName)) == sorted(rewards._REWARDS)
+    assert sorted(get_args(RewardName)) == sorted(rewards.BUILTIN)  # one registry: the config's names are its keys
 
 
 def test_the_string_forms_resolve_as_before():
@@ -283,7 +284,7 @@ def test_a_reward_process_may_map_model_reward_memory_gib_beyond_its_start(tiny_
 def test_the_memory_limit_stays_under_a_hard_limit_of_the_shell():
     # `ulimit -v` sets a hard limit, which the soft limit may not exceed: the limit is capped at it, not refused.
     hard = 64 * GIB
-    script = ("import resource; from lightning_logra.rewards import _limit_address_space; "
+    script = ("import resource; from lightning_logra.rewards.processes import _limit_address_space; "
               "_limit_address_space(1000.0); print(*resource.getrlimit(resource.RLIMIT_AS))")
 
     def limit_the_child():
@@ -307,11 +308,11 @@ def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
 def test_a_class_reward_keeps_its_settings_in_its_reward_process():
     reward = resolve_reward(bad_rewards.StartsWith(prefix="4"), timeout_s=60.0)
     assert reward(["p"] * 3, ["42", "24", "4"]) == [1.0, 0.0, 1.0]
-    child = rewards._REWARD_PROCESSES[reward.payload, reward.memory_gib]._process
+    child = rewards.processes._REWARD_PROCESSES[reward.payload, reward.memory_gib]._process
     assert child.is_alive() and child.pid != os.getpid()  # it was scored there, not here
     # other settings are another reward, with a process of its own
     assert resolve_reward(bad_rewards.StartsWith(prefix="2"), timeout_s=60.0)(["p"], ["24"]) == [1.0]
-    assert rewards._REWARD_PROCESSES[reward.payload, reward.memory_gib]._process is child
+    assert rewards.processes._REWARD_PROCESSES[reward.payload, reward.memory_gib]._process is child
 
 
 def test_a_reward_that_does_not_pickle_is_refused_at_set_up_naming_the_key(tiny_arith_model):
@@ -432,7 +433,7 @@ def test_rewards_get_trl_arguments_completions_as_text_or_messages_and_their_tok
                         num_generations=3, max_new_tokens=6, temperature=1.0)
     module.configure_model()
     batch = {"prompt": ["12+34=", "81+19="], "answer": ["64", "10"]}
-    module._rollout_and_score(batch, 3, module.sampling, step=-1)
+    module.score(batch, module.generate(batch, 3, module.sampling, step=-1), 3)
     (call,) = recorder.calls
     assert set(call) == {"prompts", "completions", "completion_ids", "answer"}
     assert call["prompts"] == ["12+34="] * 3 + ["81+19="] * 3 and call["answer"] == ["64"] * 3 + ["10"] * 3
@@ -444,7 +445,7 @@ def test_rewards_get_trl_arguments_completions_as_text_or_messages_and_their_tok
         assert isinstance(completion, str)
         texts.append(completion)
     tokenizer = module.tokenizer
-    stops = set(module._stop_token_ids())
+    stops = set(module.stop_token_ids())
     assert len(call["completion_ids"]) == 6
     for ids, text in zip(call["completion_ids"], texts, strict=True):
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
@@ -479,7 +480,7 @@ def test_a_wrong_number_of_rewards_or_one_that_is_not_a_number_stops_the_run_nam
 
 
 def test_a_nan_reward_drops_its_group_not_the_update(tiny_arith_model, caplog):
-    with caplog.at_level(logging.WARNING, logger="lightning_logra.module"):
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.train.module"):
         trainer, module, before = _fit(tiny_arith_model, "nan_in_first_group", steps=1)
     assert float(trainer.callback_metrics["train/update_skipped"]) == 0.0
     assert math.isfinite(float(trainer.callback_metrics["train/grad_norm"]))
@@ -490,7 +491,7 @@ def test_a_nan_reward_drops_its_group_not_the_update(tiny_arith_model, caplog):
 
 
 def test_rewards_that_teach_nothing_warn_and_can_stop_the_run(tiny_arith_model, caplog):
-    with caplog.at_level(logging.WARNING, logger="lightning_logra.module"):
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.train.module"):
         with pytest.raises(RuntimeError, match=r"model.max_unlearnable_steps=2: 2 training steps in a row had "
                                                r"nothing to learn .*'bad_rewards.always_none'"):
             _fit(tiny_arith_model, "always_none", steps=5, max_unlearnable_steps=2)

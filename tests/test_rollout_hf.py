@@ -1,7 +1,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_logra.loss import completion_logits, token_logprobs
+from lightning_logra.algo.logprobs import completion_logits, token_logprobs
 from lightning_logra.rollout import HFEngine, SamplingParams
 
 

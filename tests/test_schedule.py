@@ -16,12 +16,12 @@ from lightning.pytorch import Callback, Trainer
 from cli import main
 from conftest import SKETCH_TARGETS, PoisonSketchAt, make_tiny_qwen2
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.fabric import SketchFabricStrategy
-from lightning_logra.module import RLVRModule
-from lightning_logra.schedule import LRSchedule
+from lightning_logra.train.strategies.fabric import SketchFabricStrategy
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch import SketchAdam, SketchSGD, sketched_layers
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.strategy import SketchStrategy
+from lightning_logra.train.strategies import SketchStrategy
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

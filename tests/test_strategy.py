@@ -6,7 +6,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.strategy import SketchStrategy
+from lightning_logra.train.strategies import SketchStrategy
 
 
 def test_config_freezes_the_rest_or_trains_it_densely():

@@ -12,11 +12,11 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-import lightning_logra.module as module_file
+import lightning_logra.train.module as module_file
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.logprobs import completion_logprobs
-from lightning_logra.loss import completion_logits
-from lightning_logra.module import RLVRModule
+from lightning_logra.algo.logprobs import completion_logprobs
+from lightning_logra.algo.logprobs import completion_logits
+from lightning_logra.train.module import RLVRModule
 
 G = 4  # samples per prompt
 IS_CAP = 2.0

@@ -15,10 +15,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from transformers import AutoModelForCausalLM
 
 from cli import main
-from lightning_logra.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
+from lightning_logra.train.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
 from lightning_logra.export import export_checkpoint
 from lightning_logra.export import main as export_main
-from lightning_logra.safe_load import SafeLoadPlanner, UnsafeCheckpoint
+from lightning_logra.train.safe_load import SafeLoadPlanner, UnsafeCheckpoint
 from test_cli import _fast
 
 pytestmark = pytest.mark.integration  # fit / validate / test / export through the CLI on a tiny model

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from conftest import SKETCH_TARGETS
 from lightning_logra.rollout import VLLMEngine, vllm_worker
 from lightning_logra.sketch.update import apply_stacked_update_
-from lightning_logra.update import Update
+from lightning_logra.algo.update import Update
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 

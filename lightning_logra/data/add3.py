@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from lightning_logra.hashing import mix64
+from lightning_logra.base.hashing import mix64
 
 ADD3_DIR: Path = Path(__file__).resolve().parent / "add3"
 

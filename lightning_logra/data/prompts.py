@@ -19,7 +19,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from torch.utils.data import Dataset
 
-from lightning_logra.waits import waiting_for
+from lightning_logra.base.waits import waiting_for
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Rollout engines: who generates the completions the policy is trained on, and how their weights follow."""
 
-from lightning_logra.batch import Rollout
+from lightning_logra.base.batch import Rollout
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.hf import HFEngine
-from lightning_logra.rollout.sync import fingerprint
+from lightning_logra.rollout.sync import WeightSync, find_sync, fingerprint
 from lightning_logra.rollout.vllm import VLLMEngine
 
-__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "fingerprint"]
+__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "WeightSync", "find_sync", "fingerprint"]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_logra.batch import Rollout
-from lightning_logra.update import Update
+from lightning_logra.base.batch import Rollout
+from lightning_logra.algo.update import Update
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,12 @@ class RolloutEngine(ABC):
     `RolloutWeightSync` through the four weight methods; all take and give the trainer's parameter names."""
 
     restarts = 0  # how many times the engine was restarted after its process died
-    on_restart: Callable[[], None] | None = None  # set by RolloutWeightSync: reload the trainer's weights
+    _reload: Callable[[], object] | None = None
+
+    def reload_after_restart(self, load: Callable[[], object] | None) -> None:
+        """What a restarted engine calls to get the trainer's weights back (the weight sync's full load; None:
+        nothing), before it retries the call its predecessor died in."""
+        self._reload = load
 
     def place(self, rank: int, world_size: int, device: torch.device) -> None:
         """Called before `start` in a run of `world_size` processes: this is rank `rank`'s engine, beside its trainer

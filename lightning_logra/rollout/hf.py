@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_logra.batch import Rollout, left_pad, positions
-from lightning_logra.hashing import counter_uniform, mix64
+from lightning_logra.base.batch import Rollout, left_pad, positions
+from lightning_logra.base.hashing import counter_uniform, mix64
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.sync import fingerprint
-from lightning_logra.update import Update
+from lightning_logra.algo.update import Update
 
 
 def sample_next(
@@ -54,14 +54,15 @@ class HFEngine(RolloutEngine):
     it is a rollout engine with weights of its own, synced like vLLM's, all in plain PyTorch.
     """
 
-    def __init__(self, model: nn.Module, eos_token_ids: list[int], pad_token_id: int) -> None:
+    def __init__(self, model: nn.Module, eos_token_ids: list[int], pad_token_id: int,
+                 all_finished: Callable[[torch.Tensor], bool] | None = None) -> None:
+        """`all_finished(finished)`: whether generation may stop, given which rows have finished ((N,) bool); by
+        default when every row has. Under FSDP every rank must run the same number of forward passes (each one
+        all-gathers the layers' weights): the strategy's waits until every row of every rank has finished."""
         self.model = model
         self.eos_token_ids = torch.tensor(eos_token_ids)
         self.pad_token_id = pad_token_id
-        # Whether generation may stop, given which rows have finished (N,) bool. Under FSDP every rank must run the
-        # same number of forward passes (each one all-gathers the layers' weights), so lightning_logra.fsdp makes it
-        # "every row of every rank has finished".
-        self.all_finished: Callable[[torch.Tensor], bool] = lambda finished: bool(finished.all())
+        self.all_finished = all_finished or (lambda finished: bool(finished.all()))
 
     def samples_from(self, policy) -> bool:
         return self.model is policy

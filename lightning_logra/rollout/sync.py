@@ -1,18 +1,52 @@
-"""What trainer and rollout engine exchange besides an `Update`: named tensors as bytes, and the fingerprint both
-sides compare.
+"""Keeping a rollout engine's own weights equal to the trainer's: the contract the module calls after every step
+(`WeightSync`), what trainer and engine exchange besides an `Update` (named tensors as bytes), and the fingerprint
+both sides compare.
 
 After an update W ← W − F·A the engine does not need W: it needs F (d×r), what regenerates A (the seed, the
 distribution, r, k) and, for bf16/fp16 weights, the key of the merge's stochastic rounding: an `Update`
-(`lightning_logra.update`), sent as its bytes; their size is what `sync/bytes` reports.
+(`lightning_logra.algo.update`), sent as its bytes; their size is what `sync/bytes` reports.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from lightning_logra.hashing import mix64
+from lightning_logra.algo.update import Update
+from lightning_logra.base.hashing import mix64
+
+
+class WeightSync(ABC):
+    """Keeps a rollout engine with weights of its own (vLLM) equal to the trainer's. A Lightning callback that also
+    subclasses it (`lightning_logra.callbacks.RolloutWeightSync`) is found by the module among the Trainer's callbacks
+    (at most one); an engine with weights of its own and no sync is refused before the first step."""
+
+    @abstractmethod
+    def attach(self, engine, tensors: Callable[[], dict[str, torch.Tensor]],
+               max_over_ranks: Callable[[float], float]) -> None:
+        """Before generation starts (fit, validate, test): keep `engine` in step from now on, starting with a full
+        load (the trainer's weights may be a resumed checkpoint's). `tensors()` gives every tensor the engine holds,
+        by the model's names, as the trainer holds them now; `max_over_ranks` is a collective every rank calls at the
+        same point (each rank keeps its own engine)."""
+
+    @abstractmethod
+    def sync(self, update: Update | None, sampler_diff: float) -> dict[str, float]:
+        """After every training step, on every rank: send `update` (None: the step was skipped) and, when due, check
+        the engine for drift. `sampler_diff` is the step's mean |log π_sampler − log π_θ| per token: a sampler far
+        from the trainer asks for a check at once. Returns the step's metrics (NaN where they do not apply)."""
+
+
+def find_sync(callbacks) -> WeightSync | None:
+    """The run's weight sync among the Trainer's callbacks, if any; two would each load the engine: refused."""
+    syncs = [callback for callback in callbacks if isinstance(callback, WeightSync)]
+    if len(syncs) > 1:
+        raise ValueError(f"trainer.callbacks: {[type(s).__name__ for s in syncs]} each keep the engine's weights in "
+                         "step; keep one of them")
+    return syncs[0] if syncs else None
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -7,8 +7,8 @@ safetensors bytes, or, when the engine runs on the trainer's GPU, as CUDA IPC ha
 (`handles.py`: nothing serialized). Before the engine starts, the vLLM internals it uses are checked
 (`vllm_compat.py`), and its layers once it has loaded the model.
 
-If the engine's process dies, the next call starts a new one, asks `on_restart` (set by `RolloutWeightSync`) to load
-the trainer's weights into it, and carries on, so the training step that met the dead engine is not lost. A call
+If the engine's process dies, the next call starts a new one, has the weight sync load the trainer's weights into it
+(`reload_after_restart`), and carries on, so the training step that met the dead engine is not lost. A call
 that has not returned within `call_timeout_s` (a stopped or deadlocked engine) is treated the same way: the engine's
 processes are killed and it is restarted. And the engine's processes watch the trainer's: if it dies, even by
 SIGKILL, they kill themselves rather than keep their memory (gigabytes) forever.
@@ -28,13 +28,13 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_logra.batch import Rollout, left_pad
+from lightning_logra.base.batch import Rollout, left_pad
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, incompatibility
-from lightning_logra.update import Update
-from lightning_logra.waits import waiting_for
+from lightning_logra.algo.update import Update
+from lightning_logra.base.waits import waiting_for
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,6 @@ class VLLMEngine(RolloutEngine):
         self.pad_token_id = 0
         self.stop_token_ids: list[int] = []
         self.restarts = 0
-        self.on_restart: Callable[[], None] | None = None  # loads the trainer's weights into a fresh engine
         self._asleep = False
         self.rank, self.world_size = 0, 1
         self.device: torch.device | None = None  # the trainer's device, when `place` set it
@@ -249,13 +248,13 @@ class VLLMEngine(RolloutEngine):
             gc.collect()
 
     def restart(self) -> None:
-        """Start a fresh engine and load the trainer's weights into it (through `on_restart`)."""
+        """Start a fresh engine and load the trainer's weights into it (`reload_after_restart`)."""
         self.close()
         self.restarts += 1
         log.warning("vLLM engine restarted (%d so far)", self.restarts)
         self._launch()
-        if self.on_restart is not None:
-            self.on_restart()
+        if self._reload is not None:
+            self._reload()
 
     def _with_restart(self, call: Callable[[], object], retry: bool = True):
         """Run `call` (waking the engine first); if the engine died or stalled, restart it (weights reloaded) and

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_logra.schedule import LRSchedule
+from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch.install import install_sketches, select_targets, sketch_carriers
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchOptimizerFactory
@@ -39,7 +39,7 @@ class SketchConfig:
             subclass of `SketchOptimizer`) with its `init_args`: `lr` (η of the sketched matrices), its own
             settings, and `refresh_every`, `rounding`, `factor_dtype`.
         lr_schedule: warm-up and decay of the learning rates (the sketch optimizer's and `rest_lr`), by applied
-            update; see `lightning_logra.schedule.LRSchedule`.
+            update; see `lightning_logra.base.schedule.LRSchedule`.
         cache_projection: keep each A (r×k) in memory; false regenerates it from its seed at every use.
         share_projection: one A per input instead of one per matrix: the matrices that read the same tensor (q_proj,
             k_proj, v_proj of a layer; gate_proj, up_proj) share one projection, and the forward pass computes and

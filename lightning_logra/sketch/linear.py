@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_logra.hashing import matrix_seed
+from lightning_logra.base.hashing import matrix_seed
 from lightning_logra.sketch.projection import make_projection
 from lightning_logra.sketch.shared import SharedInput
 
@@ -86,7 +86,7 @@ class SketchedLinear(nn.Linear):
         self.refresh_index = 0
         self.cache_projection = cache_projection
         # The rows of W this process merges updates into and keeps optimizer state for: all of them, or under FSDP
-        # those of its shard (set by lightning_logra.fsdp; the sketch itself always covers all d rows).
+        # those of its shard (set by lightning_logra.train.strategies.fsdp; the sketch itself always covers all d rows).
         self.rows = slice(0, self.out_features)
         # B = 0 (d, r): never used numerically in the forward pass, only as the holder of S (fp32) in .grad.
         self.sketch_param = nn.Parameter(self._zero_carrier())

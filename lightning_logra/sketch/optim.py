@@ -4,8 +4,9 @@ A step is split in two so that the predicted-KL controller can choose α between
   propose()   checks every sketch is finite, computes U from S and updates the d×r state;
   apply(α)    merges α·η·U·A into each W in place, zeroes the sketches and returns, per weight, the
               `LowRankDelta` (F = α·η·U and A's seed) that a rollout engine needs to make the same change.
-`step(alpha=...)` is propose() + apply(α), so these are ordinary `torch.optim.Optimizer`s for Lightning, LR schedulers
-and checkpoints; their parameters are the layers' zero `sketch_param`s, whose `.grad` is the sketch.
+`step(alpha=...)` applies the pending proposal (proposing first if none is pending), so these are ordinary
+`torch.optim.Optimizer`s for Lightning, LR schedulers and checkpoints; their parameters are the layers' zero
+`sketch_param`s, whose `.grad` is the sketch.
 
 Projection refresh: with `refresh_every = N`, after every N applied updates each layer switches to the
 projection of the next refresh index (a new seed). The state (momentum, Adam moments and the step count used
@@ -30,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from lightning_logra.hashing import counter_uniform
+from lightning_logra.base.hashing import counter_uniform
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.rounding import LOW_PRECISION, check_rounding, rounding_key
 from lightning_logra.sketch.update import LowRankDelta, apply_low_rank_update_
@@ -94,6 +95,7 @@ class SketchOptimizer(torch.optim.Optimizer):
         self.last_updates: dict[str, LowRankDelta] = {}
         self._layer_of = {layer.sketch_param: layer for layer in layers}
         self._proposal: dict[torch.Tensor, torch.Tensor] | None = None
+        self._dropped = False  # this step was dropped (skip()) before step() was called
         super().__init__([layer.sketch_param for layer in layers], defaults)
 
     @property
@@ -145,6 +147,7 @@ class SketchOptimizer(torch.optim.Optimizer):
     def skip(self, reason: str) -> None:
         """Drop this step's sketches and proposal without touching the weights; count and report it. (Skipped in
         apply(), the d×r state has already taken this step's finite sketch, as propose() computed it.)"""
+        self._dropped = True
         self.skipped_steps += 1
         self.last_updates = {}
         log.warning("%s: update skipped (%d skipped so far)", reason, self.skipped_steps)
@@ -154,7 +157,7 @@ class SketchOptimizer(torch.optim.Optimizer):
 
     def proposal(self) -> dict[str, LowRankDelta]:
         """The pending proposal per weight name: F = η·U (d, r) with A's seed, i.e. Δ = −η·U·A at α = 1 (under FSDP
-        the layer's `rows` of F only; lightning_logra.fsdp gathers the whole of it)."""
+        the layer's `rows` of F only; lightning_logra.train.strategies.fsdp gathers the whole of it)."""
         if self._proposal is None:
             raise RuntimeError("no pending proposal: call propose() first")
         proposal = {}
@@ -250,18 +253,20 @@ class SketchOptimizer(torch.optim.Optimizer):
                 self._layer_of[p].set_refresh_index(refresh_index)
 
     @torch.no_grad()
-    def step(self, closure=None, alpha: float | Callable[[], float] = 1.0, skip: bool = False):
-        """propose() then apply(α). `alpha` may be a callable, asked only once the proposal exists (the
-        predicted-KL controller measures it first). `skip=True` (the caller found a non-finite gradient elsewhere)
-        drops the step. A skipped step applies nothing but still counts as a step."""
+    def step(self, closure=None, alpha: float = 1.0, skip: bool = False):
+        """Apply α of the pending proposal, proposing first if none is pending (propose() + apply(α), as any
+        optimizer's step). `skip=True` (the caller found a non-finite gradient elsewhere) drops the step instead. A
+        step whose proposal propose() already dropped applies nothing. A skipped step still counts as a step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if skip:
-            self.skip("non-finite gradient")
-        elif self.propose():
-            self.apply(alpha() if callable(alpha) else alpha)
+            if not self._dropped:
+                self.skip("non-finite gradient")
+        elif self._proposal is not None or (not self._dropped and self.propose()):
+            self.apply(alpha)
+        self._dropped = False
         return loss
 
     def settings(self) -> dict:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from lightning_logra.hashing import matrix_seed, shr, splitmix64
+from lightning_logra.base.hashing import matrix_seed, shr, splitmix64
 
 DISTRIBUTIONS = ("rademacher", "gaussian")
 

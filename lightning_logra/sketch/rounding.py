@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_logra.hashing import GOLDEN, as_int64, mix64
+from lightning_logra.base.hashing import GOLDEN, as_int64, mix64
 
 ROUNDING_MODES = ("stochastic", "nearest")
 LOW_PRECISION = (torch.bfloat16, torch.float16)

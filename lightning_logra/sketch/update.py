@@ -89,7 +89,7 @@ def apply_stacked_update_(weight: torch.Tensor, blocks: list[RowBlock], projecti
 @dataclass
 class LowRankDelta:
     """W ← W − F·A for one matrix, with A = make_projection(seed, rank, in_features, distribution) — or, for a change
-    that no seed regenerates (a LoRA step, `lightning_logra.lora`), the explicit `matrix` A, sent along with F."""
+    that no seed regenerates (a LoRA step, `lightning_logra.train.lora`), the explicit `matrix` A, sent along with F."""
 
     factor: torch.Tensor  # F = α·η·U (d, r)
     seed: int | None

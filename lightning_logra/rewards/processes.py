@@ -1,129 +1,38 @@
-"""Verifiable rewards: 1.0 for a right answer, 0.0 otherwise.
+"""The processes rewards run in: one per reward with a deadline per batch and an address-space limit
+(`TimedReward`, `RewardProcess`), and pools of check processes with a deadline per item (`CheckPool`, math_answer's
+verifiers).
 
-Every reward has TRL's signature ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``:
-``columns`` are the dataset's extra columns, each a list aligned with ``completions`` (``answer=[...]``), and unknown
-ones are ignored, so the same function works in this trainer and as a TRL reward function. A completion is a string,
-or, in conversational form (a chat template is applied), a list of messages ``[{"role": "assistant", "content":
-...}]``; the built-in rewards take either. TRL lets a reward return None for "does not apply to this sample"; the
-rewards here judge every sample and never do. A reward with settings is a class whose instances have that signature
-(`MathAnswer`), built from a config's ``class_path``/``init_args``. ``model.reward`` may be a list of rewards, weighted
-by ``model.reward_weights`` (`resolve_rewards`).
-
-The trainer calls every reward in a process of its own (`TimedReward`), so that a batch it cannot score in time
-can be cut off (`model.reward_timeout_s`) and one that allocates without bound fails there rather than take the
-host's memory (`model.reward_memory_gib`); math_answer also bounds each check, in time and memory, in a pool of
-verifier processes.
+Custom rewards can be anything (running code, asking a model, a regex that backtracks forever, a list that grows
+without end): only a process can be stopped, so every reward is called in one of its own (`model.reward_timeout_s`,
+`model.reward_memory_gib`).
 """
 
 import atexit
-import functools
-import importlib
-import inspect
 import logging
 import math
 import multiprocessing
 import os
 import pickle
-import re
 import sys
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[..., list[float | None]]
-# The built-in rewards, by the names a config gives them (the keys of _REWARDS). `RLVRModule`'s reward parameter
-# is typed `RewardName | RewardFn`: jsonargparse then checks a name against this list, imports a dotted path to a
-# function, and builds a class_path/init_args component (checking init_args against the class), all at parse time.
-RewardName = Literal["exact_match", "math_answer"]
-
-DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_WORKERS = 2
 # The address space a reward or verifier process may map beyond what it holds once started (`_limit_address_space`):
 # 8 GiB, or a quarter of this machine's memory if that is less, so that several such processes cannot take it all.
 DEFAULT_MEMORY_GIB = round(min(8.0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 4 / 2**30), 1)
-# Starting the verifier process (interpreter, the parent's main module, math-verify, sympy) takes seconds; allow for
-# a loaded machine.
+# Starting a check process (interpreter, the parent's main module, math-verify, sympy) takes seconds; allow for a
+# loaded machine.
 _START_TIMEOUT_S = 120.0
 
 
-Completion = str | list[dict]  # a text, or in conversational form a list of messages
-
-
-def completion_text(completion: Completion) -> str:
-    """A completion's text, from either of TRL's forms: a string, or a list of messages whose last is the model's
-    (``[{"role": "assistant", "content": text}]``)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
-def exact_match(prompts: list, completions: list[Completion], answer: list[str], **_: object) -> list[float | None]:
-    """1.0 where the completion is the answer up to surrounding whitespace (the embedded arithmetic task, whose
-    completions end at EOS, so nothing may follow the answer)."""
-    return [float(completion_text(completion).strip() == gold.strip())
-            for completion, gold in zip(completions, answer, strict=True)]
-
-
-# The last line that starts with "Answer:", the form DAPO-Math's prompts ask for ("Answer: $Answer" on its own
-# line). Markdown bold around the label ("**Answer:** 12") is common enough in model output to accept.
-_ANSWER_LINE = re.compile(r"^[ \t*]*answer[ \t*]*:[ \t*]*(.+?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
-
-
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` whose braces close; None if there is none (a completion cut off
-    inside the box has no answer)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    content_start = start + len("\\boxed{")
-    for i in range(content_start - 1, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[content_start:i]
-    return None
-
-
-def extract_final_answer(completion: str) -> str | None:
-    """The model's final answer: the last ``\\boxed{...}``, else the last ``Answer: ...`` line, else None."""
-    boxed = _last_boxed(completion)
-    if boxed is not None:
-        return boxed
-    lines = _ANSWER_LINE.findall(completion)
-    return lines[-1] if lines else None
-
-
-def _as_latex(answer: str) -> str:
-    """Math-verify extracts LaTeX only between delimiters, so a bare answer ("\\frac{1}{2}", "34") is wrapped in
-    ``$...$``; one already wrapped ("$\\frac{1}{2}$" on an Answer line) is unwrapped first so it is not doubled."""
-    answer = answer.strip()
-    if len(answer) >= 2 and answer.startswith("$") and answer.endswith("$"):
-        answer = answer.strip("$")
-    return f"${answer}$"
-
-
-def _judge(prediction: str, gold: str) -> float:
-    """Runs in a verifier process. Math-verify's own timeouts are off (None): they use ``signal.alarm``, which
-    only works on a process's main thread; the parent bounds this call instead."""
-    from math_verify import parse, verify
-
-    # Math-verify warns once per process that its timeouts are disabled; that is deliberate here.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    gold_parsed = parse(_as_latex(gold), parsing_timeout=None)
-    prediction_parsed = parse(_as_latex(prediction), parsing_timeout=None)
-    return float(verify(gold_parsed, prediction_parsed, timeout_seconds=None))
-
-
-def _check_memory_gib(memory_gib: float | None, key: str) -> None:
+def check_memory_gib(memory_gib: float | None, key: str) -> None:
     """Refuses a memory limit that is not a positive, finite number of GiB (or None: no limit), naming its key."""
     if memory_gib is not None and (isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float))
                                    or not 0 < memory_gib < math.inf):
@@ -378,98 +287,6 @@ class CheckPool:
         worker.launch()  # kills the stuck process first
 
 
-# The math verifier pools of this process, by their number of workers and memory limit, started on first use
-# (importing this module starts nothing).
-_MATH_POOLS: dict[tuple[int, float | None], CheckPool] = {}
-_MATH_POOLS_LOCK = threading.Lock()
-
-
-def _math_pool(workers: int, memory_gib: float | None) -> CheckPool:
-    with _MATH_POOLS_LOCK:
-        if (workers, memory_gib) not in _MATH_POOLS:
-            _MATH_POOLS[workers, memory_gib] = CheckPool(
-                _judge, workers, warmup=("1", "1"), name="math verifier",
-                start_error="math_answer needs math-verify: pip install 'lightning-logra[math]'",
-                memory_gib=memory_gib,
-                memory_advice="if right answers need more, raise memory_gib in model.reward's init_args "
-                              "(class_path: lightning_logra.rewards.MathAnswer; null: no limit)")
-        return _MATH_POOLS[workers, memory_gib]
-
-
-def math_answer(prompts: list, completions: list[Completion], answer: list[str], timeout_s: float = DEFAULT_TIMEOUT_S,
-                workers: int = DEFAULT_WORKERS, memory_gib: float | None = DEFAULT_MEMORY_GIB,
-                **_: object) -> list[float | None]:
-    """1.0 where the completion's final answer (its last ``\\boxed{}``, else its last ``Answer:`` line) is
-    mathematically equal to the gold answer by math-verify (``\\frac{1}{2}`` = ``0.5``, ``2\\sqrt{2}`` =
-    ``\\sqrt{8}``), else 0.0. The answers are checked by ``workers`` processes in parallel; each check is cut off
-    after ``timeout_s`` seconds, or when it needs more than ``memory_gib`` GiB, and then scores 0.0. Safe to call
-    from any thread."""
-    predictions = [extract_final_answer(completion_text(completion)) for completion in completions]
-    items = [None if prediction is None else (prediction, str(gold))
-             for prediction, gold in zip(predictions, answer, strict=True)]
-    return _math_pool(workers, memory_gib).score(items, timeout_s)
-
-
-class MathAnswer:
-    """`math_answer` with its settings, for a config::
-
-        reward:
-          class_path: lightning_logra.rewards.MathAnswer
-          init_args: {timeout_s: 10.0, workers: 4}
-
-    Args:
-        timeout_s: the seconds one answer's check may take; past it the answer scores 0.0 (sympy can spend minutes
-            on an answer such as ``10^{10^{10}}``), its verifier process is replaced, and the others go on.
-        workers: verifier processes checking a batch's answers in parallel (each a few milliseconds per answer,
-            and about 100 MB for sympy).
-        memory_gib: the address space, in GiB, a verifier process may map beyond what it holds once started
-            (default: 8, or a quarter of the machine's memory if less); a check that needs more scores 0.0 and its
-            process is replaced, as at the timeout. None: no limit.
-    """
-
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = DEFAULT_WORKERS,
-                 memory_gib: float | None = DEFAULT_MEMORY_GIB) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"model.reward: MathAnswer's timeout_s must be a positive number of seconds, "
-                             f"got {timeout_s}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"model.reward: MathAnswer's workers must be a positive number of processes, "
-                             f"got {workers!r}")
-        _check_memory_gib(memory_gib, "model.reward: MathAnswer's memory_gib")
-        self.timeout_s, self.workers, self.memory_gib = timeout_s, workers, memory_gib
-
-    def __call__(self, prompts: list, completions: list[Completion], answer: list[str],
-                 **_: object) -> list[float | None]:
-        return math_answer(prompts, completions, answer, timeout_s=self.timeout_s, workers=self.workers,
-                           memory_gib=self.memory_gib)
-
-    def __repr__(self) -> str:
-        return f"MathAnswer(timeout_s={self.timeout_s}, workers={self.workers}, memory_gib={self.memory_gib})"
-
-
-_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math_answer": math_answer}
-
-
-def import_reward(path: str) -> RewardFn:
-    """A reward function (or class) by dotted import path ("pkg.module.fn")."""
-    module, _, attr = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"model.reward: cannot import {path!r} ({err})") from err
-
-
-def reward_name(reward: str | RewardFn) -> str:
-    """How messages name a reward: as the config named it, else by the import path of its function or class."""
-    if isinstance(reward, str):
-        return reward
-    if inspect.isfunction(reward):
-        return f"{reward.__module__}.{reward.__qualname__}"
-    if type(reward).__repr__ is not object.__repr__:  # an object that shows its settings (MathAnswer)
-        return repr(reward)
-    return f"{type(reward).__module__}.{type(reward).__qualname__}"
-
-
 def _serve_reward(conn: Connection, payload: bytes, memory_gib: float | None) -> None:
     """The reward process's loop: call the reward on each batch it receives until the parent closes the pipe (or
     dies: the pipe closes with it). The reward is unpickled once, so state it builds on first use (a client, a
@@ -567,8 +384,9 @@ class TimedReward:
     ``memory_gib`` GiB of address space beyond the process's start (None: no limit). Holds the reward pickled, as it
     is sent to that process, so a module that holds it can still be copied and pickled."""
 
-    def __init__(self, reward: RewardFn, timeout_s: float, memory_gib: float | None = DEFAULT_MEMORY_GIB) -> None:
-        self.name, self.timeout_s, self.memory_gib = reward_name(reward), timeout_s, memory_gib
+    def __init__(self, reward: Callable, name: str, timeout_s: float, memory_gib: float | None = DEFAULT_MEMORY_GIB
+                 ) -> None:
+        self.name, self.timeout_s, self.memory_gib = name, timeout_s, memory_gib
         # Fail at set-up, naming the key, rather than when the first batch is scored.
         try:
             self.payload = pickle.dumps(reward)
@@ -586,79 +404,3 @@ class TimedReward:
         if process is None:
             process = _REWARD_PROCESSES[key] = RewardProcess(self.payload, self.name, self.memory_gib)
         return process(prompts, completions, self.timeout_s, **columns)
-
-
-def get_reward(name: str) -> RewardFn:
-    """The reward function a config names."""
-    try:
-        return _REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(_REWARDS)}") from None
-
-
-def resolve_reward(reward: str | RewardFn, timeout_s: float | None,
-                   memory_gib: float | None = DEFAULT_MEMORY_GIB) -> RewardFn:
-    """``model.reward`` made a callable, called in a process of its own with a deadline of `timeout_s` per batch and
-    `memory_gib` GiB of address space beyond that process's start (`timeout_s` None: in this process, without a
-    deadline or a limit).
-
-    The reward is a built-in name ("exact_match", "math_answer"), a dotted path ("pkg.mod.fn"; a class named so is
-    built with its defaults), or a callable already built: what the command line hands over for a dotted path or a
-    ``class_path``/``init_args`` component, or what Python code passes.
-    """
-    if isinstance(reward, str):
-        reward = import_reward(reward) if "." in reward else get_reward(reward)
-    if inspect.isclass(reward):
-        reward = reward()
-    if not callable(reward):
-        raise TypeError(f"model.reward must be a reward name, a dotted path or a callable "
-                        f"fn(prompts, completions, **columns); got {type(reward).__name__}")
-    return reward if timeout_s is None else TimedReward(reward, timeout_s, memory_gib)
-
-
-@dataclass(frozen=True)
-class Reward:
-    """One of ``model.reward``'s rewards, as the module calls it."""
-
-    fn: RewardFn  # called with TRL's signature: a TimedReward (its own process and deadline) or the reward itself
-    name: str  # how messages name it: as the config did (`reward_name`)
-    key: str  # how metrics name it: reward/<key>/mean, reward/<key>/std
-    weight: float  # its weight in the total reward
-
-
-def _metric_key(reward: RewardFn) -> str:
-    """TRL's name for a reward in its metrics: a function's ``__name__``, else the class name of an instance."""
-    while isinstance(reward, functools.partial):
-        reward = reward.func
-    return getattr(reward, "__name__", type(reward).__name__)
-
-
-def resolve_rewards(reward: str | RewardFn | list[str | RewardFn], weights: list[float] | None,
-                    timeout_s: float | None, memory_gib: float | None = DEFAULT_MEMORY_GIB) -> list[Reward]:
-    """``model.reward`` (one reward or a list, each as `resolve_reward` takes it) with ``model.reward_weights`` (one
-    weight per reward; None: 1.0 each), as TRL's ``reward_funcs`` and ``reward_weights``, each called in a process of
-    its own with ``model.reward_timeout_s`` and ``model.reward_memory_gib`` (`TimedReward`). Metric names are unique:
-    a name met again is numbered (``StartsWith``, ``StartsWith_2``)."""
-    _check_memory_gib(memory_gib, "model.reward_memory_gib")
-    rewards = list(reward) if isinstance(reward, (list, tuple)) else [reward]
-    if not rewards:
-        raise ValueError("model.reward is an empty list: give at least one reward")
-    if weights is None:
-        weights = [1.0] * len(rewards)
-    if len(weights) != len(rewards):
-        raise ValueError(f"model.reward_weights has {len(weights)} weights for the {len(rewards)} rewards of "
-                         f"model.reward: give one weight per reward, in the same order (or null for 1.0 each)")
-    if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
-        raise ValueError(f"model.reward_weights must be finite numbers, got {list(weights)}")
-    resolved, keys = [], []
-    for given, weight in zip(rewards, weights, strict=True):
-        fn = resolve_reward(given, timeout_s=None)
-        key = base = _metric_key(fn)
-        number = 1
-        while key in keys:
-            number += 1
-            key = f"{base}_{number}"
-        keys.append(key)
-        resolved.append(Reward(fn if timeout_s is None else TimedReward(fn, timeout_s, memory_gib), reward_name(given),
-                               key, float(weight)))
-    return resolved

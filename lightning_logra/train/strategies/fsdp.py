@@ -20,7 +20,7 @@ chunked log-probs and the KL check use its weight outside its module's forward p
 shard. With tied embeddings the embedding matrix is the head's and stays whole too.
 
 Every forward pass all-gathers weights, so every rank runs the same number of them: the module runs every sample's
-micro-batch (`shards_weights`), and the in-process engine generates until every rank's rows have finished.
+micro-batch (`lockstep`), and the in-process engine generates until every rank's rows have finished (`all_finished`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_logra.checkpoint import replace_folder, temporary_path
-from lightning_logra.digests import (
+from lightning_logra.train.checkpoint import replace_folder, temporary_path
+from lightning_logra.train.digests import (
     SUMS,
     DamagedCheckpoint,
     digests_of,
@@ -59,13 +59,11 @@ from lightning_logra.digests import (
     verify_sums,
     write_sums,
 )
-from lightning_logra.rollout import HFEngine
-from lightning_logra.safe_load import load_file, load_sharded
+from lightning_logra.train.safe_load import load_file, load_sharded
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketched_layers
-from lightning_logra.sketch.optim import SketchOptimizer
 from lightning_logra.sketch.update import LowRankDelta
-from lightning_logra.strategy import SketchTraining
+from lightning_logra.train.strategies.base import Distribution
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +108,7 @@ def shard_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
             raise RuntimeError(f"{name}: FSDP gave rank {rank} {local} rows, expected rows {layer.rows}")
 
 
-class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
+class SketchFSDPStrategy(Distribution, ModelParallelStrategy):
     """Sketch training with the weights sharded by FSDP2 over all processes (pure data parallelism: one mesh
     dimension). Per rank: 1/world of the weights, of the sketch optimizer's state and of any dense optimizer's state;
     each rank still accumulates the whole d×r sketch of its own samples before the reduction."""
@@ -133,7 +131,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timeout)
         self.config = sketch
-        self.handles = {}
+        self.handles: dict = {}  # the sketched layers, once set up
         self.last_reduce_bytes = self.last_allreduce_bytes = 0
 
     def setup_environment(self) -> None:
@@ -144,15 +142,15 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         super().setup_environment()
 
     def setup(self, trainer: Trainer) -> None:
-        self._install(trainer)
-        if not any(isinstance(m, FSDPModule) for m in self.policy.modules()):
-            shard_policy(self.policy, self.device_mesh["data_parallel"])
-        engine = getattr(self.lightning_module, "engine", None)  # (a module of its own may have none)
-        if isinstance(engine, HFEngine) and engine.samples_from(self.policy):
-            engine.all_finished = self._finished_everywhere
+        # The training mode installed the sketches when the module was configured (before this).
+        policy = self.lightning_module.policy
+        self.handles = sketched_layers(policy)
+        if not any(isinstance(m, FSDPModule) for m in policy.modules()):
+            shard_policy(policy, self.device_mesh["data_parallel"])
         super().setup(trainer)
 
-    def _finished_everywhere(self, finished: torch.Tensor) -> bool:
+    def all_finished(self, finished: torch.Tensor) -> bool:
+        # Every generation step's forward pass all-gathers weights: every rank goes on until every rank is done.
         done = finished.all().to(torch.int32).reshape(1)
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         return bool(done)
@@ -196,7 +194,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
                 p.grad.copy_(reduced.view_as(p.grad))
             self.last_allreduce_bytes = flat.numel() * flat.element_size()
 
-    def gradient_sum_metrics(self) -> dict[str, float]:
+    def reduction_metrics(self) -> dict[str, float]:
         return {"fsdp/sketch_reduce_scatter_bytes": float(self.last_reduce_bytes),
                 "fsdp/replicated_allreduce_bytes": float(self.last_allreduce_bytes)}
 
@@ -242,13 +240,19 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
 
     # ---- sharded checkpoints ----------------------------------------------------------------------------------------
 
+    def _steps_sketches(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` is the one over the sketch carriers, whose state holds each rank's rows of (d, r)
+        tensors (FSDP's own state handling is for the parameters it shards)."""
+        carriers = {layer.sketch_param for layer in self.handles.values()}
+        return any(p in carriers for group in optimizer.param_groups for p in group["params"])
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-        if not isinstance(optimizer, SketchOptimizer):
+        if not self._steps_sketches(optimizer):
             return super().optimizer_state(optimizer)  # torch.distributed.checkpoint's, for sharded parameters
         return self._sharded_sketch_state(optimizer)
 
-    def _sharded_sketch_state(self, optimizer: SketchOptimizer) -> dict[str, Any]:
+    def _sharded_sketch_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The sketch optimizer's state dict with each (rows, r) state tensor as the rank's shard of a (d, r) DTensor
         (the tensors themselves, not copies): saved, each rank writes its rows; loaded, each rank reads its rows into
         them in place. As plain tensors, every rank's would be taken for the same replicated value."""
@@ -302,7 +306,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
         # model and any dense optimizer go through Lightning's torch.distributed.checkpoint loading.
         others = {}
         for index, optimizer in enumerate(self.optimizers):
-            if isinstance(optimizer, SketchOptimizer):
+            if self._steps_sketches(optimizer):
                 optimizer.materialize_state()
                 state = {f"optimizer_{index}": self._sharded_sketch_state(optimizer)}
                 load_sharded(state, path)
@@ -319,7 +323,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
             else:
                 others[f"optimizer_{index}"] = optimizer
         # Lightning's loading of the model's and the dense optimizers' shards and of the rest of the checkpoint, through
-        # the reader and planner that run no code from the folder (lightning_logra.safe_load).
+        # the reader and planner that run no code from the folder (lightning_logra.train.safe_load).
         model_state = {"state_dict": get_model_state_dict(self.model)}
         load_sharded(model_state, path)
         self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
@@ -357,7 +361,7 @@ class SketchFSDPStrategy(SketchTraining, ModelParallelStrategy):
     def whole_policy_state(self) -> dict[str, torch.Tensor] | None:
         # Every rank takes part in the gathers; rank 0 receives the whole tensors (on the CPU), the others nothing.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.policy, options=options)
+        return get_model_state_dict(self.lightning_module.policy, options=options)
 
 
 __all__ = ["SketchFSDPStrategy", "shard_policy"]

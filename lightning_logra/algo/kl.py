@@ -34,21 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_logra.batch import positions
-from lightning_logra.logprobs import plain_head
-from lightning_logra.loss import completion_logits, compute_dtype
+from lightning_logra.base.batch import Rollout, positions
+from lightning_logra.algo.logprobs import completion_logits, compute_dtype, plain_head
 from lightning_logra.sketch.rounding import LOW_PRECISION
-from lightning_logra.update import Update, swap_values
-
-
-@dataclass
-class Responses:
-    """The subset D: prompt + completion token ids and masks, as a rollout holds them."""
-
-    prompt_ids: torch.Tensor  # (n, P)
-    prompt_mask: torch.Tensor  # (n, P)
-    completion_ids: torch.Tensor  # (n, C)
-    completion_mask: torch.Tensor  # (n, C)
+from lightning_logra.algo.update import Update, swap_values
 
 
 @contextmanager
@@ -178,7 +167,7 @@ class NextTokens:
         return torch.log_softmax(logits, dim=-1)
 
 
-def next_tokens(policy: nn.Module, responses: Responses) -> NextTokens:
+def next_tokens(policy: nn.Module, responses: Rollout) -> NextTokens:
     """The policy's `NextTokens` on `responses` (inside `low_rank_perturbation` / `dense_values`: the proposed
     policy's). bf16/fp16 models are evaluated in fp32 end to end (`float32_compute`)."""
     low_precision = any(p.dtype in LOW_PRECISION for p in policy.parameters())
@@ -217,7 +206,7 @@ def mean_token_kl(p: NextTokens, q: NextTokens, mask: torch.Tensor, temperature:
 
 @torch.no_grad()
 def predicted_kl(
-    policy: nn.Module, proposal: Update, responses: Responses, temperature: float = 1.0
+    policy: nn.Module, proposal: Update, responses: Rollout, temperature: float = 1.0
 ) -> tuple[torch.Tensor, NextTokens]:
     """(q, the current policy's `NextTokens`): q is the KL of the whole proposal (sketched and dense parts) at
     α = 1 on `responses`. The current policy's state is returned so that the realized KL after the update needs one
@@ -230,7 +219,7 @@ def predicted_kl(
 
 @torch.no_grad()
 def intended_kl(
-    policy: nn.Module, proposal: Update, responses: Responses, before: NextTokens, alpha: float,
+    policy: nn.Module, proposal: Update, responses: Rollout, before: NextTokens, alpha: float,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """The exact KL of the step α·Δ, before it is merged: what the realized KL would be without any rounding of
@@ -241,7 +230,7 @@ def intended_kl(
 
 
 @torch.no_grad()
-def realized_kl(policy: nn.Module, responses: Responses, before: NextTokens, temperature: float = 1.0) -> torch.Tensor:
+def realized_kl(policy: nn.Module, responses: Rollout, before: NextTokens, temperature: float = 1.0) -> torch.Tensor:
     """KL(π_before ‖ π_now) on the same responses, after the update was applied."""
     return mean_token_kl(before, next_tokens(policy, responses), responses.completion_mask, temperature)
 

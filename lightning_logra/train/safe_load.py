@@ -35,11 +35,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_logra.rewards import MathAnswer, exact_match, math_answer
-from lightning_logra.schedule import LRSchedule
+from lightning_logra.base.schedule import LRSchedule
 
 # What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may
-# pickle: the schedule and the built-in rewards. (object, the path a checkpoint names it by) for a class that moved.
-SAFE_GLOBALS: list[Any] = [LRSchedule, MathAnswer, exact_match, math_answer]
+# pickle: the schedule and the built-in rewards; with (object, the path a checkpoint wrote before they moved).
+SAFE_GLOBALS: list[Any] = [
+    LRSchedule, MathAnswer, exact_match, math_answer,
+    (LRSchedule, "lightning_logra.schedule.LRSchedule"),
+    (MathAnswer, "lightning_logra.rewards.MathAnswer"),
+    (exact_match, "lightning_logra.rewards.exact_match"),
+    (math_answer, "lightning_logra.rewards.math_answer"),
+]
 
 # The modules whose classes make up a torch.distributed.checkpoint `.metadata` file.
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",

@@ -1,9 +1,9 @@
-"""LoRA RL training through peft: the paper's comparison method as a training mode, beside `SketchStrategy`.
+"""LoRA adapters through peft: the paper's comparison method, trained by the LoRA mode (`modes.LoRAMode`, chosen by
+`strategies.LoRAStrategy`).
 
-`LoRAStrategy` adds peft LoRA adapters to the target matrices of the module's `policy` when the Trainer sets up (in
-place, so the module, its in-process engine and the KL controller keep the same policy object), freezes everything
-else and trains the adapters with AdamW. The rollout, reward and loss path is the module's, unchanged: to the module
-the adapters are densely trained parameters, so gradient clipping, the predicted-KL controller (which holds a dense
+The adapters go into the target matrices of the module's `policy` in place (the module, its in-process engine and
+the KL controller keep the same policy object); everything else is frozen and the adapters are trained by AdamW. To
+the step they are densely trained parameters, so gradient clipping, the predicted-KL controller (which holds a dense
 step back and scales it by α) and skipped updates work as in a dense run.
 
 A LoRA layer computes y = x·W₀ᵀ + s·(x·Aᵀ)·Bᵀ with A (r, k), B (d, r) and s = alpha / r (peft's scaling). Its merged
@@ -25,20 +25,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from lightning_logra.checkpoint import AtomicCheckpointIO
-from lightning_logra.schedule import LRSchedule
+from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch.config import DEFAULT_TARGETS
 from lightning_logra.sketch.install import select_targets
 from lightning_logra.sketch.update import LowRankDelta
 
 # Where a LightningCLI config sets a LoRAConfig: errors name their field under it.
 CONFIG_KEY = "trainer.strategy.init_args.lora"
-TRAINING = "with LoRA adapters"  # what a checkpoint records about how it was trained (lightning_logra.checkpoint)
+TRAINING = "with LoRA adapters"  # what a checkpoint records about how it was trained (lightning_logra.train.checkpoint)
 ADAPTER = "default"  # peft's adapter name
 
 
@@ -54,7 +50,7 @@ class LoRAConfig:
         dropout: dropout on the adapters' input while training (0 keeps the trained policy equal to the merged one).
         lr: AdamW's learning rate (the paper's LoRA comparison: a constant 2e-4).
         weight_decay: AdamW's weight decay on the adapters.
-        lr_schedule: warm-up and decay of lr, by applied update (`lightning_logra.schedule.LRSchedule`).
+        lr_schedule: warm-up and decay of lr, by applied update (`lightning_logra.base.schedule.LRSchedule`).
         seed: seeds the adapters' initialization (A as peft draws it, B = 0), so runs are reproducible whatever
             the global random state.
     """
@@ -138,45 +134,6 @@ def _import_peft():
     except ImportError as err:
         raise ImportError("trainer.strategy: LoRAStrategy needs peft (pip install 'lightning-logra[lora]')") from err
     return peft
-
-
-class LoRAStrategy(SingleDeviceStrategy):
-    """Single-device LoRA training of the module's `policy` (peft adapters, AdamW). Checkpoints are written
-    atomically and record the adapters' settings; a resume under others is refused."""
-
-    strategy_name = "lora"
-
-    def __init__(self, lora: LoRAConfig = LoRAConfig(), device: str | None = None) -> None:
-        """
-        Args:
-            lora: which matrices are adapted, the adapters' rank, alpha and dropout, and their AdamW (`LoRAConfig`).
-            device: the device to train on, e.g. `cuda:1`; None takes the Trainer's.
-        """
-        super().__init__(checkpoint_io=AtomicCheckpointIO())
-        self.parallel_devices = None if device is None else [torch.device(device)]
-        self.config = lora
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else self._root_device
-
-    def setup(self, trainer: Trainer) -> None:
-        # In every stage, not only fit: a LoRA checkpoint's state holds the adapters (and peft's `base_layer` names),
-        # so validate / test with it need them in place; fresh adapters (B = 0) leave the policy's outputs unchanged.
-        policy = self.lightning_module.policy
-        if not adapted_layers(policy):
-            self.config.install(policy)
-        super().setup(trainer)
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A checkpoint's state has the adapters: restore it once setup() has put them in.
-        return True
-
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        # Instead of the module's configure_optimizers (the dense baseline); Lightning checkpoints and restores these.
-        self.optimizers = [self.config.build_optimizer(self.lightning_module.policy)]
-        self.lr_scheduler_configs = [LRSchedulerConfig(self.config.lr_schedule.scheduler(self.optimizers[0]))]
 
 
 # ---- the adapters as weights: merged values, and the low-rank change of a step --------------------------------------

@@ -1,13 +1,44 @@
-"""From the reward functions' outputs to the batch's rewards: checked, combined with their weights as TRL's
-GRPOTrainer combines them, and each function's mean and std for the logs."""
+"""From completions to the batch's rewards: every reward called with TRL's signature, its outputs checked and
+combined with their weights as TRL's GRPOTrainer combines them, each reward's mean and std for the logs, and the
+count of steps in a row with nothing to learn."""
 
 from __future__ import annotations
 
+import logging
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import numpy
 import torch
+
+from lightning_logra.rewards.resolve import Reward
+
+log = logging.getLogger(__name__)
+
+
+def score(rewards: list[Reward], batch: dict[str, list[Any]], completions: list[Any], completion_ids: list[list[int]],
+          n: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every reward of `rewards` on the batch's completions (n per prompt, in order). Returns the total rewards
+    (N,) and each reward's (N, F), NaN where it returned None.
+
+    TRL's reward signature: the prompts (whatever the batch's prompt column holds: text, or messages), the
+    completions, their token ids without padding (a stop token included), and every other column, each repeated per
+    sample so that the reward sees lists aligned with the completions."""
+    count = len(batch["prompt"])
+    columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
+    prompts = columns.pop("prompt")
+    outputs = [r.fn(prompts, completions, completion_ids=completion_ids, **columns) for r in rewards]
+    total, per_reward, missing, dropped = reward_tensor(outputs, [r.name for r in rewards], [r.weight for r in rewards],
+                                                        count, n)
+    name = " + ".join(reward.name for reward in rewards)
+    if missing.all():
+        log.warning("model.reward %r gave no usable reward (all None or NaN) for any of the %d completions at step %d: "
+                    "nothing is learned from this batch. Check the reward function", name, len(total), step)
+    elif dropped.any():
+        log.warning("model.reward %r gave NaN or infinite rewards in %d of %d groups at step %d: those groups are left "
+                    "out of the update", name, int(dropped.sum()), count, step)
+    return total, per_reward
 
 
 def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], prompts: int,
@@ -73,3 +104,23 @@ def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict
     for i, key in enumerate(keys):
         metrics[f"reward/{key}/mean"], metrics[f"reward/{key}/std"] = mean[i].float(), std[i].float()
     return metrics
+
+
+class UnlearnableSteps:
+    """Training steps in a row where no group's rewards differ (every advantage is 0: nothing to learn); the run is
+    stopped after `limit` of them (`model.max_unlearnable_steps`; None: never)."""
+
+    def __init__(self, limit: int | None, rewards: list[Reward]) -> None:
+        self.limit, self.rewards = limit, rewards
+        self.count = 0
+
+    def add(self, groups: torch.Tensor, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """One training step's rewards, (groups, G) on this rank: the ranks count (and stop) together."""
+        learnable = sum_over_ranks((groups.max(1).values > groups.min(1).values).any().float())
+        self.count = 0 if learnable > 0 else self.count + 1
+        if self.limit is not None and self.count >= self.limit:
+            names = " + ".join(reward.name for reward in self.rewards)
+            raise RuntimeError(
+                f"model.max_unlearnable_steps={self.limit}: {self.count} training steps in a row had nothing to learn "
+                f"(in every group the rewards were equal, None or NaN). Check model.reward {names!r} and the data, or "
+                f"set model.max_unlearnable_steps higher or to null")

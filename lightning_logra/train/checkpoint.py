@@ -6,8 +6,8 @@ state). Resuming under other settings, or from a newer format, is refused with t
 (written before checkpoints said what they are: the same layout without the entry) loads as it is, with a warning.
 
 A crash mid-save leaves the previous checkpoint, never a truncated one. A checkpoint records the sha256 of what it
-holds and is checked against it when it loads, and loading one never runs code from it (`lightning_logra.digests`,
-`lightning_logra.safe_load`).
+holds and is checked against it when it loads, and loading one never runs code from it (`lightning_logra.train.digests`,
+`lightning_logra.train.safe_load`).
 
 Each save writes a hidden temporary file beside the checkpoint (`.last.ckpt.<pid>.<random>.tmp`) and renames it
 over the checkpoint when complete. A process killed mid-save (SIGKILL, out of memory) leaves its temporary file
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_logra.digests import KEY as DIGESTS
-from lightning_logra.digests import content_digests, verify_content
-from lightning_logra.safe_load import load_file
+from lightning_logra.train.digests import KEY as DIGESTS
+from lightning_logra.train.digests import content_digests, verify_content
+from lightning_logra.train.safe_load import load_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
     if saved["training"] != current["training"]:
         differences.append(f"trainer.strategy: the checkpoint was trained {saved['training']}, this run trains "
                            f"{current['training']} (its optimizer state does not fit)")
-    if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (lightning_logra.lora)
+    if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (lightning_logra.train.lora)
         differences.append(f"trainer.strategy.init_args.lora: the checkpoint's adapters are {saved.get('lora')}, "
                            f"this run's {current.get('lora')}")
     if differences:
@@ -78,7 +78,7 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO, writing atomically, recording the sha256 of everything it writes inside the file
-    (`lightning_logra.digests`), and loading without running code from the file (`lightning_logra.safe_load`)
+    (`lightning_logra.train.digests`), and loading without running code from the file (`lightning_logra.train.safe_load`)
     after checking it against those digests."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:

@@ -1,0 +1,24 @@
+"""Rewards: the built-in verifiable ones (`builtin`), the processes every reward runs in (`processes`), a config's
+``model.reward`` resolved (`resolve`), and their outputs checked and combined (`scoring`)."""
+
+from lightning_logra.rewards.builtin import (
+    BUILTIN,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WORKERS,
+    Completion,
+    MathAnswer,
+    RewardFn,
+    RewardName,
+    builtin_reward,
+    completion_text,
+    exact_match,
+    extract_final_answer,
+    math_answer,
+)
+from lightning_logra.rewards.processes import DEFAULT_MEMORY_GIB, CheckPool, RewardProcess, TimedReward
+from lightning_logra.rewards.resolve import Reward, get_reward, import_reward, resolve_reward, resolve_rewards
+
+__all__ = ["BUILTIN", "DEFAULT_MEMORY_GIB", "DEFAULT_TIMEOUT_S", "DEFAULT_WORKERS", "CheckPool", "Completion",
+           "MathAnswer", "Reward", "RewardFn", "RewardName", "RewardProcess", "TimedReward", "builtin_reward",
+           "completion_text", "exact_match", "extract_final_answer", "get_reward", "import_reward", "math_answer",
+           "resolve_reward", "resolve_rewards"]

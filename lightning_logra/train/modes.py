@@ -1,0 +1,363 @@
+"""Training modes: how a run trains its policy — densely (AdamW), with LoGRA sketches, or with LoRA adapters — as one
+type that the module's training step calls, picked once per run by `training_mode`, the one place that looks at what
+kind of run this is.
+
+After the step's backward passes, whatever the mode:
+
+    reduce_and_clip(max_grad_norm)   sum the gradients over the ranks, clip their total norm; the norm before
+    propose(grad_norm, measured)     the update at α = 1 (an `Update`: what a step-size controller measures), or None
+                                     when it is skipped (a gradient that is not finite); empty unless `measured`
+    apply(α)                         take α of it; the `Update` a rollout engine with weights of its own receives,
+                                     or None when nothing reached the weights
+
+Every step makes exactly one step of the first optimizer through Lightning (which counts `global_step`), applied or
+skipped. A mode also builds its optimizers, says what a checkpoint records of it and which settings a resume compares
+(`stamp`, `config_key`), what it logs (`hparams`, `metrics`), and what a full load of an engine sends
+(`engine_tensors`). The distribution of all of this over processes is the strategy's (`strategies.Distribution`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_logra.algo.update import Update, apply_dense_, propose_dense
+from lightning_logra.sketch.config import CONFIG_KEY as SKETCH_KEY
+from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.sketch.install import select_targets, sketch_carriers, sketched_layers
+from lightning_logra.train import lora
+from lightning_logra.train.lora import CONFIG_KEY as LORA_KEY
+from lightning_logra.train.lora import LoRAConfig
+from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.train.strategies.base import Distribution
+
+log = logging.getLogger(__name__)
+
+Optimizers = tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LRScheduler]]
+
+
+class TrainingMode(ABC):
+    record: str  # how a checkpoint says its state was trained
+
+    def __init__(self, distribution: Distribution) -> None:
+        self.distribution = distribution
+        self.metrics: dict[str, float] = {}  # the last step's, beyond the module's own
+        self._lightning_optimizers: Callable[[], Any] | None = None
+        self._policy: nn.Module | None = None
+        self._finite = self._held = False
+        self._proposed: dict[torch.Tensor, torch.Tensor] = {}  # {dense parameter: its value at α = 1}, held back
+
+    # ---- set-up ---------------------------------------------------------------------------------------------------
+
+    def install(self, policy: nn.Module, fitting: bool) -> None:
+        """Make `policy` trainable this way (in place) before the strategy sets it up; `fitting`: a fit, not an
+        evaluation."""
+        self._policy = policy
+
+    @abstractmethod
+    def build_optimizers(self, policy: nn.Module) -> Optimizers:
+        """The optimizers and their learning-rate schedulers (one each), for Lightning to hold and checkpoint."""
+
+    def bind(self, lightning_optimizers: Callable[[], Any]) -> None:
+        """The module's `optimizers()`: Lightning's wrappers of the optimizers, the first of which is stepped
+        through Lightning (which counts the steps)."""
+        self._lightning_optimizers = lightning_optimizers
+
+    description = "the dense baseline"  # how errors name the kind of run
+
+    def ignored_module_settings(self) -> dict[str, str]:
+        """{the module's setting (`model.<key>`): what acts instead} for the settings of the dense baseline's AdamW
+        that this mode ignores (a value other than the default is refused before anything loads)."""
+        return {}
+
+    def check_settings(self, skeleton: nn.Module | None) -> None:
+        """Refuse, naming the key, settings that would fail once the model is loaded, before anything is (`skeleton`:
+        the policy on the meta device, or None when its config is not on this machine)."""
+
+    def stamp(self) -> dict[str, Any]:
+        """What a checkpoint records of how its state was trained (a resume under another record is refused)."""
+        return {"training": self.record}
+
+    def hparams(self) -> dict[str, Any]:
+        """The mode's settings for the loggers, beside the module's own."""
+        return {}
+
+    @abstractmethod
+    def config_key(self, index: int, key: str) -> str:
+        """Where the config sets setting `key` (`lr`, `betas`, ...) of optimizer `index`."""
+
+    def engine_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
+        """Every tensor a rollout engine with weights of its own holds, by the model's names, as the trainer has
+        them: what a full load sends."""
+        carriers = sketch_carriers(policy)  # a sketched layer's zero carrier is not a weight of the model's files
+        return {name: p.detach() for name, p in policy.named_parameters() if id(p) not in carriers}
+
+    # ---- the step -------------------------------------------------------------------------------------------------
+
+    def _optimizers(self) -> tuple[list[torch.optim.Optimizer], list[Callable[..., Any]]]:
+        """(the optimizers, their step functions): the first through Lightning, the others their own."""
+        wrapped = self._lightning_optimizers()
+        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+        inner = [optimizer.optimizer for optimizer in wrapped]
+        return inner, [wrapped[0].step] + [optimizer.step for optimizer in inner[1:]]
+
+    def reduce_and_clip(self, max_grad_norm: float | None) -> torch.Tensor:
+        """Sum the gradients over the ranks (once per step), then clip them all together to `max_grad_norm`;
+        returns the norm before clipping (not finite: nothing is clipped, and the step will be skipped)."""
+        inner, _ = self._optimizers()
+        params = [p for optimizer in inner for group in optimizer.param_groups for p in group["params"]]
+        self.distribution.sum_gradients(params)
+        with_grad = [p for p in params if p.grad is not None]
+        # Sketches too: E‖G·Aᵀ‖² = ‖G‖². The distribution takes the norm over all ranks' parts (FSDP: shards).
+        norm = self.distribution.gradient_norm(with_grad)
+        if not torch.isfinite(norm):
+            log.warning("non-finite gradient norm: the whole update is skipped")
+        elif max_grad_norm is not None:
+            # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
+            # layer's carrier B, so sketches are scaled with the dense gradients). foreach kernels refuse a list
+            # mixing sharded DTensor gradients with plain ones (FSDP's replicated head).
+            mixed = any(isinstance(p.grad, DTensor) for p in with_grad)
+            torch.nn.utils.clip_grads_with_norm_(with_grad, max_grad_norm, norm, foreach=False if mixed else None)
+        return norm
+
+    def _propose_dense(self, optimizers: list[tuple[torch.optim.Optimizer, Callable[..., Any]]]) -> dict[str, Any]:
+        """Take the dense optimizers' steps as proposals (held back until α is chosen): {name: value at α = 1}."""
+        self._proposed = {}
+        for optimizer, step in optimizers:
+            self._proposed.update(propose_dense(optimizer, step))
+        names = {p: name for name, p in self._policy.named_parameters()}
+        return {names[p]: value for p, value in self._proposed.items()}
+
+    def _apply_dense(self, optimizers: list[tuple[torch.optim.Optimizer, Callable[..., Any]]], alpha: float,
+                     taken: bool) -> None:
+        """α of the held proposal; or, when none was held (no step-size controller), the optimizers' own steps."""
+        if self._held:
+            if taken:
+                apply_dense_(self._proposed, alpha)
+        else:
+            for optimizer, step in optimizers:
+                if not taken:
+                    optimizer.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW
+                step()
+        self._proposed = {}
+
+    def _dense_values(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+        """{name: new value} of every parameter the dense optimizers train: what an engine receives of them."""
+        names = {p: name for name, p in self._policy.named_parameters()}
+        return {names[p]: p.detach() for optimizer in optimizers for group in optimizer.param_groups
+                for p in group["params"]}
+
+    @abstractmethod
+    def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
+        """The step's update at α = 1 (empty unless `measured`: only a step-size controller needs it), or None
+        when it is skipped; after `reduce_and_clip`."""
+
+    @abstractmethod
+    def apply(self, alpha: float) -> Update | None:
+        """Take α of the proposal (a step that was skipped, or an α that is not a finite non-negative number,
+        changes nothing and returns None); the gradients are dropped either way."""
+
+
+class DenseMode(TrainingMode):
+    """Every parameter the module trains (all of them, or `model.target_modules`' weights) by AdamW: the baseline."""
+
+    record = "densely"
+
+    def __init__(self, distribution: Distribution, hparams: Any, lr_schedule: LRSchedule) -> None:
+        super().__init__(distribution)
+        self.lr, self.weight_decay, self.target_modules = hparams.lr, hparams.weight_decay, hparams.target_modules
+        self.lr_schedule = lr_schedule
+
+    def install(self, policy: nn.Module, fitting: bool) -> None:
+        super().install(policy, fitting)
+        if self.target_modules is None:
+            return
+        # Only the weights of these nn.Linear layers train, the rest (embeddings, norms, biases) is frozen, as a
+        # sketch run leaves them. (rank 0: every nn.Linear qualifies; the rank rule is the sketches'.)
+        try:
+            targets = select_targets(policy, self.target_modules, rank=0)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"model.{err}") from None
+        trained = {id(linear.weight) for linear in targets.values()}
+        for param in policy.parameters():
+            param.requires_grad_(id(param) in trained)
+
+    def build_optimizers(self, policy: nn.Module) -> Optimizers:
+        params = [p for p in policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return [optimizer], [self.lr_schedule.scheduler(optimizer)]
+
+    def config_key(self, index: int, key: str) -> str:
+        return f"model.{key}"
+
+    def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
+        self._finite = bool(torch.isfinite(grad_norm))
+        self._held = measured and self._finite
+        if not self._finite:
+            return None
+        inner, steps = self._optimizers()
+        return Update(dense=self._propose_dense(list(zip(inner, steps)))) if self._held else Update()
+
+    def apply(self, alpha: float) -> Update | None:
+        inner, steps = self._optimizers()
+        taken = self._finite and math.isfinite(alpha) and alpha >= 0
+        if self._finite and not taken:
+            log.warning("step size α=%s: the update is skipped", alpha)
+        self._apply_dense(list(zip(inner, steps)), alpha, taken)
+        for optimizer in inner:
+            optimizer.zero_grad(set_to_none=True)
+        return Update(dense=self._dense_values(inner)) if taken else None
+
+
+class LoRAMode(DenseMode):
+    """peft LoRA adapters on the target matrices, trained by AdamW (to the step, densely trained parameters); what
+    an engine receives of a step is each adapted matrix's change as a low-rank delta (`lora.low_rank_deltas`)."""
+
+    record = lora.TRAINING
+
+    def __init__(self, distribution: Distribution, config: LoRAConfig) -> None:
+        TrainingMode.__init__(self, distribution)
+        self.config = config
+        self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the adapters at the step's start
+
+    def install(self, policy: nn.Module, fitting: bool) -> None:
+        # In every stage, not only fit: a LoRA checkpoint's state holds the adapters (and peft's `base_layer` names),
+        # so validate / test with it need them in place; fresh adapters (B = 0) leave the policy's outputs unchanged.
+        TrainingMode.install(self, policy, fitting)
+        if not lora.adapted_layers(policy):
+            self.config.install(policy)
+
+    def build_optimizers(self, policy: nn.Module) -> Optimizers:
+        optimizer = self.config.build_optimizer(policy)
+        return [optimizer], [self.config.lr_schedule.scheduler(optimizer)]
+
+    description = "the LoRA strategy"
+
+    def ignored_module_settings(self) -> dict[str, str]:
+        return {key: f"{LORA_KEY}.{key}" for key in _DENSE_ONLY}
+
+    def check_settings(self, skeleton: nn.Module | None) -> None:
+        if skeleton is not None:
+            self.config.check_targets(skeleton)
+
+    def stamp(self) -> dict[str, Any]:
+        return {**super().stamp(), "lora": self.config.record()}  # the adapters' settings: export and resume need them
+
+    def hparams(self) -> dict[str, Any]:
+        return self.config.hparams()
+
+    def config_key(self, index: int, key: str) -> str:
+        return f"{LORA_KEY}.{key}"
+
+    def engine_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
+        return lora.engine_tensors(policy)  # each adapted matrix merged, under its own name
+
+    def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
+        self._before = lora.adapter_snapshot(self._policy)
+        return super().propose(grad_norm, measured)
+
+    def apply(self, alpha: float) -> Update | None:
+        applied = super().apply(alpha)
+        if applied is None:
+            return None
+        return Update(lora.low_rank_deltas(self._policy, self._before))  # rank 2r per adapted matrix
+
+
+class SketchMode(TrainingMode):
+    """LoGRA: the target matrices by their d×r sketches and a sketch optimizer (the first optimizer), with the
+    biases of those layers and every other parameter, when `train_bias` / `train_rest`, by an AdamW (the second)."""
+
+    record = "with sketches"
+
+    def __init__(self, distribution: Distribution, config: SketchConfig) -> None:
+        super().__init__(distribution)
+        self.config = config
+        self.handles: dict = {}  # the sketched layers, by name
+
+    def install(self, policy: nn.Module, fitting: bool) -> None:
+        super().install(policy, fitting)
+        if fitting:  # an evaluation runs the model as it is
+            self.handles = sketched_layers(policy) or self.config.install(policy)
+
+    def build_optimizers(self, policy: nn.Module) -> Optimizers:
+        optimizers = self.config.build_optimizers(policy, self.handles)
+        return optimizers, self.config.build_schedulers(optimizers)
+
+    description = "a sketch strategy"
+
+    def ignored_module_settings(self) -> dict[str, str]:
+        return _DENSE_ONLY
+
+    def check_settings(self, skeleton: nn.Module | None) -> None:
+        if skeleton is not None:
+            self.config.check_targets(skeleton)
+
+    def hparams(self) -> dict[str, Any]:
+        return self.config.hparams()
+
+    def config_key(self, index: int, key: str) -> str:
+        if index == 0:
+            return f"{SKETCH_KEY}.optimizer.init_args.{key}"
+        return {"lr": f"{SKETCH_KEY}.rest_lr", "weight_decay": f"{SKETCH_KEY}.rest_weight_decay"}.get(
+            key, f"{SKETCH_KEY}: the AdamW of train_rest / train_bias, {key}")
+
+    def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
+        self._finite = bool(torch.isfinite(grad_norm))
+        self._held = measured and self._finite
+        if not self._finite:
+            return None
+        inner, steps = self._optimizers()
+        dense = self._propose_dense(list(zip(inner[1:], steps[1:]))) if self._held else {}
+        sketch = inner[0]
+        if not sketch.propose():  # (a sketch that is not finite: it dropped the step itself)
+            self._finite = False
+            return None
+        if not measured:
+            return Update()
+        # Under FSDP each rank holds its rows of F: the controller is given the whole of it.
+        return Update(self.distribution.whole_factors(sketch.proposal()), dense)
+
+    def apply(self, alpha: float) -> Update | None:
+        inner, steps = self._optimizers()
+        sketch, step = inner[0], steps[0]
+        # The step Lightning counts: α of the pending proposal, or the step dropped (the optimizer refuses a
+        # non-finite α or factor itself, and a proposal it already dropped applies nothing).
+        step(alpha=alpha, skip=not self._finite)
+        taken = bool(sketch.last_updates)
+        # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest at RL
+        # learning rates). NaN on a skipped step.
+        self.metrics = {"update/landed_fraction": sketch.landed_fraction if taken else math.nan}
+        self._apply_dense(list(zip(inner[1:], steps[1:])), alpha, taken)
+        for optimizer in inner:
+            optimizer.zero_grad(set_to_none=True)
+        if not taken:
+            return None
+        return Update(self.distribution.whole_factors(sketch.last_updates), self._dense_values(inner[1:]))
+
+
+# The module's dense-optimizer settings, and what acts instead of each under a sketch strategy.
+_DENSE_ONLY = {
+    "lr": f"{SKETCH_KEY}.optimizer.init_args.lr (the sketched matrices) and {SKETCH_KEY}.rest_lr (parameters "
+          "trained densely with train_rest / train_bias)",
+    "weight_decay": f"{SKETCH_KEY}.rest_weight_decay (parameters trained densely)",
+    "lr_schedule": f"{SKETCH_KEY}.lr_schedule",
+    "target_modules": f"{SKETCH_KEY}.target_modules",
+}
+
+
+def training_mode(strategy: Any, distribution: Distribution, hparams: Any, lr_schedule: LRSchedule) -> TrainingMode:
+    """The run's training mode, by the settings its strategy carries: a `SketchConfig` trains with sketches, a
+    `LoRAConfig` with adapters, none (Lightning's own strategies) densely with the module's AdamW."""
+    config = getattr(strategy, "config", None)
+    if isinstance(config, SketchConfig):
+        return SketchMode(distribution, config)
+    if isinstance(config, LoRAConfig):
+        return LoRAMode(distribution, config)
+    return DenseMode(distribution, hparams, lr_schedule)

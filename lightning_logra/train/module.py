@@ -1,0 +1,546 @@
+"""The RLVR LightningModule: one training step is one RL iteration, read top to bottom in `training_step`.
+
+Manual optimization, because one step generates G completions for each prompt of the batch, scores them with
+verifiable rewards, and accumulates the loss of every micro-batch into one update. What is trained and how (densely,
+with LoGRA sketches, with LoRA adapters) is the run's training mode (`lightning_logra.train.modes`), picked from its
+strategy; the step size is the run's `StepSizeController` (the predicted-KL budget), and an engine with weights of its
+own is kept in step by the run's `WeightSync`: each a component the step calls, found among the callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_logra.algo.advantages import ScaleRewards, estimator, group_advantages
+from lightning_logra.algo.logprobs import completion_logprobs
+from lightning_logra.algo.losses import LOSSES, LossType, importance_weights, mismatch_metrics, token_weights
+from lightning_logra.algo.step_size import StepContext, StepSizeController, find_controller
+from lightning_logra.algo.update import Update
+from lightning_logra.base.batch import Rollout
+from lightning_logra.base.hashing import prompt_seeds
+from lightning_logra.paths import PACKAGE_DIR, model_path
+from lightning_logra.rewards import DEFAULT_MEMORY_GIB, Reward, RewardFn, RewardName, resolve_rewards
+from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
+from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
+from lightning_logra.train import resume
+from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
+from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
+from lightning_logra.train.digests import write_sums
+from lightning_logra.train.modes import TrainingMode, training_mode
+from lightning_logra.train.policy import completions_table, encode_prompts, load_policy, pad_token_id, stop_token_ids
+from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.train.strategies.base import Distribution, distribution_of
+
+log = logging.getLogger(__name__)
+
+EVAL_STEP = -1  # the step an evaluation's prompts are seeded with: apart from every training step's
+
+
+def _check_settings(hp: Any) -> None:
+    """The module's settings, checked before any weights are loaded; each error names its key."""
+    for key in ("num_generations", "max_new_tokens", "micro_batch_size", "log_completions_every", "export_every",
+                "logprob_chunk_tokens"):
+        if hp[key] is not None and hp[key] < 1:
+            raise ValueError(f"model.{key} must be a positive integer, got {hp[key]}")
+    if hp.num_generations < 2:
+        raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
+    if hp.temperature <= 0:
+        raise ValueError(f"model.temperature must be positive for sampling, got {hp.temperature}")
+    if not 0 < hp.top_p <= 1:
+        raise ValueError(f"model.top_p must be in (0, 1], got {hp.top_p}")
+    if hp.is_cap is not None and hp.is_cap <= 0:
+        raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {hp.is_cap}")
+    if hp.reward_timeout_s is not None and not hp.reward_timeout_s > 0:
+        raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
+                         f"got {hp.reward_timeout_s}")
+    if hp.max_unlearnable_steps is not None and hp.max_unlearnable_steps < 1:
+        raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
+                         f"got {hp.max_unlearnable_steps}")
+    if hp.target_modules is not None and not hp.target_modules:
+        raise ValueError("model.target_modules is empty: name the linear layers the dense baseline trains, e.g. "
+                         "[q_proj, v_proj], or leave it null to train every parameter")
+    if hp.loss_type not in LOSSES:
+        raise ValueError(f"model.loss_type must be one of {sorted(LOSSES)}, got {hp.loss_type!r}")
+    estimator(hp.scale_rewards)  # one of the registered advantage estimators, or true / false
+    if hp.export_every is not None and hp.export_dir is None:
+        raise ValueError("model.export_every needs model.export_dir: the folder the step-NNNNNN exports go into")
+    # A hub id is "org/name"; anything else that does not exist locally is a mistyped path.
+    if not Path(model_path(hp.model)).exists() and (hp.model.startswith((".", "/", "~")) or hp.model.count("/") > 1):
+        raise FileNotFoundError(f"model.model: no such model directory {hp.model!r} (looked for from {Path.cwd()}, "
+                                f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")
+
+
+class RLVRModule(LightningModule):
+    def __init__(
+        self,
+        model: str,
+        # The list first: writing the config back out, the parser takes the first type a value fits, and a list
+        # "fits" RewardFn as an unimportable path. (So `--model.reward pkg.Class --model.reward.arg v` parses as a
+        # list of one: the same reward.)
+        reward: list[RewardName | RewardFn] | RewardName | RewardFn = "exact_match",
+        reward_weights: list[float] | None = None,
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 256,
+        loss_type: LossType = "dapo",
+        scale_rewards: ScaleRewards = True,
+        micro_batch_size: int = 8,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        lr_schedule: LRSchedule = LRSchedule(),
+        target_modules: list[str] | None = None,
+        max_grad_norm: float | None = 1.0,
+        eval_temperature: float = 0.0,
+        eval_max_new_tokens: int | None = None,
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        chat_template: bool = False,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        export_dir: str | None = None,
+        engine: RolloutEngine | None = None,
+        is_cap: float | None = 2.0,
+        reward_timeout_s: float | None = 600.0,
+        reward_memory_gib: float | None = DEFAULT_MEMORY_GIB,
+        max_unlearnable_steps: int | None = None,
+        log_completions_every: int | None = 50,
+        export_every: int | None = None,
+        logprob_chunk_tokens: int | None = 256,
+    ) -> None:
+        """
+        Args:
+            model: a transformers causal LM: a local directory or a hub name. A path inside the package
+                (`lightning_logra/data/tiny_arith`, the embedded model) is found from any working directory.
+            reward: a built-in reward name (`exact_match`, `math_answer`), a dotted path to a function
+                `fn(prompts, completions, completion_ids, **columns) -> list[float | None]` (TRL's reward
+                signature), or a component, `class_path` and `init_args`, whose instances are called so
+                (`lightning_logra.rewards.MathAnswer`); or a list of these, whose rewards are summed with
+                `reward_weights`. The config's parser checks the names, imports the paths or the classes, and checks
+                the init_args against the classes, before anything runs.
+            reward_weights: one weight per reward of the list (None: 1.0 each); the total reward of a completion is
+                Σ w_i·r_i over the rewards that did not return None for it (TRL's `reward_weights`).
+            num_generations: completions sampled per prompt (the group size G).
+            temperature: the sampling temperature of the rollouts; the loss's log-probs are taken at it too.
+            top_p: nucleus sampling of the rollouts: sample from the smallest set of tokens with this much
+                probability (1 samples from all).
+            max_new_tokens: the longest completion sampled in training.
+            loss_type: the policy-gradient loss, one of `lightning_logra.algo.losses.LOSSES`: `dapo` (token-level
+                mean over the batch), `grpo` (mean per sequence, then over sequences) or `dr_grpo` (sum over tokens /
+                (sequences × max_new_tokens)).
+            scale_rewards: what each group's mean-centered rewards are divided by (TRL's `scale_rewards`, one of
+                `lightning_logra.algo.advantages.ADVANTAGES`): `group` (true: the group's reward standard deviation,
+                GRPO), `batch` (the whole batch's), or `none` (false: nothing, Dr. GRPO).
+            micro_batch_size: completions per forward/backward pass; their gradients accumulate into one update.
+            lr: the learning rate of the dense AdamW of a run without a sketch strategy (the baseline); with a
+                sketch strategy the CLI refuses it, and `trainer.strategy.init_args.sketch.optimizer.init_args.lr`
+                and `sketch.rest_lr` act.
+            weight_decay: the dense AdamW's weight decay (the baseline); under a sketch strategy
+                `sketch.rest_weight_decay` acts instead.
+            lr_schedule: warm-up and decay of the dense AdamW's learning rate, by applied update
+                (`lightning_logra.base.schedule.LRSchedule`); under a sketch strategy `sketch.lr_schedule` acts instead.
+            target_modules: the dense baseline trains only the weights of these nn.Linear layers (named as
+                `sketch.target_modules`: `q_proj` selects every `...self_attn.q_proj`), the parameters a sketch or
+                LoRA run trains, and freezes the rest; None trains every parameter.
+            max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
+            eval_temperature: 0 means greedy pass@1 in validate/test.
+            eval_max_new_tokens: the longest completion in validate/test; None takes max_new_tokens.
+            dtype: the dtype the policy's weights are loaded in (`bfloat16` with `trainer.precision: bf16-true`).
+            chat_template: wrap each text prompt as a user message with the tokenizer's chat template (a
+                conversational prompt, a list of messages, always goes through the template); rewards then get each
+                completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
+            gradient_checkpointing: recompute activations in the backward pass instead of keeping them (less
+                memory, more compute).
+            seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
+            export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
+                exports later with `python -m lightning_logra.export`).
+            export_every: also export every this many steps, to `export_dir/step-NNNNNN` (needs export_dir).
+            logprob_chunk_tokens: completion log-probs are computed this many tokens at a time, so that the
+                micro-batch's full-vocabulary logits never exist at once (forward and backward); None builds them
+                as one (m, C, V) tensor.
+            engine: the rollout engine; None generates in this process with the policy itself. An engine with its
+                own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
+            is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
+                correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
+                bf16). None turns the correction off; the mismatch is logged either way.
+            reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
+                many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
+                this process without a deadline.
+            reward_memory_gib: the address space, in GiB, that process may map beyond what it holds once started
+                (default: 8, or a quarter of the machine's memory if less); a batch that needs more scores None and
+                the process is replaced, as at the deadline. None: no limit (a reward that runs on a GPU may need it).
+            max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
+                (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
+                about when no completion got a usable reward at all.
+            log_completions_every: every this many steps, log a few prompts, completions and rewards as text
+                (TensorBoard's Text tab); None never does.
+        """
+        super().__init__()
+        # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
+        # refused here, naming the key.
+        self.rewards: list[Reward] = resolve_rewards(reward, reward_weights, reward_timeout_s, reward_memory_gib)
+        self.save_hyperparameters(ignore=["engine"])
+        _check_settings(self.hparams)
+        self.automatic_optimization = False
+        self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
+        self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.engine: RolloutEngine | None = engine
+        self.lr_schedule = lr_schedule
+        self.unlearnable = UnlearnableSteps(max_unlearnable_steps, self.rewards)
+        self.num_tokens = 0  # prompt + completion tokens trained on so far, all ranks (checkpointed)
+        # The run's components, found when it is set up: how it trains, over how many processes, who chooses α and
+        # who keeps an engine with weights of its own in step (None: α = 1; the in-process engine).
+        self.mode: TrainingMode | None = None
+        self.distribution: Distribution = Distribution()
+        self.controller: StepSizeController | None = None
+        self.weight_sync: WeightSync | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        # Loaded here, not in __init__, so that configs can be parsed and checked without loading weights.
+        hp = self.hparams
+        if self.policy is None:
+            self.policy, self.tokenizer = load_policy(hp.model, hp.dtype, hp.gradient_checkpointing)
+        # Without a Trainer (a module built to export or evaluate by hand) the policy is set up as the dense baseline.
+        trainer = self._trainer
+        if trainer is not None:
+            self.distribution = distribution_of(trainer)
+        self.mode = training_mode(trainer and trainer.strategy, self.distribution, hp, self.lr_schedule)
+        self.mode.install(self.policy, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        self.mode.bind(self.optimizers)
+        if self.engine is None:
+            self.engine = HFEngine(self.policy, self.stop_token_ids(), pad_token_id(self.tokenizer),
+                                   all_finished=self.distribution.all_finished)
+        if not self.engine.samples_from(self.policy):
+            if self.distribution.shards_weights:
+                raise ValueError(
+                    f"model.engine: {type(self.engine).__name__} keeps weights of its own, which cannot follow "
+                    f"sharded weights yet ({type(self.trainer.strategy).__name__}); use the in-process engine "
+                    "(model.engine: null), or SketchDDPStrategy, under which every rank runs an engine of its own")
+            if self._trainer is not None and self.trainer.world_size > 1:
+                # One engine per rank, beside that rank's trainer: every rank holds the same weights and applies the
+                # same update, so each rank's weight sync keeps its own engine in step (README: "A vLLM engine per
+                # rank").
+                self.engine.place(self.global_rank, self.trainer.world_size, self.trainer.strategy.root_device)
+            self.engine.start(model_path(hp.model), pad_token_id(self.tokenizer), self.stop_token_ids())
+
+    def configure_optimizers(self):
+        return self.mode.build_optimizers(self.policy)
+
+    def stop_token_ids(self) -> list[int]:
+        return stop_token_ids(self.tokenizer, self.policy)
+
+    def encode_prompts(self, prompts: list[str] | list[list[dict[str, str]]]) -> list[list[int]]:
+        """The token ids the rollout engine receives for each prompt (`policy.encode_prompts`)."""
+        return encode_prompts(self.tokenizer, prompts, self.hparams.chat_template)
+
+    def prompt_token_limit(self, stage: str) -> tuple[int, str] | None:
+        """The longest prompt, in tokens, that leaves room in the model's context for the completions of `stage`
+        ("fit": model.max_new_tokens; "validate", "test": the evaluation's), with where the limit comes from (for the
+        data module's messages). The context is the engine's max_model_len when set, else the policy's
+        max_position_embeddings; None when neither states one. The data module asks for it when
+        data.max_prompt_length is unset: a prompt past the context would grow generation's memory without bound."""
+        max_model_len = self.engine.max_model_len() if self.engine is not None else None
+        if max_model_len is not None:
+            context, context_key, longer = max_model_len, "model.engine's max_model_len", "raise it"
+        else:
+            context = getattr(self.policy.config, "max_position_embeddings", None)
+            context_key, longer = "model.model's max_position_embeddings", "use a model with a longer one"
+            if context is None:  # a model without a fixed context (state-space models)
+                return None
+        evaluating = stage != "fit" and self.hparams.eval_max_new_tokens is not None
+        new_tokens_key = "model.eval_max_new_tokens" if evaluating else "model.max_new_tokens"
+        new_tokens = (self.sampling if stage == "fit" else self.eval_sampling).max_new_tokens
+        if context - new_tokens < 1:
+            raise ValueError(f"{new_tokens_key}={new_tokens} leaves no room for a prompt in the model's context of "
+                             f"{context} tokens ({context_key}): set {new_tokens_key} below {context}, or {longer}")
+        return context - new_tokens, f"{context_key}={context}, less {new_tokens_key}={new_tokens}"
+
+    # ---- one RL iteration ---------------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> dict[str, Any]:
+        """One RL iteration, in order: generate and score, advantages, gradients, reduce and clip, propose, the step
+        size α, apply, sync the engine, log. Returns {"loss", "update"}: the update applied (what a rollout engine
+        with weights of its own receives), or None when the step was skipped (the weights unchanged)."""
+        hp, step, start = self.hparams, self.global_step, time.perf_counter()
+        rollout, rewards, per_reward = self.rollouts(batch, step)  # where the step's scored samples come from
+        rollout_s = time.perf_counter() - start
+        self.unlearnable.add(rewards.view(-1, hp.num_generations), self.sum_over_ranks)
+        advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards, self.sum_over_ranks)  # (N,)
+        loss, mismatch, entropy = self.accumulate_gradients(rollout, advantages)
+        grad_norm = self.mode.reduce_and_clip(hp.max_grad_norm)
+        proposal = self.mode.propose(grad_norm, measured=self.controller is not None)  # None: skipped
+        alpha = self.step_size(proposal, rollout, step)
+        lr = self.learning_rates()["train/lr"]  # this step's η, before the schedule advances
+        update = self.mode.apply(alpha)  # None: nothing reached the weights
+        self.advance_lr_schedules(applied=update is not None)
+        synced = self.weight_sync.sync(update, float(mismatch["rollout/logprob_abs_diff"])) if self.weight_sync else {}
+        controlled = self.controller.applied(update) if self.controller is not None else {}
+        self.log_step(rollout, rewards, per_reward, step, time.perf_counter() - start, rollout_s, {
+            "train/loss": loss, "train/grad_norm": grad_norm, "train/entropy": entropy,
+            "train/update_skipped": float(update is None),
+            # The step actually taken, α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
+            "train/effective_lr": alpha * lr if update is not None else math.nan,
+            **mismatch, **self.mode.metrics, **self.distribution.reduction_metrics(), **synced, **controlled})
+        return {"loss": loss, "update": update}
+
+    def rollouts(self, batch: dict[str, list[Any]], step: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+        """The step's samples: `num_generations` completions of each prompt of `batch`, and their rewards (N,) and
+        each reward function's (N, F)."""
+        rollout = self.generate(batch, self.hparams.num_generations, self.sampling, step)
+        rewards, per_reward = self.score(batch, rollout, self.hparams.num_generations)
+        return rollout, rewards, per_reward
+
+    def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
+        """n completions of each prompt of `batch`. Each prompt's sampling depends only on (seed, step, its index in
+        the global batch): a resumed run, or one sharded over several processes, draws what the uninterrupted
+        single-process run would have."""
+        count = len(batch["prompt"])
+        seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
+        # Token ids come with the batch when the data module tokenized the prompts.
+        prompt_ids = batch.get("prompt_ids") or self.encode_prompts(batch["prompt"])
+        return self.engine.generate(prompt_ids, n, sampling, seeds).to(self.device)
+
+    def score(self, batch: dict[str, list[Any]], rollout: Rollout, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
+        mask = rollout.completion_mask.bool().cpu()
+        completion_ids = [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), mask)]
+        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
+            completions = [[{"role": "assistant", "content": text}] for text in completions]  # TRL's conversational form
+        columns = {key: values for key, values in batch.items() if key != "prompt_ids"}
+        rewards, per_reward = score(self.rewards, columns, completions, completion_ids, n, self.global_step)
+        return rewards.to(self.device), per_reward.to(self.device)
+
+    def accumulate_gradients(self, rollout: Rollout, advantages: torch.Tensor
+                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The gradient of the batch's policy-gradient loss, micro-batch by micro-batch, into the parameters' .grad
+        (a sketched layer's: its d×r sketch). Returns the global batch's loss, the sampler/trainer log-prob mismatch
+        (`losses.mismatch_metrics`) and the policy's mean token entropy on the tokens trained on (NaN: none)."""
+        hp = self.hparams
+        # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
+        total_tokens = self.sum_over_ranks(rollout.completion_mask.sum().float())
+        total_sequences = int(self.sum_over_ranks(torch.tensor(float(len(advantages)), device=self.device)))
+        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
+                                total_sequences)  # (N, C)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)
+        entropy = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ entropy, tokens: over those trained on
+        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
+        # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them.
+        lockstep = self.distribution.lockstep
+        active = torch.arange(len(advantages), device=self.device) if lockstep else advantages.nonzero().squeeze(-1)
+        for rows in active.split(hp.micro_batch_size) if active.numel() else ():
+            micro = rollout.select(rows)  # (m, w): right padding trimmed
+            # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
+            logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
+                                                          micro.completion_ids, micro.completion_mask,
+                                                          hp.temperature, hp.logprob_chunk_tokens)
+            is_weight, stats = importance_weights(logprobs.detach(), micro.sampler_logprobs, micro.completion_mask,
+                                                  hp.is_cap)  # (m, w), (4,)
+            mismatch += stats
+            mask = micro.completion_mask
+            entropy += torch.stack([(token_entropy * mask).sum(), mask.sum()])
+            width = micro.completion_ids.shape[1]
+            micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
+            self.manual_backward(micro_loss * self.distribution.loss_scale)
+            loss += micro_loss.detach()
+        entropy_sum, tokens = self.sum_over_ranks(entropy).unbind()
+        return self.sum_over_ranks(loss), mismatch_metrics(self.sum_over_ranks(mismatch)), entropy_sum / tokens
+
+    def step_size(self, proposal: Update | None, rollout: Rollout, step: int) -> float:
+        """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""
+        if proposal is None:
+            return math.nan
+        if self.controller is None:
+            return 1.0
+        context = StepContext(self.policy, self.hparams.temperature, step, self.global_rank, self.trainer.world_size,
+                              self.sum_over_ranks)
+        return self.controller.choose_alpha(proposal, rollout, context)
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return self.trainer.strategy.reduce(value, reduce_op="sum")
+
+    def max_over_ranks(self, value: float) -> float:
+        """The largest `value` of any rank (NaN travels as inf, which the maximum keeps)."""
+        if self.trainer.world_size == 1:
+            return value
+        ours = torch.tensor(value if not math.isnan(value) else math.inf, device=self.device)
+        return float(self.trainer.strategy.reduce(ours, reduce_op="max"))
+
+    def learning_rates(self) -> dict[str, float]:
+        """`train/lr` (the sketch optimizer's, or the dense AdamW's) and `train/rest_lr` (the AdamW of
+        `sketch.train_rest`), as this step's update is proposed with them."""
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        return {key: optimizer.param_groups[0]["lr"] for key, optimizer in zip(("train/lr", "train/rest_lr"),
+                                                                               optimizers)}
+
+    def advance_lr_schedules(self, applied: bool) -> None:
+        """Log this step's learning rates, then advance the schedules — after an applied update only: a skipped one
+        changed no weight, so it spends none of the warm-up or decay."""
+        self.log_dict(self.learning_rates())
+        schedulers = self.lr_schedulers()
+        if applied and schedulers is not None:
+            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+                scheduler.step()
+
+    def log_step(self, rollout: Rollout, rewards: torch.Tensor, per_reward: torch.Tensor, step: int, step_s: float,
+                 rollout_s: float, metrics: dict[str, Any]) -> None:
+        """The step's metrics (TRL's names where TRL has them), and every `log_completions_every` steps a few
+        completions as text."""
+        lengths = rollout.completion_lengths.float()
+        terminated = rollout.terminated(self.stop_token_ids()).float()
+        groups = rewards.view(-1, self.hparams.num_generations)
+        # Prompt + completion tokens of every sample, all ranks (TRL's num_tokens).
+        self.num_tokens += int(self.sum_over_ranks((rollout.prompt_mask.sum() + lengths.sum()).float()))
+        metrics = {
+            "train/reward_std": rewards.std(),
+            "train/frac_reward_zero_std": (groups.std(1) == 0).float().mean(),
+            "train/num_tokens": float(self.num_tokens),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/terminated_ratio": terminated.mean(),  # ended with a stop token
+            "completions/clipped_ratio": 1.0 - terminated.mean(),  # cut at model.max_new_tokens
+            "train/tokens_per_s": lengths.sum() / step_s,
+            "train/rollout_s": rollout_s,
+            "train/step_s": step_s,
+            **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
+            **metrics,
+        }
+        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
+        self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
+        every = self.hparams.log_completions_every
+        experiment = getattr(self.logger, "experiment", None)
+        if every is not None and step % every == 0 and self.trainer.is_global_zero and hasattr(experiment, "add_text"):
+            shown = slice(0, 8)  # a few prompts, completions and rewards, rank 0's
+            table = completions_table(self.tokenizer, rollout.prompt_ids[shown], rollout.completion_ids[shown],
+                                      rewards[shown])
+            experiment.add_text("completions", table, global_step=step)
+
+    # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
+
+    def _pass_at_1(self, batch: dict[str, list[Any]], stage: str) -> None:
+        rollout = self.generate(batch, 1, self.eval_sampling, EVAL_STEP)
+        rewards, _ = self.score(batch, rollout, 1)
+        self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
+
+    def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
+        self._pass_at_1(batch, "val")
+
+    def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
+        self._pass_at_1(batch, "test")
+
+    # ---- export ---------------------------------------------------------------------------------------------------
+
+    def export(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Save the policy and tokenizer as a transformers checkpoint (sketched layers keep the original layout);
+        `state_dict`: the policy's weights when this process does not hold them whole (gathered from FSDP shards)."""
+        self.policy.save_pretrained(path, state_dict=state_dict)
+        self.tokenizer.save_pretrained(path)
+        follow_umask(Path(path))
+        write_sums(Path(path))  # checked when a run loads the folder (`load_policy`); `sha256sum -c SHA256SUMS` too
+
+    def _export_from_every_rank(self, path: str | Path) -> None:
+        """Called on every rank: a sharded policy is gathered first (a collective), and rank 0 writes the folder."""
+        state_dict = self.distribution.whole_policy_state()
+        if self.trainer.is_global_zero:
+            self.export(path, state_dict)
+
+    # ---- the run's components -------------------------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
+        self.controller = find_controller(self.trainer.callbacks)
+        self._find_weight_sync()
+        self._attach_engine()  # the weights are a resumed checkpoint's by now (restored before the strategy's set-up)
+        # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
+        self._configured = resume.configured(self.trainer.optimizers)
+        # The mode's settings beside the module's own hyperparameters, so that runs differ by them in the loggers
+        if self.mode.hparams():
+            for logger in self.loggers:
+                logger.log_hyperparams(self.mode.hparams())
+
+    def on_train_start(self) -> None:
+        # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        for change in resume.reapply(self.trainer.optimizers, schedulers, self._configured, self.mode.config_key):
+            log.warning("resuming: %s; training on with this run's value", change)
+
+    def on_validation_start(self) -> None:
+        self._find_weight_sync()
+        self._attach_engine()
+
+    def on_test_start(self) -> None:
+        self._find_weight_sync()
+        self._attach_engine()
+
+    def _find_weight_sync(self) -> None:
+        """The run's weight sync; refused where it would sync nothing, required where an engine has weights of its
+        own (it would sample from the model's initial files forever, silently)."""
+        self.weight_sync = find_sync(self.trainer.callbacks)
+        own_weights = not self.engine.samples_from(self.policy)
+        if self.weight_sync is not None and not own_weights:
+            raise ValueError(
+                "RolloutWeightSync: the in-process engine generates with the policy's own weights, so there is nothing "
+                "to sync; set model.engine (e.g. class_path: lightning_logra.rollout.VLLMEngine) or remove the "
+                "callback")
+        if self.weight_sync is None and own_weights:
+            raise ValueError(
+                f"model.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them equal to "
+                "the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (or set "
+                "model.engine: null to generate with the policy itself)")
+
+    def _attach_engine(self) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.attach(self.engine, lambda: self.mode.engine_tensors(self.policy), self.max_over_ranks)
+
+    # ---- checkpoints say what they are (lightning_logra.train.checkpoint) ----------------------------------------------
+
+    def _stamp(self) -> dict[str, Any]:
+        precision = str(self.trainer.precision)
+        # "-true" precisions hold the weights themselves in that dtype; "-mixed" ones keep model.dtype's
+        weights = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision,
+                                                                                          self.hparams.dtype)
+        mode = self.mode.stamp()
+        return {**stamp(weights, mode.pop("training")), **mode}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Runs before any state is restored. Evaluating or exporting a checkpoint under other settings is fine (its
+        # weights load, cast to this run's dtype); resuming training from state taken under other settings is not.
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            check_resumable(checkpoint, self._stamp())
+            self.num_tokens = checkpoint.get(CHECKPOINT_KEY, {}).get("num_tokens", 0)
+        # This run's settings apply, not the checkpoint's (lightning_logra.cli): say where they differ.
+        saved = checkpoint.get("hyper_parameters", {})
+        for key, value in self.hparams.items():
+            if key in saved and saved[key] != value:
+                log.warning("model.%s: the checkpoint was made with %r, this run uses %r", key, saved[key], value)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        every = self.hparams.export_every
+        if every is not None and self.global_step % every == 0:
+            self._export_from_every_rank(Path(self.hparams.export_dir) / f"step-{self.global_step:06d}")
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir is not None:
+            self._export_from_every_rank(self.hparams.export_dir)
+
+    def teardown(self, stage: str) -> None:
+        # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.
+        if self.engine is not None and not self.engine.samples_from(self.policy):
+            self.engine.close()

@@ -1,0 +1,74 @@
+"""The policy and its tokenizer, loaded from `model.model`, and what generation needs of them (stop and pad tokens,
+prompts as token ids)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_logra.base.waits import waiting_for
+from lightning_logra.paths import check_hub_model, model_path
+from lightning_logra.train.digests import verify_sums
+
+log = logging.getLogger(__name__)
+
+
+def load_policy(model: str, dtype: str, gradient_checkpointing: bool) -> tuple[torch.nn.Module, Any]:
+    """(policy in training mode, tokenizer) from a local folder (an export of this project's is checked against its
+    SHA256SUMS first) or a hub name."""
+    path = model_path(model)
+    if not Path(path).exists():
+        check_hub_model(path)
+    elif not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
+    else:
+        verify_sums(Path(path))  # an export of this project's: its files as they were written
+    with waiting_for(f"loading the model {model}", log):  # a hub model may download for minutes first
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).train()
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    return policy, tokenizer
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def stop_token_ids(tokenizer: Any, policy: torch.nn.Module) -> list[int]:
+    """The tokenizer's EOS and every EOS the model's generation config names."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(policy.generation_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str] | list[list[dict[str, str]]], chat_template: bool
+                   ) -> list[list[int]]:
+    """The token ids the rollout engine receives for each prompt. A conversation (a list of {"role", "content"}
+    messages, TRL's conversational format) goes through the tokenizer's chat template whole, a system message
+    included; a text prompt goes in as it is, or as the one user message of a chat with `chat_template`."""
+    if not chat_template and all(isinstance(p, str) for p in prompts):
+        return tokenizer(prompts)["input_ids"]
+    chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    return [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for chat in chats]
+
+
+def completions_table(tokenizer: Any, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
+                      rewards: torch.Tensor) -> str:
+    """Prompts, completions and rewards as a markdown table (TensorBoard's Text tab)."""
+    prompts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    table = ["| prompt | completion | reward |", "|---|---|---|"]
+    table += [f"| {cell(p)} | {cell(c)} | {float(r):.3g} |" for p, c, r in zip(prompts, completions, rewards)]
+    return "\n".join(table)

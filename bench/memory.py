@@ -61,14 +61,13 @@ from pathlib import Path
 import torch
 from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
-from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
-from lightning_logra.algo.kl import intended_kl, predicted_kl, realized_kl, step_scale
-from lightning_logra.base.batch import Rollout
-from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.advantages import group_advantages
-from lightning_logra.algo.logprobs import completion_logits, token_logprobs
+from lightning_logra.algo.kl import intended_kl, predicted_kl, realized_kl, step_scale
+from lightning_logra.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
 from lightning_logra.algo.losses import token_weights
-from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD
+from lightning_logra.base.batch import Rollout
+from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
+from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD, sketched_layers
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
 from lightning_logra.sketch.memory import saved_activation_bytes
 from lightning_logra.sketch.rounding import LOW_PRECISION
@@ -347,7 +346,9 @@ def run_lightning_worker(args: argparse.Namespace) -> dict | None:
             self.automatic_optimization = False
 
         def configure_model(self):
-            pass  # the policy exists already (ModelParallelStrategy requires the hook)
+            # The policy exists already; its sketches go in before the strategy sets it up (shards it under FSDP).
+            if not sketched_layers(self.policy):
+                sketch.install(self.policy)
 
         def training_step(self, _, batch_idx):
             optimizer = self.optimizers()
@@ -359,7 +360,7 @@ def run_lightning_worker(args: argparse.Namespace) -> dict | None:
             return torch.utils.data.DataLoader(range(args.steps), batch_size=1)
 
         def configure_optimizers(self):
-            return None  # SketchStrategy builds the sketch optimizer instead
+            return sketch.build_optimizers(self.policy, sketched_layers(self.policy))
 
     class StepTimer(Callback):
         def __init__(self) -> None:

@@ -21,7 +21,8 @@ from conftest import SKETCH_TARGETS, EngineSnapshot
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
-from lightning_logra.sketch import SketchAdam
+from lightning_logra.sketch import SketchAdam, sketched_layers
+from lightning_logra.train.policy import pad_token_id
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.train.strategies import SketchStrategy
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "
 
 RANK = 8
 STEPS = 5
-KILL_AT, STOP_AT, DRIFT_AT = 1, 2, 3  # batch indices
+KILL_AT, STOP_AT, DRIFT_AT = 1, 2, 3  # steps
 CALL_TIMEOUT_S = 20.0  # for the stalled step only: the engine's calls take under 2 s here, on a loaded machine too
 DRIFTED = {"model.layers.1.self_attn.o_proj.weight": (5, 7), "model.norm.weight": (11,)}  # trained, untrained
 
@@ -42,11 +43,14 @@ def _engine_processes(root: psutil.Process) -> list[psutil.Process]:
 
 
 class Disturb(Callback):
-    """Listed before RolloutWeightSync, so it acts inside a step, before the step's sync: kills the engine's processes
-    (the sync then meets a dead engine), stops them with SIGSTOP before a step (its generation stalls; the deadline
-    is short for that step only, so that a slow call elsewhere on a busy machine cannot count as a stall), and
-    shifts a trained and an untrained weight of the engine (the check right after this step's sync must repair both
-    before the next generation)."""
+    """Acts inside a step, after its backward pass and before its sync (the module's training step syncs the engine
+    once the update is applied): kills the engine's processes (the sync then meets a dead engine), stops them with
+    SIGSTOP before a step (its generation stalls; the deadline is short for that step only, so that a slow call
+    elsewhere on a busy machine cannot count as a stall), and shifts a trained and an untrained weight of the engine
+    (the check right after this step's sync must repair both before the next generation)."""
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()  # the steps disturbed (a backward pass runs per micro-batch)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == STOP_AT:
@@ -57,13 +61,19 @@ class Disturb(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == STOP_AT:
             pl_module.engine.call_timeout_s = self.default_timeout_s
-        if batch_idx == KILL_AT:
+
+    def on_after_backward(self, trainer, pl_module):
+        step = trainer.global_step
+        if step in self.done:
+            return
+        self.done.add(step)
+        if step == KILL_AT:
             processes = _engine_processes(psutil.Process())
             assert processes, "the engine core should run in its own process"
             for process in processes:
                 process.kill()
             psutil.wait_procs(processes, timeout=30)
-        if batch_idx == DRIFT_AT:
+        if step == DRIFT_AT:
             for name, index in DRIFTED.items():
                 weight = pl_module.engine.weights([name])[name][: pl_module.policy.get_parameter(name).shape[0]]
                 weight[index] += 1e-3 if weight.dim() == 2 else 0.5
@@ -71,7 +81,7 @@ class Disturb(Callback):
 
 
 class Record(EngineSnapshot):
-    """Listed after RolloutWeightSync: what each step sent and loaded, and what the engine holds at the end."""
+    """What each step sent and loaded, and what the engine holds at the end."""
 
     def __init__(self, sync: RolloutWeightSync) -> None:
         self.sync = sync
@@ -84,7 +94,7 @@ class Record(EngineSnapshot):
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
         self.restarts = pl_module.engine.restarts
-        self.sketched = {f"{n}.weight": h for n, h in trainer.strategy.handles.items()}
+        self.sketched = {f"{n}.weight": h for n, h in sketched_layers(pl_module.policy).items()}
 
 
 def _run(model_path, root, disturb: bool):
@@ -174,7 +184,6 @@ def test_a_killed_stalled_or_drifting_engine_changes_nothing(undisturbed, tiny_a
 ENGINE_SCRIPT = """
 import sys, time
 from lightning_logra.rollout import VLLMEngine
-from lightning_logra.train.policy import pad_token_id
 
 if __name__ == "__main__":
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1)

@@ -45,6 +45,7 @@ Optimizers = tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LR
 
 class TrainingMode(ABC):
     record: str  # how a checkpoint says its state was trained
+    description = "the dense baseline"  # how errors name the kind of run
 
     def __init__(self, distribution: Distribution) -> None:
         self.distribution = distribution
@@ -69,8 +70,6 @@ class TrainingMode(ABC):
         """The module's `optimizers()`: Lightning's wrappers of the optimizers, the first of which is stepped
         through Lightning (which counts the steps)."""
         self._lightning_optimizers = lightning_optimizers
-
-    description = "the dense baseline"  # how errors name the kind of run
 
     def ignored_module_settings(self) -> dict[str, str]:
         """{the module's setting (`model.<key>`): what acts instead} for the settings of the dense baseline's AdamW
@@ -165,7 +164,30 @@ class TrainingMode(ABC):
         changes nothing and returns None); the gradients are dropped either way."""
 
 
-class DenseMode(TrainingMode):
+class _DenseSteps(TrainingMode):
+    """A mode whose every optimizer steps parameters densely (AdamW): their steps are held back as the proposal when
+    a controller measures it, and taken at α."""
+
+    def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
+        self._finite = bool(torch.isfinite(grad_norm))
+        self._held = measured and self._finite
+        if not self._finite:
+            return None
+        inner, steps = self._optimizers()
+        return Update(dense=self._propose_dense(list(zip(inner, steps)))) if self._held else Update()
+
+    def apply(self, alpha: float) -> Update | None:
+        inner, steps = self._optimizers()
+        taken = self._finite and math.isfinite(alpha) and alpha >= 0
+        if self._finite and not taken:
+            log.warning("step size α=%s: the update is skipped", alpha)
+        self._apply_dense(list(zip(inner, steps)), alpha, taken)
+        for optimizer in inner:
+            optimizer.zero_grad(set_to_none=True)
+        return Update(dense=self._dense_values(inner)) if taken else None
+
+
+class DenseMode(_DenseSteps):
     """Every parameter the module trains (all of them, or `model.target_modules`' weights) by AdamW: the baseline."""
 
     record = "densely"
@@ -197,48 +219,29 @@ class DenseMode(TrainingMode):
     def config_key(self, index: int, key: str) -> str:
         return f"model.{key}"
 
-    def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
-        self._finite = bool(torch.isfinite(grad_norm))
-        self._held = measured and self._finite
-        if not self._finite:
-            return None
-        inner, steps = self._optimizers()
-        return Update(dense=self._propose_dense(list(zip(inner, steps)))) if self._held else Update()
 
-    def apply(self, alpha: float) -> Update | None:
-        inner, steps = self._optimizers()
-        taken = self._finite and math.isfinite(alpha) and alpha >= 0
-        if self._finite and not taken:
-            log.warning("step size α=%s: the update is skipped", alpha)
-        self._apply_dense(list(zip(inner, steps)), alpha, taken)
-        for optimizer in inner:
-            optimizer.zero_grad(set_to_none=True)
-        return Update(dense=self._dense_values(inner)) if taken else None
-
-
-class LoRAMode(DenseMode):
+class LoRAMode(_DenseSteps):
     """peft LoRA adapters on the target matrices, trained by AdamW (to the step, densely trained parameters); what
     an engine receives of a step is each adapted matrix's change as a low-rank delta (`lora.low_rank_deltas`)."""
 
     record = lora.TRAINING
+    description = "the LoRA strategy"
 
     def __init__(self, distribution: Distribution, config: LoRAConfig) -> None:
-        TrainingMode.__init__(self, distribution)
+        super().__init__(distribution)
         self.config = config
         self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the adapters at the step's start
 
     def install(self, policy: nn.Module, fitting: bool) -> None:
         # In every stage, not only fit: a LoRA checkpoint's state holds the adapters (and peft's `base_layer` names),
         # so validate / test with it need them in place; fresh adapters (B = 0) leave the policy's outputs unchanged.
-        TrainingMode.install(self, policy, fitting)
+        super().install(policy, fitting)
         if not lora.adapted_layers(policy):
             self.config.install(policy)
 
     def build_optimizers(self, policy: nn.Module) -> Optimizers:
         optimizer = self.config.build_optimizer(policy)
         return [optimizer], [self.config.lr_schedule.scheduler(optimizer)]
-
-    description = "the LoRA strategy"
 
     def ignored_module_settings(self) -> dict[str, str]:
         return {key: f"{LORA_KEY}.{key}" for key in _DENSE_ONLY}
@@ -275,6 +278,7 @@ class SketchMode(TrainingMode):
     biases of those layers and every other parameter, when `train_bias` / `train_rest`, by an AdamW (the second)."""
 
     record = "with sketches"
+    description = "a sketch strategy"
 
     def __init__(self, distribution: Distribution, config: SketchConfig) -> None:
         super().__init__(distribution)
@@ -289,8 +293,6 @@ class SketchMode(TrainingMode):
     def build_optimizers(self, policy: nn.Module) -> Optimizers:
         optimizers = self.config.build_optimizers(policy, self.handles)
         return optimizers, self.config.build_schedulers(optimizers)
-
-    description = "a sketch strategy"
 
     def ignored_module_settings(self) -> dict[str, str]:
         return _DENSE_ONLY

@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny models built from a config (no downloads exist here), and prompt files."""
+"""Shared fixtures: tiny models built from a config (no downloads exist here), the command line on a config
+(`run_cli`), callbacks that subprocess runs load by name (`conftest.X`), and prompt files."""
 
 import csv
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +18,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lightning_logra.sketch import sketched_layers
 from lightning_logra.train.policy import pad_token_id
 
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "configs"
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -57,6 +62,62 @@ def tiny_arith_model(tmp_path_factory) -> str:
 def odd_first_digit(prompts: list[str], completions: list[str], **_) -> list[float]:
     """A reward a random model earns about a third of the time, so tiny runs have non-zero advantages."""
     return [1.0 if c[:1] in "13579" else 0.0 for c in completions]
+
+
+def output_overrides(root: Path) -> list[str]:
+    """Logs and checkpoints under `root`, no progress bar, no model summary: what every test run of a config gets."""
+    return ["--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root),
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def fast_overrides(model: str, root: Path, steps: int, *extra: str) -> list[str]:
+    """Overrides that make a tiny config (configs/tiny_arith*.yaml) a seconds-long run: `steps` steps of 4 prompts on
+    `model`, rewarded by `odd_first_digit`, evaluating 8 prompts every 2 steps, its output under `root`; then
+    `extra`."""
+    return ["--model.model", str(model), "--trainer.max_steps", str(steps), "--trainer.val_check_interval", "2",
+            "--data.init_args.batch_size", "4", "--data.init_args.eval_limit", "8",
+            "--model.reward", "conftest.odd_first_digit", *output_overrides(root), *extra]
+
+
+@pytest.fixture(scope="session")
+def run_cli(tiny_arith_model, tmp_path_factory):
+    """The command line on `config` (a shipped config's name, or a path) with `fast_overrides` (`fast=False`: the
+    config's own model, data and reward, only its output moved) and then `overrides`, the output under `root` (by
+    default a new temporary folder), on `model` (by default `tiny_arith_model`):
+
+    - in this process, returning the LightningCLI as `cli.main` does (`run=False`: parsed and instantiated only);
+    - with `subprocess=True`, as `python cli.py ...` from the repository root, with conftest importable there and
+      one thread (`env` adds to or replaces these variables), returning the CompletedProcess, which must succeed
+      unless `check=False`; with `wait=False` as well, the running Popen instead, its output in `root/out.log`.
+    """
+    from lightning_logra.cli import main
+
+    def run(config, *overrides, steps=2, model=None, root=None, fast=True, command="fit", run=True,
+            subprocess=False, wait=True, check=True, env=None):
+        root = Path(root) if root is not None else tmp_path_factory.mktemp("run")
+        ours = fast_overrides(model or tiny_arith_model, root, steps) if fast else output_overrides(root)
+        args = ["--config", str(config), *ours, *overrides]
+        if not subprocess:
+            return main([command, *args] if run else args, run=run)
+        return _run_in_a_process([command, *args], root, env or {}, wait, check)
+
+    return run
+
+
+def _run_in_a_process(args: list[str], root: Path, env: dict[str, str], wait: bool, check: bool):
+    # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a sum
+    # over as many threads as they find free, which moves a comparison's last bits from one run to the next.
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **env}
+    command = [sys.executable, "cli.py", *args]
+    if not wait:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / "out.log", "w") as out:
+            return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 class NoDenseSketchGradients(Callback):

@@ -5,7 +5,6 @@ in --help."""
 import dataclasses
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -16,7 +15,6 @@ from lightning_logra.train.module import RLVRModule
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch.config import SketchConfig
 
-CONFIGS = Path(__file__).parents[1] / "configs"
 KEY = "trainer.strategy.init_args.sketch"
 
 
@@ -32,12 +30,6 @@ def nothing_loads(monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load_weights)
     monkeypatch.setattr(ArithDataModule, "setup", set_up_data)
-
-
-def _fit(model_path, root, *overrides, config="tiny_arith.yaml", run=True):
-    args = ["--config", str(CONFIGS / config), "--model.model", model_path, "--trainer.logger", "false",
-            "--trainer.default_root_dir", str(root), *overrides]
-    return main(["fit", *args] if run else args, run=run)
 
 
 # The test model (tiny_arith_model): q/k/v/o/gate/up read 128 inputs, down_proj 256; lm_head is tied to the embedding.
@@ -60,16 +52,15 @@ def _fit(model_path, root, *overrides, config="tiny_arith.yaml", run=True):
      f"{KEY}.target_modules: the weight of 'lm_head' is shared by ['model.embed_tokens.weight', 'lm_head.weight']"),
     (["--trainer.strategy.init_args.sketch.target_modules", "[]"], ValueError, f"{KEY}.target_modules is empty"),
 ], ids=["rank 0", "negative rank", "rank = k", "unknown target", "not a Linear", "tied weight", "no targets"])
-def test_bad_sketch_settings_fail_before_weights_or_data_load(tiny_arith_model, tmp_path, nothing_loads, override,
-                                                              error, message):
+def test_bad_sketch_settings_fail_before_weights_or_data_load(run_cli, nothing_loads, override, error, message):
     with pytest.raises(error) as info:
-        _fit(tiny_arith_model, tmp_path, *override)
+        run_cli("tiny_arith", *override)
     assert message in str(info.value)
 
 
-def test_the_largest_rank_that_fits_passes_the_checks(tiny_arith_model, tmp_path, nothing_loads):
+def test_the_largest_rank_that_fits_passes_the_checks(run_cli, nothing_loads):
     # rank 127 < k = 128 for every target: the check's boundary is exactly the installer's rule r < k.
-    cli = _fit(tiny_arith_model, tmp_path, "--trainer.strategy.init_args.sketch.rank", "127", run=False)
+    cli = run_cli("tiny_arith", "--trainer.strategy.init_args.sketch.rank", "127", run=False)
     assert cli.trainer.strategy.config.rank == 127 and cli.model.policy is None
 
 
@@ -84,23 +75,23 @@ def test_the_largest_rank_that_fits_passes_the_checks(tiny_arith_model, tmp_path
      f"model.lr_schedule: set to {LRSchedule(warmup_steps=5)}, but a sketch strategy would ignore it (it sets the "
      f"dense baseline's AdamW); set {KEY}.lr_schedule instead"),
 ], ids=["lr", "weight_decay", "lr_schedule"])
-def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(tiny_arith_model, tmp_path, nothing_loads,
-                                                                     override, key, value, message):
+def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(run_cli, nothing_loads, override, key, value,
+                                                                     message):
     with pytest.raises(ValueError) as info:
-        _fit(tiny_arith_model, tmp_path, *override)
+        run_cli("tiny_arith", *override)
     assert message in str(info.value)
     # In a dense run they are what acts (tiny_arith_dense_all.yaml sets model.lr 1e-4 itself).
-    dense = _fit(tiny_arith_model, tmp_path, *override, config="tiny_arith_dense_all.yaml", run=False)
+    dense = run_cli("tiny_arith_dense_all", *override, run=False)
     assert (dense.model.lr_schedule if key == "lr_schedule" else dense.model.hparams[key]) == value
 
 
 @pytest.mark.parametrize("option", [["--optimizer", "torch.optim.Adam"],
                                     ["--lr_scheduler", "torch.optim.lr_scheduler.StepLR"]])
-def test_lightning_cli_optimizer_options_do_not_exist(tiny_arith_model, tmp_path, capsys, option):
+def test_lightning_cli_optimizer_options_do_not_exist(run_cli, capsys, option):
     # LightningCLI's own --optimizer / --lr_scheduler would be accepted and dropped (the strategy or the module
     # builds the optimizers, and Lightning steps no scheduler under manual optimization): they are not offered.
     with pytest.raises(SystemExit):
-        _fit(tiny_arith_model, tmp_path, *option)
+        run_cli("tiny_arith", *option)
     assert f"unrecognized arguments: {option[0]}" in capsys.readouterr().err
 
 

@@ -6,21 +6,16 @@ fails the same way without a subset name). A revision only means something on th
 `load_dataset` cannot be checked offline; that a local path refuses one is.
 """
 
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_rows
 from datasets import Dataset, DatasetDict
 
-from cli import main
 from lightning_logra.data.module import PromptDataModule
 from lightning_logra.data.prompts import DatasetSource, PromptDataset
 
 pytestmark = pytest.mark.usefixtures("hf_cache")
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 GSM8K_README = """---
 configs:
@@ -123,7 +118,7 @@ def test_the_data_module_reads_train_and_eval_splits_of_one_subset(gsm8k_like):
     assert questions(module.eval_sets["validate"]) == ["main test 0?", "main test 1?"]
 
 
-def test_a_config_names_the_subset_as_a_mapping(tmp_path, gsm8k_like):
+def test_a_config_names_the_subset_as_a_mapping(run_cli, tmp_path, gsm8k_like):
     config = tmp_path / "data.yaml"
     config.write_text(f"""data:
   class_path: lightning_logra.data.module.PromptDataModule
@@ -133,8 +128,7 @@ def test_a_config_names_the_subset_as_a_mapping(tmp_path, gsm8k_like):
     prompt_key: question
     batch_size: 2
 """)
-    cli = main(["--config", str(CONFIGS / "tiny_arith.yaml"), "--config", str(config), "--trainer.logger", "false"],
-               run=False)
+    cli = run_cli("tiny_arith", "--config", str(config), fast=False, run=False)
     assert cli.datamodule.sources["fit"] == DatasetSource(gsm8k_like, name="socratic", split="train[:2]")
     cli.datamodule.setup("fit")
     assert questions(cli.datamodule.train_set) == ["socratic train 0?", "socratic train 1?"]

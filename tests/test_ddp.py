@@ -2,9 +2,6 @@
 
 import glob
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,27 +10,18 @@ import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import CONFIGS
+
 pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
 
-ROOT = Path(__file__).parents[1]
 
-
-def _fit(config: str, model: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:
-    command = [
-        sys.executable, "cli.py", "fit", "--config", config, "--model.model", model,
-        "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
-        "--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root),
-        "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "4",
-        "--data.init_args.eval_limit", "4", "--model.reward", "conftest.odd_first_digit",
-        "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
-        "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
-        "--trainer.callbacks+=conftest.GradNormLog",
-    ]
-    # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a
-    # sum over as many threads as they find free, which moves the comparison's last bits from one run to the next.
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _fit(run_cli, config: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:
+    """A tiny run in processes of its own (validating once, at its end), checked by conftest's callbacks; returns the
+    weights it exported."""
+    run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
+            "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+            "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
+            "--trainer.callbacks+=conftest.GradNormLog", steps=steps, root=root, subprocess=True)
     return load_file(root / "export" / "model.safetensors")
 
 
@@ -49,11 +37,11 @@ def _scalars(root: Path, tag: str) -> list[float]:
     return [event.value for event in events.Scalars(tag)]
 
 
-def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
+def test_two_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     # With the configs' KL control (subset: 16 of the global batch's 32 responses): both runs measure q on the same
     # responses, so they take the same α.
-    single = _fit(str(ROOT / "configs" / "tiny_arith.yaml"), tiny_arith_model, tmp_path / "1")
-    double = _fit(str(ROOT / "configs" / "tiny_arith_ddp.yaml"), tiny_arith_model, tmp_path / "2")
+    single = _fit(run_cli, "tiny_arith", tmp_path / "1")
+    double = _fit(run_cli, "tiny_arith_ddp", tmp_path / "2")
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     moved = [name for name in single if not torch.equal(single[name], start[name])]
     assert any("q_proj" in name for name in moved)  # the runs did train
@@ -73,20 +61,20 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tiny_arith_mod
 def _dense_on_two_processes(path: Path) -> str:
     # tiny_arith_dense_all.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside
     # every backward; the data module shards each step's prompts itself.
-    data = yaml.safe_load((ROOT / "configs" / "tiny_arith_dense_all.yaml").read_text())
+    data = yaml.safe_load((CONFIGS / "tiny_arith_dense_all.yaml").read_text())
     data["trainer"].update(devices=2, use_distributed_sampler=False, strategy={
         "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"process_group_backend": "gloo"}})
     path.write_text(yaml.safe_dump(data))
     return str(path)
 
 
-def test_dense_ddp_equals_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
+def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     # Each rank's loss is normalized by the global batch's counts, so the ranks' gradients must be summed; the DDP
     # wrapper averages them, and the module multiplies its loss by the world size to undo that. AdamW is invariant to
     # the gradients' scale and the config clips their norm (above 2 here) to 1, so the weights alone would not notice a
     # missing factor: the gradient norms before clipping are compared too.
-    single = _fit(str(ROOT / "configs" / "tiny_arith_dense_all.yaml"), tiny_arith_model, tmp_path / "1")
-    double = _fit(_dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tiny_arith_model, tmp_path / "2")
+    single = _fit(run_cli, "tiny_arith_dense_all", tmp_path / "1")
+    double = _fit(run_cli, _dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tmp_path / "2")
     norms = _grad_norms(tmp_path / "1")
     assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped
     assert _grad_norms(tmp_path / "2") == pytest.approx(norms, rel=1e-5)

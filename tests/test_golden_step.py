@@ -6,15 +6,13 @@ GOLDEN_PRINT=1, check the new values make sense, and paste them here with the re
 """
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback
 
-from cli import main
+pytestmark = pytest.mark.integration  # three steps of the shipped model at 8 prompts, through the CLI
 
-ROOT = Path(__file__).parents[1]
 RECORDED = ("train/loss", "train/grad_norm", "train/reward_mean", "kl/q", "kl/alpha")
 
 
@@ -68,21 +66,14 @@ GOLDEN = {
 }
 
 
-def _run(config: str, tmp_path) -> Recorder:
+@pytest.mark.parametrize("config", sorted(GOLDEN))
+def test_three_steps_match_the_recorded_numbers(run_cli, config):
+    # The config as shipped (its model, reward and data), 3 steps of 8 prompts, no validation.
     recorder = Recorder()
-    cli = main(["--config", str(ROOT / "configs" / f"{config}.yaml"), "--trainer.max_steps", "3",
-                "--trainer.logger", "false",
-                "--trainer.enable_progress_bar",
-                "false", "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(tmp_path),
-                "--data.init_args.batch_size", "8", "--trainer.val_check_interval", "1000"], run=False)
+    cli = run_cli(config, "--trainer.max_steps", "3", "--data.init_args.batch_size", "8",
+                  "--trainer.val_check_interval", "1000", fast=False, run=False)
     cli.trainer.callbacks.append(recorder)
     cli.trainer.fit(cli.model, cli.datamodule)
-    return recorder
-
-
-@pytest.mark.parametrize("config", sorted(GOLDEN))
-def test_three_steps_match_the_recorded_numbers(config, tmp_path):
-    recorder = _run(config, tmp_path)
     observed = {"steps": recorder.metrics, **recorder.checksum}
     if os.environ.get("GOLDEN_PRINT"):
         print(f"\n{config!r}: {observed!r},")

@@ -241,13 +241,12 @@ def test_intended_kl_is_the_exact_kl_of_the_scaled_step():
     assert float(exact) == pytest.approx(0.09 * float(q), rel=0.05)  # ≈ α²·q
 
 
-def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
+@pytest.mark.integration
+def test_a_skipped_step_logs_nan_not_the_last_steps_kl(run_cli):
     # A sketch turned NaN in step 2's backward makes the module skip that update; the controller's metrics for
     # step 2 must say "no step" instead of repeating step 1's α and KL.
     from lightning.pytorch import Callback
-    from pathlib import Path
 
-    from cli import main
     from conftest import PoisonSketchAt
 
     class Record(Callback):
@@ -258,10 +257,9 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
             self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()
                                if k.startswith(("kl/", "update/")) or k == "train/update_skipped"})
 
-    config = Path(__file__).parents[1] / "configs" / "tiny_arith.yaml"
-    cli = main(["--config", str(config), "--trainer.max_steps", "3", "--trainer.logger", "false",
-                "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
-                "--data.init_args.batch_size", "8", "--trainer.val_check_interval", "1000"], run=False)
+    # the shipped model and reward, 3 steps of 8 prompts, no validation
+    cli = run_cli("tiny_arith", "--trainer.max_steps", "3", "--data.init_args.batch_size", "8",
+                  "--trainer.val_check_interval", "1000", fast=False, run=False)
     record = Record()
     cli.trainer.callbacks[:0] = [PoisonSketchAt(1)]
     cli.trainer.callbacks.append(record)  # after PredictedKLBudget: sees what it logged at the step's end
@@ -280,24 +278,20 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(tmp_path):
         assert step["kl/acting"] == float(step["kl/alpha"] < 4.0)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("config, extra", [
     ("tiny_arith_dense_all", ["--model.lr", "1e-4"]),  # no sketches at all: AdamW on every parameter
     ("tiny_arith", ["--trainer.strategy.init_args.sketch.train_rest", "true",
                     "--trainer.strategy.init_args.sketch.rest_lr", "1e-3"]),  # sketches + dense AdamW
 ])
-def test_alpha_scales_the_whole_update_dense_parameters_included(tmp_path, config, extra):
+def test_alpha_scales_the_whole_update_dense_parameters_included(run_cli, config, extra):
     # One step with the controller must move every trained parameter by α times the step the same run takes
     # without it (same batch, same gradient, AdamW's first step): dense parameters are not left unscaled.
-    from pathlib import Path
-
-    from cli import main
-
     def one_step(controlled: bool):
-        args = ["--config", str(Path(__file__).parents[1] / "configs" / f"{config}.yaml"), "--trainer.max_steps", "1",
-                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval",
-                "1000", "--trainer.default_root_dir", str(tmp_path), "--data.init_args.batch_size", "4",
-                "--model.max_grad_norm", "null", *extra]
-        cli = main(args, run=False)
+        # the shipped model and reward, one step of 4 prompts, no validation
+        cli = run_cli(config, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1000",
+                      "--data.init_args.batch_size", "4", "--model.max_grad_norm", "null", *extra, fast=False,
+                      run=False)
         cli.trainer.callbacks = [cb for cb in cli.trainer.callbacks if not isinstance(cb, PredictedKLBudget)]
         if controlled:  # a budget small enough that it binds: α < α_max
             cli.trainer.callbacks.append(PredictedKLBudget(budget=2e-3, alpha_max=1.0, subset=4))

@@ -4,22 +4,17 @@ with its own weights follows through rank-2r deltas, and bad settings fail namin
 
 import copy
 import glob
-from pathlib import Path
 
 import peft
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
 
-from conftest import SKETCH_TARGETS, odd_first_digit
+from conftest import CONFIGS, SKETCH_TARGETS, odd_first_digit
 from lightning_logra.train import lora
-from lightning_logra.train.strategies import LoRAStrategy
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.train.checkpoint import check_resumable
-from lightning_logra.cli import main
-from lightning_logra.data.module import ArithDataModule
 from lightning_logra.export import export_checkpoint
 from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.advantages import group_advantages
@@ -29,7 +24,6 @@ from lightning_logra.rollout import HFEngine, SamplingParams
 from lightning_logra.algo.update import Update
 from lightning_logra.train.policy import pad_token_id
 
-CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith_lora.yaml")
 G = 4
 
 
@@ -39,21 +33,26 @@ def _module(model_path, **kwargs):
     return RLVRModule(model_path, **{**settings, **kwargs})
 
 
-def _trainer(root, strategy, steps, callbacks=()):
-    return Trainer(accelerator="cpu", strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                   num_sanity_val_steps=0, callbacks=list(callbacks), default_root_dir=str(root))
+def _lora_run(run_cli, steps, *overrides):
+    """tiny_arith_lora.yaml on the tiny model at rank 4, with `_module`'s settings and no validation: parsed and
+    instantiated, for the test to fit."""
+    return run_cli("tiny_arith_lora", "--model.num_generations", str(G), "--model.max_new_tokens", "4",
+                   "--model.micro_batch_size", "4", "--model.max_grad_norm", "null", "--model.is_cap", "null",
+                   "--model.reward_timeout_s", "null", "--trainer.limit_val_batches", "0",
+                   "--trainer.strategy.init_args.lora.rank", "4", *overrides, steps=steps, run=False)
 
 
-def test_one_step_is_a_hand_written_peft_adamw_step(tiny_arith_model, tmp_path):
-    module = _module(tiny_arith_model)
+@pytest.mark.integration
+def test_one_step_is_a_hand_written_peft_adamw_step(run_cli):
+    cli = _lora_run(run_cli, 1, "--trainer.strategy.init_args.lora.alpha", "8.0",
+                    "--trainer.strategy.init_args.lora.lr", "1e-2", "--trainer.strategy.init_args.lora.seed", "3")
+    module = cli.model
     module.configure_model()
     base = copy.deepcopy(module.policy)
     scored = []
     rollouts = module.rollouts
     module.rollouts = lambda *args: scored.append(rollouts(*args)) or scored[-1]
-    config = lora.LoRAConfig(target_modules=SKETCH_TARGETS, rank=4, alpha=8.0, lr=1e-2, seed=3)
-    _trainer(tmp_path, LoRAStrategy(config), 1).fit(module, ArithDataModule(batch_size=4))
+    cli.trainer.fit(module, cli.datamodule)
     (rollout, rewards, _), = scored
     assert 0 < rewards.mean() < 1  # something to learn
 
@@ -91,13 +90,10 @@ def test_one_step_is_a_hand_written_peft_adamw_step(tiny_arith_model, tmp_path):
     assert any(".lora_B." in n and trained[n].abs().sum() > 0 for n in trained)  # B left 0: the step moved it
 
 
-def _fast(model_path, root, steps, *extra):
-    return ["fit", "--config", CONFIG, "--model.model", model_path, "--trainer.max_steps", str(steps),
-            "--trainer.val_check_interval", str(steps), "--trainer.logger.init_args.save_dir", str(root),
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--trainer.default_root_dir", str(root), "--data.init_args.batch_size", "4",
-            "--data.init_args.eval_limit", "8", "--model.reward", "conftest.odd_first_digit",
-            "--trainer.strategy.init_args.lora.rank", "4", *extra]
+def _fit(run_cli, root, steps, *extra):
+    """A tiny run of tiny_arith_lora.yaml at rank 4, validating at its end."""
+    return run_cli("tiny_arith_lora", "--trainer.val_check_interval", str(steps),
+                   "--trainer.strategy.init_args.lora.rank", "4", *extra, steps=steps, root=root)
 
 
 def _last(root):
@@ -106,15 +102,16 @@ def _last(root):
 
 
 @pytest.fixture(scope="module")
-def resumed_runs(tiny_arith_model, tmp_path_factory):
+def resumed_runs(run_cli, tmp_path_factory):
     """4 steps straight, and 2 + 2 resumed from the checkpoint of step 2 (through the command line)."""
     root = tmp_path_factory.mktemp("lora_resume")
-    straight = main(_fast(tiny_arith_model, root / "a", 4))
-    main(_fast(tiny_arith_model, root / "b", 2))
-    resumed = main(_fast(tiny_arith_model, root / "c", 4, "--ckpt_path", _last(root / "b")))
+    straight = _fit(run_cli, root / "a", 4)
+    _fit(run_cli, root / "b", 2)
+    resumed = _fit(run_cli, root / "c", 4, "--ckpt_path", _last(root / "b"))
     return straight, resumed, root
 
 
+@pytest.mark.integration
 def test_resume_continues_exactly(resumed_runs):
     straight, resumed, _ = resumed_runs
     assert resumed.trainer.global_step == straight.trainer.global_step == 4
@@ -128,7 +125,8 @@ def test_resume_continues_exactly(resumed_runs):
         assert torch.equal(opt_a.state[pa]["exp_avg_sq"], opt_b.state[pb]["exp_avg_sq"])
 
 
-def test_resume_refuses_other_adapters_or_other_training(resumed_runs, tiny_arith_model):
+@pytest.mark.integration
+def test_resume_refuses_other_adapters_or_other_training(resumed_runs, run_cli):
     _, _, root = resumed_runs
     checkpoint = torch.load(_last(root / "b"), weights_only=False)
     saved = checkpoint["lightning_logra"]
@@ -137,12 +135,13 @@ def test_resume_refuses_other_adapters_or_other_training(resumed_runs, tiny_arit
     with pytest.raises(ValueError, match="trainer.strategy.init_args.lora: the checkpoint's adapters"):
         check_resumable(checkpoint, other)
     with pytest.raises(ValueError, match="cannot resume") as info:
-        main(_fast(tiny_arith_model, root / "d", 3, "--trainer.strategy.init_args.lora.alpha", "8",
-                   "--ckpt_path", _last(root / "b")))
+        _fit(run_cli, root / "d", 3, "--trainer.strategy.init_args.lora.alpha", "8", "--ckpt_path", _last(root / "b"))
     assert "'alpha': 32.0" in str(info.value) and "'alpha': 8.0" in str(info.value)
 
 
-def test_export_is_the_merged_model_and_the_adapter_export_loads_in_peft(resumed_runs, tiny_arith_model, tmp_path):
+@pytest.mark.integration
+def test_export_is_the_merged_model_and_the_adapter_export_loads_in_peft(resumed_runs, run_cli, tiny_arith_model,
+                                                                         tmp_path):
     straight, _, root = resumed_runs
     policy = straight.model.policy.eval()
     merged_out = export_checkpoint(_last(root / "a"), tmp_path / "merged")
@@ -168,16 +167,12 @@ def test_export_is_the_merged_model_and_the_adapter_export_loads_in_peft(resumed
                                                       str(adapter_out)).eval()
         torch.testing.assert_close(with_adapter(input_ids=ids).logits, ours, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="--adapter: .* was not trained with LoRA adapters"):
-        export_checkpoint(_dense_checkpoint(tiny_arith_model, tmp_path), tmp_path / "x", adapter=True)
+        export_checkpoint(_dense_checkpoint(run_cli, tmp_path), tmp_path / "x", adapter=True)
 
 
-def _dense_checkpoint(model_path, root):
-    config = str(Path(CONFIG).parent / "tiny_arith_dense_all.yaml")
-    main(["fit", "--config", config, "--model.model", model_path, "--trainer.max_steps", "1",
-          "--trainer.logger.init_args.save_dir", str(root / "dense"), "--trainer.enable_progress_bar", "false",
-          "--trainer.default_root_dir", str(root / "dense"), "--data.init_args.batch_size", "2",
-          "--trainer.val_check_interval", "1", "--data.init_args.eval_limit", "2",
-          "--model.reward", "conftest.odd_first_digit"])
+def _dense_checkpoint(run_cli, root):
+    run_cli("tiny_arith_dense_all", "--data.init_args.batch_size", "2", "--trainer.val_check_interval", "1",
+            "--data.init_args.eval_limit", "2", steps=1, root=root / "dense")
     return _last(root / "dense")
 
 
@@ -201,15 +196,17 @@ def test_the_low_rank_delta_is_the_change_of_the_merged_weight():
     assert not lora.low_rank_deltas(model, lora.adapter_snapshot(model))  # nothing changed: nothing sent
 
 
-def test_an_engine_with_its_own_weights_follows_a_controlled_lora_run(tiny_arith_model, tmp_path):
-    module = _module(tiny_arith_model)
+@pytest.mark.integration
+def test_an_engine_with_its_own_weights_follows_a_controlled_lora_run(run_cli):
+    cli = _lora_run(run_cli, 3, "--trainer.strategy.init_args.lora.lr", "1e-2")
+    module = cli.model
     module.configure_model()
     module.engine = HFEngine(copy.deepcopy(module.policy), module.stop_token_ids(), pad_token_id(module.tokenizer))
     start = {name: t.clone() for name, t in module.engine.model.state_dict().items()}
     sync = RolloutWeightSync(check_every=1, tolerance=1e-5)
     budget = PredictedKLBudget(budget=1e-3, alpha_max=4.0, subset=4)
-    config = lora.LoRAConfig(target_modules=SKETCH_TARGETS, rank=4, lr=1e-2)
-    _trainer(tmp_path, LoRAStrategy(config), 3, [budget, sync]).fit(module, ArithDataModule(batch_size=4))
+    cli.trainer.callbacks.extend([budget, sync])
+    cli.trainer.fit(module, cli.datamodule)
 
     assert sync.syncs == 3 and sync.full_loads == 1  # fingerprints matched at every check: no repair needed
     metrics = module.trainer.callback_metrics
@@ -251,9 +248,9 @@ def test_bad_settings_fail_naming_the_key(settings, message):
     (["--model.lr", "0.1"], "set trainer.strategy.init_args.lora.lr instead"),
     (["--model.target_modules", "[q_proj]"], "set trainer.strategy.init_args.lora.target_modules instead"),
 ], ids=["target", "rank", "dropout", "model.lr", "model.target_modules"])
-def test_bad_config_values_fail_before_training_naming_the_key(tiny_arith_model, tmp_path, capsys, override, message):
+def test_bad_config_values_fail_before_training_naming_the_key(run_cli, tmp_path, capsys, override, message):
     with pytest.raises((ValueError, SystemExit)) as info:
-        main(_fast(tiny_arith_model, tmp_path, 2, *override))
+        _fit(run_cli, tmp_path, 2, *override)
     shown = capsys.readouterr().err if info.type is SystemExit else str(info.value)  # parse errors go to stderr
     assert message in shown
     assert not glob.glob(str(tmp_path / "**" / "*.ckpt"), recursive=True)  # no step was taken
@@ -272,16 +269,14 @@ def test_dense_baseline_on_the_target_matrices_only(tiny_arith_model):
 
 
 
-def test_the_dense_baseline_config_trains_what_the_logra_config_trains(tmp_path):
+def test_the_dense_baseline_config_trains_what_the_logra_config_trains(run_cli):
     # Like for like: configs/tiny_arith_dense.yaml trains exactly the weights tiny_arith.yaml sketches; the
     # all-parameter baseline is configs/tiny_arith_dense_all.yaml (it adds the tied embedding, the norms and biases).
-    configs = Path(CONFIG).parent
-    sketched = yaml.safe_load((configs / "tiny_arith.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    sketched = yaml.safe_load((CONFIGS / "tiny_arith.yaml").read_text())["trainer"]["strategy"]["init_args"]
     targets = sketched["sketch"]["target_modules"]
     trained = {}
     for name in ("tiny_arith_dense", "tiny_arith_dense_all"):
-        cli = main(["--config", str(configs / f"{name}.yaml"), "--trainer.logger", "false",
-                    "--trainer.default_root_dir", str(tmp_path)], run=False)
+        cli = run_cli(name, fast=False, run=False)
         cli.model.configure_model()
         trained[name] = {n for n, p in cli.model.policy.named_parameters() if p.requires_grad}
     params = dict(cli.model.policy.named_parameters())
@@ -293,15 +288,14 @@ def test_the_dense_baseline_config_trains_what_the_logra_config_trains(tmp_path)
 
 
 @pytest.mark.integration
-def test_the_lora_config_learns_through_the_command_line(tmp_path):
+def test_the_lora_config_learns_through_the_command_line(run_cli, tmp_path):
     # The shipped model and config, 60 steps: the reward climbs and greedy pass@1 leaves the shipped 0.622.
     import sys
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    sys.path.insert(0, str(CONFIGS.parent / "bench"))
     from runs import latest_run, scalars
 
-    main(["fit", "--config", CONFIG, "--trainer.max_steps", "60", "--trainer.val_check_interval", "60",
-          "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-          "--data.init_args.eval_limit", "250", "--trainer.default_root_dir", str(tmp_path)])
+    run_cli("tiny_arith_lora", "--trainer.max_steps", "60", "--trainer.val_check_interval", "60",
+            "--data.init_args.eval_limit", "250", fast=False, root=tmp_path)
     values = scalars(latest_run(tmp_path, "tiny_arith_lora"))
     rewards = values["train/reward_mean"]
     assert len(rewards) == 60

@@ -12,16 +12,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_logra.callbacks import MemoryProfiler
 from lightning_logra.callbacks.memory import GIB, StepSampler, process_rss_reader
-from cli import main
 from lightning_logra.rollout import HFEngine
 from lightning_logra.sketch.memory import memory_breakdown
-from test_cli import CONFIGS, _fast
 
 MB = 10**6
-
-
-def _config(name: str) -> str:
-    return str(Path(CONFIGS[0]).parent / f"{name}.yaml")
 
 
 def _profiler(trainer) -> MemoryProfiler:
@@ -29,11 +23,12 @@ def _profiler(trainer) -> MemoryProfiler:
     return profiler
 
 
-def test_every_step_logs_average_and_peak_of_the_process_rss(tiny_arith_model, tmp_path):
+@pytest.mark.integration
+def test_every_step_logs_average_and_peak_of_the_process_rss(run_cli):
     # Linux: writing 5 to clear_refs resets the kernel's RSS high-water mark, which ru_maxrss reports, to the current
     # RSS; afterwards ru_maxrss is the process's max RSS over this fit rather than over all the tests before it.
     Path("/proc/self/clear_refs").write_text("5")
-    cli = main(["fit", "--config", _config("tiny_arith"), *_fast(tiny_arith_model, tmp_path, 3)])
+    cli = run_cli("tiny_arith", steps=3)
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
     steps = _profiler(cli.trainer).steps
     assert len(steps) == 3
@@ -78,9 +73,10 @@ def test_sampler_sees_a_spike_inside_the_step():
     assert 0.1 * 400 * MB < spike_average - quiet_average < 0.6 * 400 * MB
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_dense_all"])
-def test_the_breakdown_logged_is_the_runs(tiny_arith_model, tmp_path, config):
-    cli = main(["fit", "--config", _config(config), *_fast(tiny_arith_model, tmp_path, 2)])
+def test_the_breakdown_logged_is_the_runs(run_cli, config):
+    cli = run_cli(config)
     expected = memory_breakdown(cli.model.policy, cli.trainer.optimizers)
     assert _profiler(cli.trainer).breakdown == expected
     metrics = cli.trainer.callback_metrics
@@ -93,12 +89,13 @@ def test_the_breakdown_logged_is_the_runs(tiny_arith_model, tmp_path, config):
         assert expected.dense_optimizer_state > 2 * expected.dense_gradients > 0
 
 
-def test_a_table_is_printed_at_the_end_of_fit(tiny_arith_model, tmp_path, caplog, monkeypatch):
+@pytest.mark.integration
+def test_a_table_is_printed_at_the_end_of_fit(run_cli, caplog, monkeypatch):
     # lightning.pytorch's logger does not propagate to the root, where caplog listens (pytest 9 also hooks its
     # handlers onto that logger, older versions do not): let it propagate, and count each message once.
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        cli = main(["fit", "--config", _config("tiny_arith"), *_fast(tiny_arith_model, tmp_path, 2)])
+        cli = run_cli("tiny_arith")
     (table,) = {r.getMessage() for r in caplog.records if r.getMessage().startswith("| memory of this device")}
     profiler = _profiler(cli.trainer)
     rows = dict(line.strip("| ").split(" | ") for line in table.splitlines()[2:])
@@ -109,15 +106,17 @@ def test_a_table_is_printed_at_the_end_of_fit(tiny_arith_model, tmp_path, caplog
         assert float(rows[name]) == pytest.approx(size / GIB, abs=1e-4)
 
 
-def test_an_engine_with_its_own_memory_is_reported_beside_the_step(tiny_arith_model, tmp_path, monkeypatch):
+@pytest.mark.integration
+def test_an_engine_with_its_own_memory_is_reported_beside_the_step(run_cli, monkeypatch):
     # what an engine in another process (vLLM) will provide; the in-process engine has no memory of its own
     monkeypatch.setattr(HFEngine, "memory_bytes", lambda self: 3 * GIB)
-    cli = main(["fit", "--config", _config("tiny_arith"), *_fast(tiny_arith_model, tmp_path, 1)])
+    cli = run_cli("tiny_arith", steps=1)
     assert float(cli.trainer.callback_metrics["memory/engine_gib"]) == 3.0
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gpu_step_reads_the_cuda_allocator(tiny_arith_model, tmp_path):
+def test_a_gpu_step_reads_the_cuda_allocator(run_cli):
     device = torch.device("cuda:0")
     sampler = StepSampler(lambda: torch.cuda.memory_allocated(device))
     sampler.start()
@@ -126,8 +125,7 @@ def test_a_gpu_step_reads_the_cuda_allocator(tiny_arith_model, tmp_path):
     del spike
     assert sampler.stop()[1] >= 400 * MB
 
-    cli = main(["fit", "--config", _config("tiny_arith_dense_all"), *_fast(tiny_arith_model, tmp_path, 2),
-                "--trainer.accelerator", "gpu"])
+    cli = run_cli("tiny_arith_dense_all", "--trainer.accelerator", "gpu")
     metrics = cli.trainer.callback_metrics
     for average, peak in _profiler(cli.trainer).steps:
         assert 0 < average <= peak  # the peak is the allocator's exact high-water mark

@@ -3,16 +3,12 @@ how they ended, tokens seen, the step actually taken (α·η), and completions l
 
 import glob
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from cli import main
 from lightning_logra.base.batch import Rollout
 from lightning_logra.algo.logprobs import token_entropy
-
-CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.yaml")
 
 
 def test_token_entropy_equals_the_float64_definition():
@@ -34,10 +30,8 @@ def test_terminated_means_the_last_real_token_is_a_stop_token():
     assert rollout.terminated([eos]).tolist() == [True, False, True, False]
 
 
-def test_a_run_logs_trl_metrics_that_mean_what_they_say(tiny_arith_model, tmp_path, monkeypatch):
-    from conftest import odd_first_digit  # noqa: F401  (the reward the fast runs use)
-    from test_cli import _fast
-
+@pytest.mark.integration
+def test_a_run_logs_trl_metrics_that_mean_what_they_say(run_cli, tmp_path, monkeypatch):
     from lightning_logra.train.module import RLVRModule
 
     seen = []  # every training step's rollout, as the module scored it
@@ -49,7 +43,7 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(tiny_arith_model, tmp_pa
         return rollout, *rewards
 
     monkeypatch.setattr(RLVRModule, "rollouts", recording)
-    cli = main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 2), "--model.log_completions_every", "1"])
+    cli = run_cli("tiny_arith", "--model.log_completions_every", "1", root=tmp_path)
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     last = seen[-1]
     lengths = last.completion_lengths.float()
@@ -79,12 +73,11 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(tiny_arith_model, tmp_pa
     assert torch.load(checkpoint, weights_only=False)["lightning_logra"]["num_tokens"] == tokens
 
 
-def test_the_sketch_settings_are_logged_as_hyperparameters(tiny_arith_model, tmp_path):
+@pytest.mark.integration
+def test_the_sketch_settings_are_logged_as_hyperparameters(run_cli, tmp_path):
     from lightning.pytorch.core.saving import load_hparams_from_yaml
-    from test_cli import _fast
 
-    main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 1),
-          "--trainer.strategy.init_args.sketch.rank", "8"])
+    run_cli("tiny_arith", "--trainer.strategy.init_args.sketch.rank", "8", steps=1, root=tmp_path)
     hparams = load_hparams_from_yaml(glob.glob(str(tmp_path / "**" / "hparams.yaml"), recursive=True)[0])
     assert (hparams["sketch/rank"], hparams["sketch/optimizer"], hparams["sketch/optimizer/lr"]) == (8, "SketchAdam",
                                                                                                   1e-3)

@@ -2,27 +2,23 @@
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 
 from lightning_logra.callbacks import StepProgressBar
-from lightning_logra.cli import main
 from lightning_logra.data.prompts import PromptDataset
 from lightning_logra.base.waits import waiting_for
 
-CONFIG = str(Path(__file__).parents[1] / "configs" / "tiny_arith.yaml")
+
+def _fit(run_cli, root, steps: int, *extra: str):
+    """A tiny run with the progress bar back on, and no validation."""
+    return run_cli("tiny_arith", "--trainer.enable_progress_bar", "true", "--trainer.val_check_interval", "100",
+                   *extra, steps=steps, root=root)
 
 
-def _fit(model: str, root: Path, steps: int, *extra: str):
-    return main(["fit", "--config", CONFIG, "--model.model", model, "--trainer.max_steps", str(steps),
-                 "--trainer.val_check_interval", "100", "--trainer.logger.init_args.save_dir", str(root),
-                 "--trainer.enable_model_summary", "false", "--data.init_args.batch_size", "4",
-                 "--data.init_args.eval_limit", "8", *extra])
-
-
-def test_the_bar_counts_steps_against_max_steps_resumed_runs_included(tiny_arith_model, tmp_path, capsys):
-    first = _fit(tiny_arith_model, tmp_path, 2)
+@pytest.mark.integration
+def test_the_bar_counts_steps_against_max_steps_resumed_runs_included(run_cli, tmp_path, capsys):
+    first = _fit(run_cli, tmp_path, 2)
     bar = first.trainer.progress_bar_callback
     assert isinstance(bar, StepProgressBar)
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 2)
@@ -30,7 +26,7 @@ def test_the_bar_counts_steps_against_max_steps_resumed_runs_included(tiny_arith
     assert "step 2/2 100%" in shown and "Epoch 0/-2" not in shown  # Lightning's bars: "Epoch 0/-2", 2 of 2 left
 
     checkpoint = next(tmp_path.glob("**/last.ckpt"))
-    resumed = _fit(tiny_arith_model, tmp_path, 4, "--ckpt_path", str(checkpoint))
+    resumed = _fit(run_cli, tmp_path, 4, "--ckpt_path", str(checkpoint))
     bar = resumed.trainer.progress_bar_callback.train_progress_bar
     assert (bar.initial, bar.n, bar.total) == (2, 4, 4)  # it starts at the resumed step, and rates count this run's
     assert "step 4/4 100%" in capsys.readouterr().out

@@ -3,7 +3,6 @@ included), data.max_prompt_length with its two policies, drop and truncate, the 
 it is unset, and prompts that tokenize to nothing."""
 
 import logging
-from pathlib import Path
 
 import pytest
 from conftest import write_rows
@@ -11,7 +10,6 @@ from lightning.pytorch import Callback, Trainer
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import MambaConfig, MambaForCausalLM, PreTrainedTokenizerFast
 
-from cli import main
 from lightning_logra.data.arith import build_tokenizer
 from lightning_logra.data.module import PromptDataModule, TokenizedPrompts, collate_rows, limit_prompt_length
 from lightning_logra.data.prompts import PromptDataset
@@ -19,8 +17,6 @@ from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
 
 pytestmark = pytest.mark.usefixtures("hf_cache")
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 SPECIALS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 VOCAB = {token: i for i, token in enumerate([*SPECIALS, "\n", *(chr(c) for c in range(32, 127))])}
@@ -148,6 +144,7 @@ class PromptsSeen(Callback):
         self.batches.append(dict(batch))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["drop", "truncate"])
 def test_a_run_rolls_out_only_prompts_within_the_limit(tmp_path, tiny_arith_model, policy):
     # The embedded task's tokenizer has one token per character: "12+34=" is 6 tokens, "123+456=" 8.
@@ -233,7 +230,7 @@ LONG_PROMPT = "1+" * 3000 + "1="  # 6,002 tokens (one per character) for a model
 SHORT_PROMPTS = ["12+34=", "56+7=", "8+9=", "10+11="]
 
 
-def fit_one_step_without_a_length_limit(tmp_path, model, *overrides):
+def fit_one_step_without_a_length_limit(run_cli, tmp_path, *overrides):
     """One training step through the CLI, on four short prompts and LONG_PROMPT, data.max_prompt_length unset."""
     rows = [{"prompt": p, "answer": "1"} for p in [*SHORT_PROMPTS[:2], LONG_PROMPT, *SHORT_PROMPTS[2:]]]
     path = write_rows(tmp_path / "p.jsonl", rows)
@@ -242,30 +239,28 @@ def fit_one_step_without_a_length_limit(tmp_path, model, *overrides):
   class_path: lightning_logra.data.module.PromptDataModule
   init_args: {{train: {path}, batch_size: 4}}
 """)
-    return main(["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), "--config", str(config), "--model.model", model,
-                 "--model.reward", "conftest.odd_first_digit", "--trainer.max_steps", "1",
-                 "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.default_root_dir", str(tmp_path),
-                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *overrides])
+    return run_cli("tiny_arith", "--config", str(config), *overrides, steps=1, root=tmp_path)
 
 
 CONTEXT = ("28 tokens (the model's context: model.model's max_position_embeddings=32, less model.max_new_tokens=4; "
            "data.max_prompt_length is unset)")
 
 
-def test_without_max_prompt_length_a_prompt_past_the_model_context_is_dropped(tmp_path, tiny_arith_model, caplog):
+@pytest.mark.integration
+def test_without_max_prompt_length_a_prompt_past_the_model_context_is_dropped(run_cli, tmp_path, caplog):
     # Before, the 6,002-token prompt went to generation whole and grew the run past 19 GB.
     with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
-        cli = fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model)
+        cli = fit_one_step_without_a_length_limit(run_cli, tmp_path)
     assert cli.trainer.global_step == 1
     assert f"data.train: 1 of 5 prompts are longer than {CONTEXT} and were dropped, 4 left" in caplog.text
     trained = cli.datamodule.train_dataloader().dataset  # the set the run was given (made once, kept)
     assert sorted(trained[i]["prompt"] for i in range(len(trained))) == sorted(SHORT_PROMPTS)
 
 
-def test_without_max_prompt_length_truncate_keeps_the_end_that_fits_the_context(tmp_path, tiny_arith_model, caplog):
+@pytest.mark.integration
+def test_without_max_prompt_length_truncate_keeps_the_end_that_fits_the_context(run_cli, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
-        cli = fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model,
-                                                  "--data.init_args.overlong_prompts", "truncate",
+        cli = fit_one_step_without_a_length_limit(run_cli, tmp_path, "--data.init_args.overlong_prompts", "truncate",
                                                   "--data.init_args.batch_size", "5")  # every prompt in the step
     assert cli.trainer.global_step == 1
     assert f"data.train: 1 of 5 prompts are longer than {CONTEXT} and keep only their last 28" in caplog.text
@@ -276,22 +271,18 @@ def test_without_max_prompt_length_truncate_keeps_the_end_that_fits_the_context(
     assert cli.model.num_tokens <= 5 * 8 * 32
 
 
-def test_new_tokens_that_fill_the_model_context_fail_naming_the_key(tmp_path, tiny_arith_model):
+def test_new_tokens_that_fill_the_model_context_fail_naming_the_key(run_cli, tmp_path):
     with pytest.raises(ValueError, match=r"model.max_new_tokens=32 leaves no room for a prompt in the model's context "
                                          r"of 32 tokens \(model.model's max_position_embeddings\)"):
-        fit_one_step_without_a_length_limit(tmp_path, tiny_arith_model, "--model.max_new_tokens", "32")
+        fit_one_step_without_a_length_limit(run_cli, tmp_path, "--model.max_new_tokens", "32")
 
 
-def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_prompt(tmp_path, tiny_arith_model):
+@pytest.mark.integration
+def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_prompt(run_cli):
     # Their prompts fit the shipped model's context: the sets are passed on untokenized (add3's 807,946 prompts
     # are not tokenized one by one at every start); when the longest does not fit, every prompt is checked.
-    args = ["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), "--model.model", tiny_arith_model,
-            "--model.reward", "conftest.odd_first_digit", "--trainer.max_steps", "1", "--trainer.logger", "false",
-            "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-            "--trainer.enable_model_summary", "false", "--trainer.val_check_interval", "1000",
-            "--data.init_args.batch_size", "4"]
-    cli = main(args)
+    cli = run_cli("tiny_arith", "--trainer.val_check_interval", "1000", steps=1)
     assert not isinstance(cli.datamodule.train_dataloader().dataset, TokenizedPrompts)
     # "12+34=" and the like are 6 tokens; 32 positions less 27 new tokens leave 5
     with pytest.raises(ValueError, match=r"data.train: every prompt is longer than 5 tokens \(the model's context"):
-        main([*args, "--model.max_new_tokens", "27"])
+        run_cli("tiny_arith", "--trainer.val_check_interval", "1000", "--model.max_new_tokens", "27", steps=1)

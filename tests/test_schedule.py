@@ -5,25 +5,21 @@ as train/lr; continued exactly by a resumed run."""
 import glob
 import math
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from lightning.fabric import Fabric
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback
 
-from cli import main
 from conftest import SKETCH_TARGETS, PoisonSketchAt, make_tiny_qwen2
-from lightning_logra.data.module import ArithDataModule
+from lightning_logra.callbacks import PredictedKLBudget
 from lightning_logra.train.strategies.fabric import SketchFabricStrategy
-from lightning_logra.train.module import RLVRModule
 from lightning_logra.base.schedule import LRSchedule
-from lightning_logra.sketch import SketchAdam, SketchSGD, sketched_layers
+from lightning_logra.sketch import SketchAdam, sketched_layers
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.train.strategies import SketchStrategy
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+SKETCH = "--trainer.strategy.init_args.sketch"
 
 
 def test_factor_warms_up_linearly_then_decays_to_the_floor():
@@ -72,26 +68,27 @@ class Record(Callback):
         self.updates.append(outputs["update"])
 
 
-def _module(model_path, **kwargs):
-    return RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
-                      micro_batch_size=16, max_grad_norm=None, reward_timeout_s=None, **kwargs)
+def _fit(run_cli, config: str, steps: int, callbacks: list[Callback], *overrides: str):
+    """A tiny run of `config` with 4 samples per prompt, no clipping, no validation and no KL control (the schedule
+    alone sets each step's size), `callbacks` added; returns its trainer."""
+    cli = run_cli(config, "--model.num_generations", "4", "--model.max_new_tokens", "4", "--model.micro_batch_size",
+                  "16", "--model.max_grad_norm", "null", "--model.reward_timeout_s", "null",
+                  "--trainer.limit_val_batches", "0", *overrides, steps=steps, run=False)
+    cli.trainer.callbacks = [c for c in cli.trainer.callbacks if not isinstance(c, PredictedKLBudget)] + callbacks
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return cli.trainer
 
 
-def _trainer(steps, callbacks, strategy="auto"):
-    return Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   limit_val_batches=0, strategy=strategy, callbacks=callbacks)
-
-
-def test_a_sketch_run_schedules_both_optimizers_by_applied_update(tiny_arith_model):
+@pytest.mark.integration
+def test_a_sketch_run_schedules_both_optimizers_by_applied_update(run_cli):
     # Warm-up over 2 updates, then linear decay to ½ at update 4: f = ½, 1, 1, ¾, ½. The update of step 1 is skipped
     # (a NaN sketch): it is taken at f(1) but changes nothing, so step 2 is taken at f(1) again, and so on.
-    schedule = LRSchedule(warmup_steps=2, decay="linear", total_steps=4, min_lr_ratio=0.5)
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchSGD, lr=0.1), lr_schedule=schedule,
-                          train_rest=True, rest_lr=1e-3)
+    schedule = [f"{SKETCH}.lr_schedule.warmup_steps", "2", f"{SKETCH}.lr_schedule.decay", "linear",
+                f"{SKETCH}.lr_schedule.total_steps", "4", f"{SKETCH}.lr_schedule.min_lr_ratio", "0.5"]
     record = Record()
-    trainer = _trainer(5, [PoisonSketchAt(step=1), record], SketchStrategy(config))
-    trainer.fit(_module(tiny_arith_model), ArithDataModule(batch_size=4))
+    trainer = _fit(run_cli, "tiny_arith", 5, [PoisonSketchAt(step=1), record], f"{SKETCH}.rank", "8",
+                   f"{SKETCH}.optimizer", "lightning_logra.sketch.SketchSGD", f"{SKETCH}.optimizer.lr", "0.1",
+                   *schedule, f"{SKETCH}.train_rest", "true", f"{SKETCH}.rest_lr", "1e-3")
     factors = [0.5, 1.0, 1.0, 1.0, 0.75]  # f(0), f(1) skipped, f(1), f(2), f(3)
     assert record.lrs == [[pytest.approx(0.1 * f, rel=1e-12), pytest.approx(1e-3 * f, rel=1e-12)] for f in factors]
     assert record.logged == [pytest.approx(lrs, rel=1e-6) for lrs in record.lrs]  # train/lr, train/rest_lr
@@ -104,10 +101,10 @@ def test_a_sketch_run_schedules_both_optimizers_by_applied_update(tiny_arith_mod
     assert [config.scheduler.last_epoch for config in trainer.lr_scheduler_configs] == [4, 4]  # 4 applied updates
 
 
-def test_the_dense_baseline_follows_its_own_schedule(tiny_arith_model):
+@pytest.mark.integration
+def test_the_dense_baseline_follows_its_own_schedule(run_cli):
     record = Record()
-    module = _module(tiny_arith_model, lr=1e-2, lr_schedule=LRSchedule(warmup_steps=3))
-    _trainer(4, [record]).fit(module, ArithDataModule(batch_size=4))
+    _fit(run_cli, "tiny_arith_dense_all", 4, [record], "--model.lr", "1e-2", "--model.lr_schedule.warmup_steps", "3")
     assert record.lrs == [[pytest.approx(1e-2 * f, rel=1e-12)] for f in (1 / 3, 2 / 3, 1.0, 1.0)]
     assert record.logged == [pytest.approx(lrs, rel=1e-6) for lrs in record.lrs]
 
@@ -124,30 +121,26 @@ def test_fabric_gets_one_scheduler_per_optimizer():
     assert [o.param_groups[0]["lr"] for o in optimizers] == [pytest.approx(5e-3), pytest.approx(5e-4)]
 
 
-def _resumable_run(model_path, root, steps, *extra):
-    # tiny_arith.yaml without the KL controller: under a binding KL budget α·η does not depend on η (README), so a
-    # wrong learning rate would not show in the weights.
+def _resumable_run(run_cli, root, steps, *extra):
+    # tiny_arith.yaml without the KL controller: under a binding KL budget α·η does not depend on η
+    # (docs/logra-settings.md, "Learning-rate schedules"), so a wrong learning rate would not show in the weights.
     overrides = root.parent / f"{root.name}.yaml"
     overrides.write_text(yaml.safe_dump({"trainer": {"callbacks": [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"save_last": True, "every_n_train_steps": 1}}]}}))
-    sketch = "--trainer.strategy.init_args.sketch"
-    return main(["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), "--config", str(overrides),
-                 "--model.model", model_path, "--model.reward", "conftest.odd_first_digit",
-                 "--trainer.max_steps", str(steps), "--trainer.logger", "false",
-                 "--trainer.default_root_dir", str(root),
-                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-                 "--data.init_args.batch_size", "4", "--data.init_args.eval_limit", "8",
-                 f"{sketch}.train_rest", "true", f"{sketch}.rest_lr", "1e-3",
-                 f"{sketch}.lr_schedule.warmup_steps", "2", f"{sketch}.lr_schedule.decay", "cosine",
-                 f"{sketch}.lr_schedule.total_steps", "4", f"{sketch}.lr_schedule.min_lr_ratio", "0.1", *extra])
+    return run_cli("tiny_arith", "--config", str(overrides), "--trainer.val_check_interval", "1000",
+                   f"{SKETCH}.train_rest", "true", f"{SKETCH}.rest_lr", "1e-3",
+                   f"{SKETCH}.lr_schedule.warmup_steps", "2", f"{SKETCH}.lr_schedule.decay", "cosine",
+                   f"{SKETCH}.lr_schedule.total_steps", "4", f"{SKETCH}.lr_schedule.min_lr_ratio", "0.1", *extra,
+                   steps=steps, root=root)
 
 
-def test_a_resumed_run_continues_the_schedule_exactly(tiny_arith_model, tmp_path):
-    straight = _resumable_run(tiny_arith_model, tmp_path / "a", 4)
-    _resumable_run(tiny_arith_model, tmp_path / "b", 2)
-    (checkpoint,) = glob.glob(str(tmp_path / "b" / "**" / "last.ckpt"), recursive=True)
-    resumed = _resumable_run(tiny_arith_model, tmp_path / "c", 4, "--ckpt_path", checkpoint)
+@pytest.mark.integration
+def test_a_resumed_run_continues_the_schedule_exactly(run_cli, tmp_path):
+    straight = _resumable_run(run_cli, tmp_path / "a", 4)
+    _resumable_run(run_cli, tmp_path / "b", 2)
+    (checkpoint,) = glob.glob(str(tmp_path / "b" / "**" / "checkpoints" / "last.ckpt"), recursive=True)  # not latest/
+    resumed = _resumable_run(run_cli, tmp_path / "c", 4, "--ckpt_path", checkpoint)
     for a, b in zip(straight.trainer.lr_scheduler_configs, resumed.trainer.lr_scheduler_configs):
         assert a.scheduler.last_epoch == b.scheduler.last_epoch == 4
         assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()

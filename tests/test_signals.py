@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,41 +20,26 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.callbacks.signals import agree, last_checkpoint_path
-from lightning_logra.cli import main
 
-ROOT = Path(__file__).parents[1]
-CONFIG = str(ROOT / "configs" / "tiny_arith.yaml")
 SAVED = re.compile(r"(SIG\w+): saved a checkpoint of step (\d+) to (\S+); exiting with status (\d+)\. "
                    r"Resume with --ckpt_path (\S+)")
 
 
-def _fast(model_path, root, steps, *extra):
-    """Overrides that make a tiny_arith config a seconds-long run on a random tiny model (as in test_cli.py), its
-    reward computed in the trainer's process (no reward process to start)."""
-    return [
-        "--model.model", model_path,
-        "--trainer.max_steps", str(steps),
-        "--trainer.val_check_interval", str(steps),
-        "--trainer.logger.init_args.save_dir", str(root),
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(root),
-        "--data.init_args.batch_size", "4",
-        "--data.init_args.eval_limit", "8",
-        "--model.reward", "conftest.odd_first_digit",
-        "--model.reward_timeout_s", "null",
-        *extra,
-    ]
+def _run(run_cli, config, root, steps, *extra, **how):
+    """A tiny run (conftest's run_cli) validating only at its end, its reward computed in the trainer's process (no
+    reward process to start)."""
+    return run_cli(config, "--trainer.val_check_interval", str(steps), "--model.reward_timeout_s", "null", *extra,
+                   steps=steps, root=root, **how)
 
 
 # ---- the parts ------------------------------------------------------------------------------------------------------
 
 
-def test_every_run_of_the_command_line_saves_on_signal_and_a_configured_one_replaces_it():
-    callbacks = main(["--config", CONFIG], run=False).trainer.callbacks
+def test_every_run_of_the_command_line_saves_on_signal_and_a_configured_one_replaces_it(run_cli):
+    callbacks = run_cli("tiny_arith", fast=False, run=False).trainer.callbacks
     assert sum(isinstance(c, SaveOnSignal) for c in callbacks) == 1
-    own = main(["--config", CONFIG, "--trainer.callbacks+=lightning_logra.callbacks.SaveOnSignal"],
-               run=False).trainer.callbacks
+    own = run_cli("tiny_arith", "--trainer.callbacks+=lightning_logra.callbacks.SaveOnSignal", fast=False,
+                  run=False).trainer.callbacks
     assert sum(isinstance(c, SaveOnSignal) for c in own) == 1
 
 
@@ -175,17 +159,17 @@ def _raise(when: str, step: int = 0) -> str:
            f'{{"when": "{when}", "step": {step}}}}}'
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("when, step, max_steps, saved", [
     ("validation", 2, 10, 3),  # the validation after step 2: saved at the end of step 3
     ("step", 3, 10, 4),  # step 4, after which a validation is due: saved, then the validation is skipped
     ("step", 2, 3, 3),  # the last step: saved, and the run exits 138 where it would have finished
 ], ids=["in a validation", "before a validation", "in the last step"])
-def test_a_signal_in_this_process_saves_at_the_next_step_end(tiny_arith_model, tmp_path, caplog, one_thread, when,
-                                                             step, max_steps, saved):
+def test_a_signal_in_this_process_saves_at_the_next_step_end(run_cli, tmp_path, caplog, one_thread, when, step,
+                                                             max_steps, saved):
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, max_steps), "--trainer.val_check_interval",
-              "2", _raise(when, step)])
+        _run(run_cli, "tiny_arith", tmp_path, max_steps, "--trainer.val_check_interval", "2", _raise(when, step))
     assert info.value.code == 128 + signal.SIGUSR1 == 138
     line = SAVED.search(caplog.text)
     assert line and line.group(1, 2, 4) == ("SIGUSR1", str(saved), "138")
@@ -199,11 +183,11 @@ def test_a_signal_in_this_process_saves_at_the_next_step_end(tiny_arith_model, t
     assert {signum: signal.getsignal(signum) for signum in before} == before  # nothing of the run is left behind
 
 
-def test_a_signal_in_the_sanity_check_exits_before_the_first_step_without_a_checkpoint(tiny_arith_model, tmp_path,
-                                                                                        caplog, one_thread):
+@pytest.mark.integration
+def test_a_signal_in_the_sanity_check_exits_before_the_first_step_without_a_checkpoint(run_cli, tmp_path, caplog,
+                                                                                        one_thread):
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", CONFIG, *_fast(tiny_arith_model, tmp_path, 10), "--trainer.num_sanity_val_steps", "1",
-              _raise("sanity check")])
+        _run(run_cli, "tiny_arith", tmp_path, 10, "--trainer.num_sanity_val_steps", "1", _raise("sanity check"))
     assert info.value.code == 138
     assert "SIGUSR1 before the first training step of this run: nothing new to save, exiting with status 138 " \
            "without a checkpoint" in caplog.text
@@ -213,14 +197,10 @@ def test_a_signal_in_the_sanity_check_exits_before_the_first_step_without_a_chec
 # ---- the command line in processes of its own, signalled from outside ---------------------------------------------
 
 
-def _start(config: str, model: str, root: Path, steps: int, *extra: str) -> subprocess.Popen:
+def _start(run_cli, config: str, root: Path, steps: int, *extra: str) -> subprocess.Popen:
     """`python cli.py fit` in the background, its output in `root/out.log`; conftest.StepMarks marks each step."""
-    root.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "cli.py", "fit", "--config", config, *_fast(model, root, steps, *extra),
-               "--trainer.callbacks+=conftest.StepMarks"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    with open(root / "out.log", "w") as out:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return _run(run_cli, config, root, steps, *extra, "--trainer.callbacks+=conftest.StepMarks", subprocess=True,
+                wait=False)
 
 
 def _mark(root: Path, rank: int) -> tuple[int, int] | None:
@@ -273,10 +253,10 @@ def _assert_equal(a, b, where=""):
 
 
 @pytest.mark.integration
-def test_sigterm_saves_the_step_exits_143_and_a_resume_equals_an_uninterrupted_run(tiny_arith_model, tmp_path):
+def test_sigterm_saves_the_step_exits_143_and_a_resume_equals_an_uninterrupted_run(run_cli, tmp_path):
     steps = 8  # the uninterrupted run; the signalled one stops at about step 3 (asserted below)
-    straight = _start(CONFIG, tiny_arith_model, tmp_path / "straight", steps)  # beside it: one core each
-    run = _start(CONFIG, tiny_arith_model, tmp_path / "stopped", 200)
+    straight = _start(run_cli, "tiny_arith", tmp_path / "straight", steps)  # beside it: one core each
+    run = _start(run_cli, "tiny_arith", tmp_path / "stopped", 200)
     _wait_for_step(run, tmp_path / "stopped", ranks=1, step=2)
     run.send_signal(signal.SIGTERM)
     step, path, name = _stopped(run, tmp_path / "stopped", 143)
@@ -289,7 +269,7 @@ def test_sigterm_saves_the_step_exits_143_and_a_resume_equals_an_uninterrupted_r
     assert len(events.Scalars("train/loss")) == step
 
     assert straight.wait(timeout=300) == 0, (tmp_path / "straight" / "out.log").read_text()[-3000:]
-    resumed = _start(CONFIG, tiny_arith_model, tmp_path / "resumed", steps, "--ckpt_path", path)
+    resumed = _start(run_cli, "tiny_arith", tmp_path / "resumed", steps, "--ckpt_path", path)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed" / "out.log").read_text()[-3000:]
     a, b = _state(tmp_path / "straight"), _state(tmp_path / "resumed")
     assert a["global_step"] == b["global_step"] == steps
@@ -300,8 +280,8 @@ def test_sigterm_saves_the_step_exits_143_and_a_resume_equals_an_uninterrupted_r
 
 
 @pytest.mark.integration
-def test_sigusr1_to_one_rank_stops_both_ranks_at_the_same_step(tiny_arith_model, tmp_path):
-    run = _start(str(ROOT / "configs" / "tiny_arith_ddp.yaml"), tiny_arith_model, tmp_path, 200)
+def test_sigusr1_to_one_rank_stops_both_ranks_at_the_same_step(run_cli, tmp_path):
+    run = _start(run_cli, "tiny_arith_ddp", tmp_path, 200)
     _, other = _wait_for_step(run, tmp_path, ranks=2, step=2)
     os.kill(other, signal.SIGUSR1)  # rank 1 only, which rank 0 started: rank 0 hears of it through the agreement
     step, path, name = _stopped(run, tmp_path, 138)

@@ -18,6 +18,8 @@ from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.logprobs import completion_logits
 from lightning_logra.train.module import RLVRModule
 
+pytestmark = pytest.mark.integration  # each test checks the step of a Trainer fit (the fixture `step`)
+
 G = 4  # samples per prompt
 IS_CAP = 2.0
 # Subtracted from the sampler's log-prob of each completion column, so Δ = log π_θ − log π_sampler ≈ SHIFT: weights

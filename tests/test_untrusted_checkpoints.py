@@ -14,16 +14,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from transformers import AutoModelForCausalLM
 
-from cli import main
 from lightning_logra.train.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
 from lightning_logra.export import export_checkpoint
 from lightning_logra.export import main as export_main
 from lightning_logra.train.safe_load import SafeLoadPlanner, UnsafeCheckpoint
-from test_cli import _fast
 
 pytestmark = pytest.mark.integration  # fit / validate / test / export through the CLI on a tiny model
-
-CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 class Payload:
@@ -36,25 +32,23 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _train(model: str, root: Path, config: str = "tiny_arith.yaml", *extra: str) -> str:
-    main(["fit", "--config", str(CONFIGS / config), *_fast(model, root, 1), *extra])
+def _train(run_cli, root: Path, config: str = "tiny_arith", *extra: str) -> str:
+    run_cli(config, *extra, steps=1, root=root)
     return glob.glob(str(root / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
 
 
-def _every_load(ckpt: str, model: str, root: Path, config: str = "tiny_arith.yaml", *extra: str) -> None:
+def _every_load(run_cli, ckpt: str, root: Path, config: str = "tiny_arith", *extra: str) -> None:
     """fit, validate and test from `ckpt`, and its export: each must refuse it."""
     for command in ("fit", "validate", "test"):
-        args = [command, "--config", str(CONFIGS / config), *_fast(model, root / command, 2), *extra, "--ckpt_path",
-                ckpt]
         with pytest.raises(UnsafeCheckpoint, match="refused to load"):
-            main(args)
+            run_cli(config, *extra, "--ckpt_path", ckpt, command=command, root=root / command)
     with pytest.raises(UnsafeCheckpoint, match="refused to load"):
         export_main(["--ckpt_path", ckpt, "--out", str(root / "exported")])
 
 
-def test_code_planted_in_a_checkpoint_file_never_runs(tiny_arith_model, tmp_path):
+def test_code_planted_in_a_checkpoint_file_never_runs(run_cli, tmp_path):
     # `export` unpickled with weights_only=False: the payload ran (a file created), then a KeyError.
-    checkpoint = torch.load(_train(tiny_arith_model, tmp_path / "a"), weights_only=False)
+    checkpoint = torch.load(_train(run_cli, tmp_path / "a"), weights_only=False)
     marker = tmp_path / "pwned"
     checkpoint["hyper_parameters"]["note"] = Payload(marker)
     evil = tmp_path / "evil.ckpt"
@@ -62,20 +56,20 @@ def test_code_planted_in_a_checkpoint_file_never_runs(tiny_arith_model, tmp_path
     torch.load(evil, weights_only=False)  # the payload works: loading the file the unsafe way runs it
     assert marker.exists()
     marker.unlink()
-    _every_load(str(evil), tiny_arith_model, tmp_path)
+    _every_load(run_cli, str(evil), tmp_path)
     assert not marker.exists()
 
 
-def test_code_planted_in_a_sharded_checkpoint_never_runs(tiny_arith_model, tmp_path):
+def test_code_planted_in_a_sharded_checkpoint_never_runs(run_cli, tmp_path):
     # torch.distributed.checkpoint reads `.metadata` with plain pickle (and non-tensor entries with
     # weights_only=False): `fit --ckpt_path FOLDER` and `export` both ran a payload placed there.
     one = ["--trainer.devices", "1"]
-    folder = Path(_train(tiny_arith_model, tmp_path / "a", "tiny_arith_fsdp.yaml", *one))
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", *one))
     assert folder.is_dir() and (folder / ".metadata").is_file()
     marker = tmp_path / "pwned"
     (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     write_sums(folder, digests_of(folder, folder_files(folder)))  # the planter fixes the sums too
-    _every_load(str(folder), tiny_arith_model, tmp_path, "tiny_arith_fsdp.yaml", *one)
+    _every_load(run_cli, str(folder), tmp_path, "tiny_arith_fsdp", *one)
     assert not marker.exists()
     # a non-tensor entry of the shards (the optimizers' step counts, ...) is read without running code too
     payload = io.BytesIO()
@@ -94,21 +88,20 @@ def _damage(path: Path, offset: int, size: int = 8192) -> None:
         f.write(os.urandom(size))
 
 
-def test_a_damaged_checkpoint_file_is_refused_naming_what_is_damaged(tiny_arith_model, tmp_path):
+def test_a_damaged_checkpoint_file_is_refused_naming_what_is_damaged(run_cli, tmp_path):
     # 8 KB overwritten inside the tensor data used to load without complaint (the resumed run trained on 1e29s).
-    ckpt = Path(_train(tiny_arith_model, tmp_path / "a"))
+    ckpt = Path(_train(run_cli, tmp_path / "a"))
     _damage(ckpt, ckpt.stat().st_size // 2)
     with pytest.raises(DamagedCheckpoint, match=rf"{ckpt} is damaged: .*state_dict/policy\.") as info:
-        main(["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), *_fast(tiny_arith_model, tmp_path / "b", 2),
-              "--ckpt_path", str(ckpt)])
+        run_cli("tiny_arith", "--ckpt_path", str(ckpt), root=tmp_path / "b")
     assert "Use another checkpoint" in str(info.value)
     with pytest.raises(DamagedCheckpoint, match="is damaged"):
         export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")])
     assert not (tmp_path / "exported").exists()
 
 
-def test_a_damaged_sharded_checkpoint_or_export_is_refused_naming_the_file(tiny_arith_model, tmp_path):
-    folder = Path(_train(tiny_arith_model, tmp_path / "a", "tiny_arith_fsdp.yaml", "--trainer.devices", "1"))
+def test_a_damaged_sharded_checkpoint_or_export_is_refused_naming_the_file(run_cli, tmp_path):
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", "--trainer.devices", "1"))
     assert (folder / SUMS).is_file()
     exported = export_checkpoint(folder, tmp_path / "exported")  # a good folder exports, with sums of its own
     shard = next(folder.glob("*.distcp"))
@@ -119,11 +112,11 @@ def test_a_damaged_sharded_checkpoint_or_export_is_refused_naming_the_file(tiny_
     weights = exported / "model.safetensors"
     _damage(weights, weights.stat().st_size - 4096, 1024)
     with pytest.raises(DamagedCheckpoint, match=r"model\.safetensors \(changed\)"):
-        main(["fit", "--config", str(CONFIGS / "tiny_arith.yaml"), *_fast(str(exported), tmp_path / "b", 1)])
+        run_cli("tiny_arith", model=str(exported), steps=1, root=tmp_path / "b")
 
 
-def test_export_refuses_a_file_or_a_full_folder_and_replaces_one_whole_when_asked(tiny_arith_model, tmp_path):
-    ckpt = _train(tiny_arith_model, tmp_path / "a")
+def test_export_refuses_a_file_or_a_full_folder_and_replaces_one_whole_when_asked(run_cli, tmp_path):
+    ckpt = _train(run_cli, tmp_path / "a")
     # --out naming a file printed "exported" and wrote nothing
     taken = tmp_path / "taken"
     taken.write_text("mine")

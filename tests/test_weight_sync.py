@@ -110,6 +110,7 @@ def _trainer(root, callbacks, steps=3, refresh_every=None):
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("refresh_every", "dtype"), [(None, "float32"), (1, "float32"), (None, "bfloat16")],
                          ids=["fixed", "refreshed every step", "bf16 stochastic rounding"])
 def test_an_engine_with_its_own_weights_follows_training_exactly(tiny_arith_model, tmp_path, refresh_every, dtype):
@@ -147,6 +148,7 @@ def _separate_engine(model_path):
     return module, module.engine
 
 
+@pytest.mark.integration
 def test_drift_is_detected_and_repaired(tiny_arith_model, tmp_path):
     module, engine = _separate_engine(tiny_arith_model)
     sync = RolloutWeightSync(check_every=None, tolerance=1e-5)
@@ -168,6 +170,7 @@ def test_drift_is_detected_and_repaired(tiny_arith_model, tmp_path):
     assert drift.after == 0.0 and sync.full_loads == 3
 
 
+@pytest.mark.integration
 def test_a_sampler_far_from_the_trainer_triggers_a_check(tiny_arith_model, tmp_path):
     # No periodic check: only the log-prob mismatch can reveal that the engine's final norm was shifted.
     module, engine = _separate_engine(tiny_arith_model)
@@ -189,6 +192,7 @@ def test_a_sampler_far_from_the_trainer_triggers_a_check(tiny_arith_model, tmp_p
     assert sync.max_abs_diff() == 0.0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_skipped_update_sends_nothing_and_the_engine_stays_equal(tiny_arith_model, tmp_path, dtype):
     # A NaN in step 2's sketch skips that update: nothing is merged, nothing is sent (sync/bytes is NaN, not step 1's

@@ -10,7 +10,7 @@ tensor data loaded without complaint, and a resumed run trained on values up to 
   `sha256sum -c SHA256SUMS` checks it by hand too), written inside the folder before the folder is moved into place
   (`write_sums`, `verify_sums`).
 
-Hashing runs on several threads (hashlib releases the GIL on large buffers): see the README for what it adds to a
+Hashing runs on several threads (hashlib releases the GIL on large buffers): see docs/failures.md for what it adds to a
 save at the 1.5B shape.
 """
 

@@ -113,18 +113,7 @@ class TrainingMode(ABC):
         inner, _ = self._optimizers()
         params = [p for optimizer in inner for group in optimizer.param_groups for p in group["params"]]
         self.distribution.sum_gradients(params)
-        with_grad = [p for p in params if p.grad is not None]
-        # Sketches too: E‖G·Aᵀ‖² = ‖G‖². The distribution takes the norm over all ranks' parts (FSDP: shards).
-        norm = self.distribution.gradient_norm(with_grad)
-        if not torch.isfinite(norm):
-            log.warning("non-finite gradient norm: the whole update is skipped")
-        elif max_grad_norm is not None:
-            # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its
-            # layer's carrier B, so sketches are scaled with the dense gradients). foreach kernels refuse a list
-            # mixing sharded DTensor gradients with plain ones (FSDP's replicated head).
-            mixed = any(isinstance(p.grad, DTensor) for p in with_grad)
-            torch.nn.utils.clip_grads_with_norm_(with_grad, max_grad_norm, norm, foreach=False if mixed else None)
-        return norm
+        return clip_gradients(params, max_grad_norm, self.distribution)
 
     def _propose_dense(self, optimizers: list[tuple[torch.optim.Optimizer, Callable[..., Any]]]) -> dict[str, Any]:
         """Take the dense optimizers' steps as proposals (held back until α is chosen): {name: value at α = 1}."""
@@ -342,6 +331,24 @@ class SketchMode(TrainingMode):
         if not taken:
             return None
         return Update(self.distribution.whole_factors(sketch.last_updates), self._dense_values(inner[1:]))
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float | None, distribution: Distribution) -> torch.Tensor:
+    """Scale the gradients of `params` together so that their total norm is at most `max_norm` (None: leave them);
+    returns the norm before. Sketches count as gradients (E‖G·Aᵀ‖² = ‖G‖²), so the limit means what it means for
+    dense ones; the distribution takes the norm over all ranks' parts (FSDP: shards). A norm that is not finite
+    clips nothing (the step will be skipped)."""
+    with_grad = [p for p in params if p.grad is not None]
+    norm = distribution.gradient_norm(with_grad)
+    if not torch.isfinite(norm):
+        log.warning("non-finite gradient norm: the whole update is skipped")
+    elif max_norm is not None:
+        # Parameters, not gradient tensors: torch scales each parameter's .grad (a sketch is the .grad of its layer's
+        # carrier B, so sketches are scaled with the dense gradients). foreach kernels refuse a list mixing sharded
+        # DTensor gradients with plain ones (FSDP's replicated head).
+        mixed = any(isinstance(p.grad, DTensor) for p in with_grad)
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm, foreach=False if mixed else None)
+    return norm
 
 
 # The module's dense-optimizer settings, and what acts instead of each under a sketch strategy.

@@ -229,8 +229,7 @@ class RLVRModule(LightningModule):
                     "(model.engine: null), or SketchDDPStrategy, under which every rank runs an engine of its own")
             if self._trainer is not None and self.trainer.world_size > 1:
                 # One engine per rank, beside that rank's trainer: every rank holds the same weights and applies the
-                # same update, so each rank's weight sync keeps its own engine in step (README: "A vLLM engine per
-                # rank").
+                # same update, so each rank's weight sync keeps its own engine in step (docs/vllm.md).
                 self.engine.place(self.global_rank, self.trainer.world_size, self.trainer.strategy.root_device)
             self.engine.start(model_path(hp.model), pad_token_id(self.tokenizer), self.stop_token_ids())
 

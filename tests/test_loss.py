@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from lightning_logra.algo.advantages import group_advantages
-from lightning_logra.algo.losses import token_weights
+from lightning_logra.algo.advantages import ADVANTAGES, group_advantages
+from lightning_logra.algo.losses import LOSSES, loss, token_weights
 
 
 def test_group_advantages_center_and_scale_per_group():
@@ -13,6 +13,46 @@ def test_group_advantages_center_and_scale_per_group():
     scaled = group_advantages(rewards, 4, scale=True)
     torch.testing.assert_close(scaled[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4))
     assert torch.equal(scaled[4:], torch.zeros(4))
+
+
+def test_batch_scaling_divides_by_the_std_of_every_reward_over_all_ranks():
+    # TRL's scale_rewards="batch": centered within each group, divided by the standard deviation of the whole global
+    # batch's rewards (float64 by hand). Two ranks each hold two groups of 4; the std is the global batch's.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                           dtype=torch.float64)
+    std = float(rewards.std())  # over all 16 (Bessel's correction, as torch.std)
+    centered = torch.cat([g - g.mean() for g in rewards.view(-1, 4)])
+    expected = centered / (std + 1e-4)
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch"), expected, rtol=1e-12, atol=0)
+    halves = rewards[:8], rewards[8:]
+
+    def other_rank_too(mine):  # what summing over 2 ranks gives on each (counts, sums, sums of squares)
+        def sums(part):
+            return torch.stack([part.new_tensor(float(len(part))), part.sum(), (part * part).sum()])
+        return sums(halves[0]) + sums(halves[1])
+
+    per_rank = torch.cat([group_advantages(half, 4, "batch", other_rank_too) for half in halves])
+    torch.testing.assert_close(per_rank, expected, rtol=1e-12, atol=0)
+    # the three estimators, and TRL's booleans: true is group, false is none
+    assert sorted(ADVANTAGES) == ["batch", "group", "none"]
+    assert torch.equal(group_advantages(rewards, 4, True), group_advantages(rewards, 4, "group"))
+    assert torch.equal(group_advantages(rewards, 4, False), centered)
+    with pytest.raises(ValueError, match=r"model.scale_rewards must be one of \['batch', 'group', 'none'\]"):
+        group_advantages(rewards, 4, "rank")
+
+
+def test_a_loss_registered_by_name_is_one_the_config_can_choose():
+    # A new loss is one function and a decorator; an unknown name's error lists the registered ones.
+    @loss("sum")
+    def _sum(mask, max_new_tokens, tokens, sequences):
+        return mask
+
+    try:
+        assert torch.equal(token_weights(MASK, "sum", 5), MASK.float())
+        with pytest.raises(ValueError, match=r"model.loss_type must be one of \['dapo', 'dr_grpo', 'grpo', 'sum'\]"):
+            token_weights(MASK, "ppo", 5)
+    finally:
+        del LOSSES["sum"]
 
 
 # Three completions of lengths 3, 1 and 2 (6 tokens), padded to 4 columns; max_new_tokens 5 (not the padded width).

@@ -8,8 +8,9 @@ state: two fp32 d×r tensors per target matrix), saved and loaded through `Atomi
 then checked) and through the same atomic write without them (Lightning's `TorchCheckpointIO` load), alternately,
 `--repeats` times each into one folder (`--dir`, default a temporary one: put it on the disk the checkpoints go to).
 The median times, the time the hashing takes alone (a save's time is mostly the disk's, and varies by seconds from
-one to the next) and its rate are printed as a table and written as JSON and a plot. The page cache holds a file just written, so loads read memory, not the disk: the share is an upper bound of
-what the digests add to a load from disk.
+one to the next) and its rate are printed as a table and written as JSON and a plot. The page cache holds a file
+just written, so loads read memory, not the disk: the share is an upper bound of what the digests add to a load from
+disk.
 """
 
 from __future__ import annotations

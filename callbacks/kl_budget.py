@@ -57,7 +57,8 @@ class PredictedKLBudget(Callback, StepSizeController):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"PredictedKLBudget: {key} must be a positive finite number, got {value}")
         if schedule not in ("constant", "linear", "cosine", "exponential"):
-            raise ValueError(f"PredictedKLBudget: schedule must be constant/linear/cosine/exponential, got {schedule!r}")
+            raise ValueError(f"PredictedKLBudget: schedule must be constant/linear/cosine/exponential, "
+                             f"got {schedule!r}")
         if schedule != "constant" and (final_budget is None or not anneal_steps or anneal_steps < 1):
             raise ValueError(f"PredictedKLBudget: schedule={schedule!r} needs final_budget and anneal_steps >= 1")
         if subset <= 0 or (isinstance(subset, float) and subset > 1):

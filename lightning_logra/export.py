@@ -6,7 +6,8 @@ The folder (weights in the dtype they were trained in, config, generation config
 `AutoModelForCausalLM.from_pretrained` and with vLLM. A sketch-trained checkpoint needs nothing sketch-specific:
 sketched layers keep the original parameter names and shapes, and the sketch carriers are not in state_dicts.
 
-A LoRA-trained checkpoint (`lightning_logra.train.strategies.LoRAStrategy`) exports merged by default: each adapted matrix
+A LoRA-trained checkpoint (`lightning_logra.train.strategies.LoRAStrategy`) exports merged by default: each adapted
+matrix
 becomes W₀ + s·B·A under its own name, so the folder is a plain transformers model like any other. `--adapter`
 writes the adapters alone instead, as peft saves them (`adapter_config.json`, `adapter_model.safetensors`; load with
 `PeftModel.from_pretrained(base, folder)` on the base model the run started from), plus the tokenizer.

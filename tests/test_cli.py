@@ -201,7 +201,8 @@ def test_a_checkpoint_exports_to_a_transformers_folder_without_training(run_cli,
             assert torch.equal(tensor, trained[name]), (folder, name)
         assert AutoTokenizer.from_pretrained(tmp_path / folder)("12+34=").input_ids
     first = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "step-000001")
-    assert not torch.equal(first.model.layers[0].self_attn.q_proj.weight, trained["model.layers.0.self_attn.q_proj.weight"])
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(first.model.layers[0].self_attn.q_proj.weight, trained[q_proj])
     with pytest.raises(FileNotFoundError, match="--ckpt_path"):
         export_main(["--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")])
 
@@ -289,7 +290,7 @@ def test_several_weighted_rewards_are_each_logged_every_step_and_summed(run_cli,
                "reward_weights": [1.0, 0.5, -2.0]}
     path = tmp_path / "rewards.yaml"
     path.write_text(yaml.safe_dump({"model": rewards}))
-    cli = run_cli("tiny_arith", "--config", str(path), root=tmp_path)
+    run_cli("tiny_arith", "--config", str(path), root=tmp_path)
     events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
     events.Reload()
     scalars = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

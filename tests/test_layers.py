@@ -43,9 +43,9 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
                 assert module.split(".")[1] in allowed, f"{path.relative_to(ROOT)} imports {module}"
 
 
-MATH = ["lightning_logra.base.batch", "lightning_logra.base.hashing", "lightning_logra.sketch", "lightning_logra.algo.kl",
-        "lightning_logra.algo.losses", "lightning_logra.algo.advantages", "lightning_logra.algo.logprobs",
-        "lightning_logra.algo.update", "lightning_logra.algo.step_size"]
+MATH = ["lightning_logra.base.batch", "lightning_logra.base.hashing", "lightning_logra.sketch",
+        "lightning_logra.algo.kl", "lightning_logra.algo.losses", "lightning_logra.algo.advantages",
+        "lightning_logra.algo.logprobs", "lightning_logra.algo.update", "lightning_logra.algo.step_size"]
 
 
 @pytest.mark.parametrize("module", MATH)

@@ -106,18 +106,6 @@ def _judge(prediction: str, gold: str) -> float:
     return float(verify(gold_parsed, prediction_parsed, timeout_seconds=None))
 
 
-def _judge(prediction: str, gold: str) -> float:
-    """Runs in a verifier process. Math-verify's own timeouts are off (None): they use ``signal.alarm``, which
-    only works on a process's main thread; the parent bounds this call instead."""
-    from math_verify import parse, verify
-
-    # Math-verify warns once per process that its timeouts are disabled; that is deliberate here.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    gold_parsed = parse(_as_latex(gold), parsing_timeout=None)
-    prediction_parsed = parse(_as_latex(prediction), parsing_timeout=None)
-    return float(verify(gold_parsed, prediction_parsed, timeout_seconds=None))
-
-
 # The math verifier pools of this process, by their number of workers and memory limit, started on first use
 # (importing this module starts nothing).
 _MATH_POOLS: dict[tuple[int, float | None], CheckPool] = {}

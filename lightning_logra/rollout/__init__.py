@@ -6,4 +6,5 @@ from lightning_logra.rollout.hf import HFEngine
 from lightning_logra.rollout.sync import WeightSync, find_sync, fingerprint
 from lightning_logra.rollout.vllm import VLLMEngine
 
-__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "WeightSync", "find_sync", "fingerprint"]
+__all__ = ["HFEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "WeightSync", "find_sync",
+           "fingerprint"]

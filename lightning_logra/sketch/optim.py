@@ -308,8 +308,9 @@ def _check_same_sketch(saved: dict, current: dict) -> None:
         differences.append(f"sketch.optimizer.refresh_every: checkpoint {saved['refresh_every']}, "
                            f"this run {current['refresh_every']}")
     if sorted(saved["layers"]) != sorted(current["layers"]):
+        differing = sorted(set(saved["layers"]) ^ set(current["layers"]))[:2]
         differences.append(f"sketch.target_modules: checkpoint sketches {len(saved['layers'])} matrices, this run "
-                           f"{len(current['layers'])} (e.g. {sorted(set(saved['layers']) ^ set(current['layers']))[:2]})")
+                           f"{len(current['layers'])} (e.g. {differing})")
     else:
         for key in ("rank", "seed", "distribution"):
             values = {(layer[key], current["layers"][name][key]) for name, layer in saved["layers"].items()}

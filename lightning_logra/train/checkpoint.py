@@ -67,7 +67,7 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
     if saved["training"] != current["training"]:
         differences.append(f"trainer.strategy: the checkpoint was trained {saved['training']}, this run trains "
                            f"{current['training']} (its optimizer state does not fit)")
-    if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (lightning_logra.train.lora)
+    if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (train/lora.py)
         differences.append(f"trainer.strategy.init_args.lora: the checkpoint's adapters are {saved.get('lora')}, "
                            f"this run's {current.get('lora')}")
     if differences:
@@ -78,7 +78,8 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO, writing atomically, recording the sha256 of everything it writes inside the file
-    (`lightning_logra.train.digests`), and loading without running code from the file (`lightning_logra.train.safe_load`)
+    (`lightning_logra.train.digests`), and loading without running code from the file
+    (`lightning_logra.train.safe_load`)
     after checking it against those digests."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:

@@ -115,6 +115,13 @@ class TrainingMode(ABC):
         self.distribution.sum_gradients(params)
         return clip_gradients(params, max_grad_norm, self.distribution)
 
+    def _begin(self, grad_norm: torch.Tensor, measured: bool) -> bool:
+        """Whether the step can be taken (its gradient norm is finite); a step a controller measures holds its dense
+        steps back until α is chosen."""
+        self._finite = bool(torch.isfinite(grad_norm))
+        self._held = measured and self._finite
+        return self._finite
+
     def _propose_dense(self, optimizers: list[tuple[torch.optim.Optimizer, Callable[..., Any]]]) -> dict[str, Any]:
         """Take the dense optimizers' steps as proposals (held back until α is chosen): {name: value at α = 1}."""
         self._proposed = {}
@@ -158,9 +165,7 @@ class _DenseSteps(TrainingMode):
     a controller measures it, and taken at α."""
 
     def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
-        self._finite = bool(torch.isfinite(grad_norm))
-        self._held = measured and self._finite
-        if not self._finite:
+        if not self._begin(grad_norm, measured):
             return None
         inner, steps = self._optimizers()
         return Update(dense=self._propose_dense(list(zip(inner, steps)))) if self._held else Update()
@@ -300,9 +305,7 @@ class SketchMode(TrainingMode):
             key, f"{SKETCH_KEY}: the AdamW of train_rest / train_bias, {key}")
 
     def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
-        self._finite = bool(torch.isfinite(grad_norm))
-        self._held = measured and self._finite
-        if not self._finite:
+        if not self._begin(grad_norm, measured):
             return None
         inner, steps = self._optimizers()
         dense = self._propose_dense(list(zip(inner[1:], steps[1:]))) if self._held else {}

@@ -316,7 +316,8 @@ class RLVRModule(LightningModule):
         completion_ids = [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), mask)]
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
-            completions = [[{"role": "assistant", "content": text}] for text in completions]  # TRL's conversational form
+            # TRL's conversational form
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
         columns = {key: values for key, values in batch.items() if key != "prompt_ids"}
         rewards, per_reward = score(self.rewards, columns, completions, completion_ids, n, self.global_step)
         return rewards.to(self.device), per_reward.to(self.device)
@@ -505,7 +506,7 @@ class RLVRModule(LightningModule):
         if self.weight_sync is not None:
             self.weight_sync.attach(self.engine, lambda: self.mode.engine_tensors(self.policy), self.max_over_ranks)
 
-    # ---- checkpoints say what they are (lightning_logra.train.checkpoint) ----------------------------------------------
+    # ---- checkpoints say what they are (train/checkpoint.py) ------------------------------------------------------
 
     def _stamp(self) -> dict[str, Any]:
         precision = str(self.trainer.precision)

@@ -139,3 +139,15 @@ OLD_PATHS = ["lightning_logra.strategy.SketchStrategy", "lightning_logra.strateg
 @pytest.mark.parametrize("path", OLD_PATHS)
 def test_the_old_path_of_a_moved_module_still_imports(path):
     assert _resolves(path), path
+
+
+def test_every_package_folder_is_installed():
+    # `pip install .` (not editable) builds a wheel from this list alone: a folder missing from it is missing there.
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(path.parent.relative_to(ROOT).parts) for path in PACKAGE.rglob("*.py")}
+    on_disk |= {"lightning_logra.callbacks"}
+    assert on_disk == listed
+    for name in on_disk - {"lightning_logra.callbacks"}:
+        assert (ROOT / name.replace(".", "/") / "__init__.py").exists(), f"{name} has no __init__.py"

@@ -1,0 +1,1 @@
+"""The Lightning wiring: the module, the training modes, checkpoints and the strategies."""

@@ -1,14 +1,18 @@
 """RolloutWeightSync: keep a rollout engine's own copy of the weights (vLLM) equal to the trainer's.
 
-A full load once at the start; then, after every applied update, only what changed: for each sketched matrix the
-factor F = α·η·U (d×r) and the seed of A, from which the engine regenerates A and merges W −= F·A itself; densely
-trained parameters, if any, as full tensors; a LoRA run's change of each adapted matrix as a low-rank delta of rank
-2r (the training mode makes it: `lightning_logra.train.modes`). Every `check_every` syncs the fingerprints of every
-tensor the engine holds (trained or not) are compared with the trainer's and a drift past `tolerance` is repaired by
-a full load, as is a restarted engine. A sampler whose log-probs stay far from the trainer's (the step's
-`rollout/logprob_abs_diff` above `logprob_diff_threshold` for `logprob_diff_steps` steps in a row) triggers the same
-check at once. With several ranks, each rank keeps its own engine in step (every rank holds the same weights and
-applies the same update).
+The engine starts from the model's files. At the start the fingerprints of every tensor it holds are compared with
+the trainer's, and what differs at all (a resumed checkpoint's weights) is loaded, nothing else. Then, after every
+applied update, only what changed: for each sketched matrix the factor F = α·η·U (d×r) and the seed of A, from which
+the engine regenerates A and merges W −= F·A itself; densely trained parameters, if any, as whole tensors; a LoRA
+run's change of each adapted matrix as a low-rank delta of rank 2r (the training mode makes it:
+`lightning_logra.train.modes`). Every `check_every` syncs the fingerprints are compared again and the tensors that
+drifted past `tolerance` are loaded; a restarted engine gets every tensor. A sampler whose log-probs stay far from
+the trainer's (the step's `rollout/logprob_abs_diff` above `logprob_diff_threshold` for `logprob_diff_steps` steps in
+a row) triggers the same check at once. With several ranks, each rank keeps its own engine in step (every rank
+applies the same update). Under sharded training (FSDP) each rank holds only its rows of every tensor: the whole F is
+all-gathered by the training mode, fingerprints are computed on each rank's rows and all-gathered (d numbers per
+matrix), and a tensor an engine needs whole is gathered by every rank together, one at a time; no rank ever holds
+the whole model.
 
 It is the run's `lightning_logra.rollout.WeightSync`: the module attaches the engine to it before generation starts and
 calls `sync` at the end of every training step.
@@ -26,9 +30,14 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_logra.algo.update import Update
-from lightning_logra.rollout import RolloutEngine, WeightSync, fingerprint
+from torch.distributed.tensor import DTensor
+
+from lightning_logra.rollout import RolloutEngine, WeightSync
+from lightning_logra.rollout.sync import whole, whole_fingerprint
 
 log = logging.getLogger(__name__)
+
+_LOAD_CHUNK_BYTES = 512 * 2**20  # a load gathers and sends this much at a time (or one tensor, if larger)
 
 
 class RolloutWeightSync(Callback, WeightSync):
@@ -71,10 +80,10 @@ class RolloutWeightSync(Callback, WeightSync):
         self.logprob_diff_threshold, self.logprob_diff_steps = logprob_diff_threshold, logprob_diff_steps
         self.steps_above_threshold = 0
         self.syncs = 0  # compact syncs sent (its checkpointed state, so checks keep their rhythm across resumes)
-        self.full_loads = 0
+        self.loads = 0  # times tensors were loaded into this rank's engine: at the start, repairs, restarts
         self._engine: RolloutEngine | None = None  # the engine kept in step, once attached
         self._tensors: Callable[[], dict[str, torch.Tensor]] = dict
-        self._max_over_ranks: Callable[[float], float] = float
+        self._max_over_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda values: values
         self._bytes: dict[str, int] = {}  # each engine tensor's bytes (sync/dense_bytes)
 
     # ---- the WeightSync the module calls --------------------------------------------------------------------------
@@ -87,19 +96,48 @@ class RolloutWeightSync(Callback, WeightSync):
             self._engine.reload_after_restart(None)
 
     def attach(self, engine: RolloutEngine, tensors: Callable[[], dict[str, torch.Tensor]],
-               max_over_ranks: Callable[[float], float]) -> None:
+               max_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if engine is self._engine:
             return  # in step since this fit, validate or test began (a validation inside fit)
         self._engine, self._tensors, self._max_over_ranks = engine, tensors, max_over_ranks
-        engine.reload_after_restart(self.full_sync)  # a restarted engine starts from the model's files
-        self.full_sync()
+        current = tensors()
+        self._bytes = {name: t.numel() * t.element_size() for name, t in current.items()}
+        sharded = any(isinstance(t, DTensor) for t in current.values())
+        # A restarted engine starts from the model's files and needs every tensor of the trainer's — which, sharded,
+        # only every rank together can gather, and the restart happens on one rank alone.
+        engine.reload_after_restart(self._refuse_reload if sharded else self.full_sync)
+        # The engine started from the model's files: only what differs from the trainer's weights is loaded (a
+        # resumed checkpoint's, weights in another dtype). Any difference at all: the engine must equal the trainer.
+        self.repair(tolerance=0.0)
 
     def full_sync(self) -> int:
-        """Load every tensor the engine holds from the trainer; returns the bytes sent."""
-        tensors = self._tensors()
-        sent = self._engine.load_weights(tensors)
-        self._bytes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-        self.full_loads += 1
+        """Load every tensor the engine holds from the trainer (a restarted engine's reload); returns the bytes."""
+        return self._load(list(self._tensors()), mine=None)
+
+    def _refuse_reload(self) -> None:
+        raise RuntimeError(
+            "RolloutWeightSync: this rank's vLLM engine died and was restarted; under sharded training (FSDP) its "
+            "weights can only be reloaded with every rank taking part, and the others are elsewhere in the step. "
+            "Resume the run from its last checkpoint (--ckpt_path): each engine is compared with the trainer at the "
+            "start and what differs is loaded")
+
+    def _load(self, names: list[str], mine: set[str] | None) -> int:
+        """Send the named tensors' whole values to this rank's engine — only those in `mine` (None: all) — a chunk
+        at a time: sharded tensors are gathered one by one, by every rank (each rank names the same ones), so a rank
+        holds at most about `_LOAD_CHUNK_BYTES` of gathered tensors (or the largest one) besides its shards.
+        Returns the bytes sent."""
+        params = self._tensors()
+        sent, chunk, size = 0, {}, 0
+        for position, name in enumerate(names):
+            tensor = whole(params[name])
+            if mine is None or name in mine:
+                chunk[name] = tensor
+                size += tensor.numel() * tensor.element_size()
+            if chunk and (size >= _LOAD_CHUNK_BYTES or position == len(names) - 1):
+                sent += self._engine.load_weights(chunk)
+                chunk, size = {}, 0
+        if mine is None or mine:
+            self.loads += 1
         return sent
 
     def sync(self, update: Update | None, sampler_diff: float) -> dict[str, float]:
@@ -108,6 +146,8 @@ class RolloutWeightSync(Callback, WeightSync):
         sent = dense_bytes = seconds = diff = math.nan
         if update:
             start = time.perf_counter()
+            # Densely trained values the trainer holds sharded travel whole (every rank gathers them together).
+            update = Update(update.low_rank, {name: whole(value) for name, value in update.dense.items()})
             sent = self._engine.apply_update(update)
             seconds = time.perf_counter() - start
             self.syncs += 1
@@ -115,13 +155,12 @@ class RolloutWeightSync(Callback, WeightSync):
             dense_bytes += sum(t.numel() * t.element_size() for t in update.dense.values())
             due |= self.check_every is not None and self.syncs % self.check_every == 0
         if due:
-            # With several ranks each checks (and repairs) its own engine, all at the same syncs: their count and the
-            # log-prob difference behind `due` are the same on every rank. The log shows the largest difference of
-            # any rank (NaN travels as inf, which the maximum keeps).
-            diff = self._max_over_ranks(self.check())
+            # Every rank checks (and repairs) its own engine, all at the same syncs: their count and the log-prob
+            # difference behind `due` are the same on every rank.
+            diff = self.check()
         return {"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes), "sync/seconds": seconds,
                 "sync/max_abs_diff": diff, "sync/restarts": float(self._engine.restarts),
-                "sync/full_loads": float(self.full_loads)}
+                "sync/loads": float(self.loads)}
 
     def _sampler_drifting(self, diff: float) -> bool:
         """Whether the sampler's log-probs have been far from the trainer's for `logprob_diff_steps` steps in a row:
@@ -134,26 +173,44 @@ class RolloutWeightSync(Callback, WeightSync):
         self.steps_above_threshold = 0
         return True
 
-    def max_abs_diff(self) -> float:
-        """max |fingerprint(engine W) − fingerprint(trainer W)| over every tensor the engine holds: the trained ones,
-        and the untrained ones (norms, embeddings, frozen matrices) too, which nothing else would ever check."""
+    def differences(self) -> dict[str, float]:
+        """{name: max |fingerprint(engine W) − fingerprint(trainer W)|} for every tensor this rank's engine holds:
+        the trained ones, and the untrained ones (norms, embeddings, frozen matrices) too, which nothing else would
+        ever check. Sharded tensors' fingerprints are all-gathered (d numbers each; a collective)."""
         params = self._tensors()
-        seed = self.seed * 1_000_003 + self.syncs
+        seed = self.seed * 1_000_003 + self.syncs  # the same on every rank: sharded fingerprints are gathered
         theirs = self._engine.fingerprints(list(params), seed)
-        diffs = [torch.zeros((), dtype=torch.float64)]
+        out = {}
         for name, param in params.items():
-            ours = fingerprint(param, seed).cpu()
-            diffs.append((theirs[name][: ours.shape[0]] - ours).abs().max())
-        return float(torch.stack(diffs).max())  # NaN anywhere stays NaN
+            ours = whole_fingerprint(param, seed).cpu()
+            out[name] = float((theirs[name][: ours.shape[0]] - ours).abs().max())  # NaN anywhere stays NaN
+        return out
+
+    def max_abs_diff(self) -> float:
+        """The largest fingerprint difference of this rank's engine (`differences`); 0.0 when it holds nothing."""
+        return max(self.differences().values(), default=0.0)
+
+    def repair(self, tolerance: float) -> float:
+        """Compare every rank's engine with the trainer; load into each engine the tensors whose difference is past
+        `tolerance` (NaN counts as one) — only those. Returns the largest difference of any rank."""
+        diffs = self.differences()
+        names = list(diffs)
+        mine = torch.tensor([diffs[name] for name in names], dtype=torch.float64)
+        everyone = self._max_over_ranks(mine.nan_to_num(nan=math.inf)).cpu()  # NaN travels as inf
+        # Gathering a sharded tensor takes every rank: each gathers what any rank's engine lacks, and loads its own.
+        drifted = [name for name, diff in zip(names, everyone.tolist()) if not diff <= tolerance]
+        if drifted:
+            ours = {name for name in drifted if not diffs[name] <= tolerance}
+            if ours:
+                log.warning("RolloutWeightSync: %d tensors of the engine differ from the trainer's by up to %.3g "
+                            "(tolerance %.3g; %s...); loading them", len(ours), max(diffs[n] for n in ours),
+                            tolerance, sorted(ours)[0])
+            self._load(drifted, mine=ours)
+        return float(everyone.max()) if names else 0.0
 
     def check(self) -> float:
-        """Compare fingerprints; past the tolerance, load the full weights. Returns the difference found."""
-        diff = self.max_abs_diff()
-        if not diff <= self.tolerance:  # NaN counts as drift too
-            log.warning("RolloutWeightSync: the engine's weights drifted from the trainer's by %.3g (tolerance %.3g); "
-                        "loading the full weights", diff, self.tolerance)
-            self.full_sync()
-        return diff
+        """Compare fingerprints; load what drifted past the tolerance. Returns the largest difference of any rank."""
+        return self.repair(self.tolerance)
 
     def state_dict(self) -> dict[str, Any]:
         return {"syncs": self.syncs}

@@ -66,7 +66,7 @@ def test_tiny_arith_learns_with_vllm_rollouts(run_cli, tmp_path):
     assert len(sent) == 200 and all(s < 0.15 * d for s, d in zip(sent, dense))
     checks = [diff for diff in scalars["sync/max_abs_diff"] if not math.isnan(diff)]  # NaN between the checks
     assert len(checks) == 4 and max(checks) <= 1e-4
-    assert scalars["sync/full_loads"][-1] == 1 and scalars["sync/restarts"][-1] == 0
+    assert scalars["sync/loads"][-1] == 0 and scalars["sync/restarts"][-1] == 0
     # vLLM's fp32 log-probs match the trainer's closely: the importance weights are ~1
     assert max(scalars["rollout/logprob_abs_diff"]) < 1e-3
 

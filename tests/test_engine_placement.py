@@ -1,6 +1,6 @@
 """A vLLM engine placed on one rank of several (`VLLMEngine.place`), before it starts: the settings that cannot work
 fail naming the key, and the environment its processes inherit keeps the trainer's rank and rendezvous out. (The
-engines themselves, 2 ranks with one each: tests/test_ddp_vllm.py.)"""
+engines themselves, 2 ranks with one each: tests/test_ddp_vllm.py, tests/test_fsdp_vllm.py.)"""
 
 import os
 
@@ -64,18 +64,23 @@ def test_each_ranks_cpu_engine_gets_its_own_cores(monkeypatch):
             pass
 
 
-def test_an_engine_with_weights_of_its_own_is_refused_when_the_weights_are_sharded(tiny_arith_model):
-    # Under SketchFSDPStrategy each rank holds shards: a full load and train_rest's dense values would need gathering,
-    # so the module refuses the engine before starting it, naming the key (SketchDDPStrategy runs one per rank).
+def test_under_sharded_training_each_rank_places_an_engine_of_its_own(tiny_arith_model, monkeypatch):
+    # SketchFSDPStrategy: each rank's engine is placed beside it and started from the model's files (the weight sync
+    # then compares it with the trainer's shards: tests/test_fsdp_vllm.py).
     from types import SimpleNamespace
 
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
     from lightning_logra.train.module import RLVRModule
+    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
 
-    module = RLVRModule(tiny_arith_model, reward="exact_match", engine=VLLMEngine())
-    module._trainer = SimpleNamespace(world_size=2, global_rank=0, strategy=SketchFSDPStrategy(),
+    started = []
+    monkeypatch.setattr(VLLMEngine, "start", lambda self, model, pad, stop: started.append(model))
+    engine = VLLMEngine()
+    module = RLVRModule(tiny_arith_model, reward="exact_match", engine=engine)
+    module._trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SketchFSDPStrategy(),
                                       state=SimpleNamespace(fn=TrainerFn.FITTING))
-    with pytest.raises(ValueError, match=r"model.engine: VLLMEngine keeps weights of its own.*SketchFSDPStrategy"):
-        module.configure_model()
+    monkeypatch.setattr(SketchFSDPStrategy, "root_device", torch.device("cpu"))
+    module.configure_model()
+    assert (engine.rank, engine.world_size, engine.device) == (1, 2, torch.device("cpu"))
+    assert started == [str(tiny_arith_model)]

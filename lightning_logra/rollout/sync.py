@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from torch.distributed.tensor import DTensor
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.hashing import mix64
@@ -27,11 +28,13 @@ class WeightSync(ABC):
 
     @abstractmethod
     def attach(self, engine, tensors: Callable[[], dict[str, torch.Tensor]],
-               max_over_ranks: Callable[[float], float]) -> None:
-        """Before generation starts (fit, validate, test): keep `engine` in step from now on, starting with a full
-        load (the trainer's weights may be a resumed checkpoint's). `tensors()` gives every tensor the engine holds,
-        by the model's names, as the trainer holds them now; `max_over_ranks` is a collective every rank calls at the
-        same point (each rank keeps its own engine)."""
+               max_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Before generation starts (fit, validate, test): keep `engine` in step from now on, starting by loading
+        whatever differs from the trainer's weights (they may be a resumed checkpoint's). `tensors()` gives every
+        tensor the engine holds, by the model's names, as the trainer holds them now: under sharded training (FSDP)
+        each rank's shards as DTensors, whose whole values every rank gathers together (`whole`);
+        `max_over_ranks` (elementwise) is a collective every rank calls at the same point (each rank keeps its own
+        engine)."""
 
     @abstractmethod
     def sync(self, update: Update | None, sampler_diff: float) -> dict[str, float]:
@@ -56,6 +59,23 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
 
 def unpack_tensors(data: bytes) -> dict[str, torch.Tensor]:
     return load_tensors(data)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor the trainer may hold sharded (a DTensor: all-gathered, a collective every rank
+    calls at the same point); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_fingerprint(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """`fingerprint` of the whole tensor (d,) fp64. Of a DTensor sharded by rows, each rank fingerprints its rows
+    and the d numbers are all-gathered (a collective): the d×k weight is never gathered."""
+    if not isinstance(tensor, DTensor):
+        return fingerprint(tensor, seed)
+    local = fingerprint(tensor.to_local(), seed)  # the rank's rows: FSDP2 shards dim 0 (all columns held)
+    rows = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=(tensor.shape[0],), stride=(1,))
+    return rows.full_tensor()
 
 
 def fingerprint_vector(in_features: int, seed: int, device: torch.device | str | None = None) -> torch.Tensor:

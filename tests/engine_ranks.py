@@ -37,8 +37,8 @@ class RankReport(Callback):
     """Run inside each rank of the CLI run: writes rank<r>.json in the run's root directory with
     - whether this rank's first step sampled (through the module's own rollout path) what its engine samples for the
       same rows when given the whole global batch with seeds from index 0, as one process with one engine would;
-    - after the first step, rank 1 shifts one entry of a trained weight in its engine by 1e-3: its own check at the
-      next sync must find and repair it, and the logged difference is the largest of any rank's;
+    - after the first step, rank 1 shifts one entry of a trained weight in its engine by 1e-3: the next sync's check
+      must find and repair it, and the logged difference is the largest of any rank's;
     - at the end, the largest |engine weight − trainer weight| over every policy tensor, the loads its
       RolloutWeightSync made, its engine's processes (as the engine finds them) and the trainer's variables found in
       their environment."""
@@ -65,9 +65,13 @@ class RankReport(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # Listed after RolloutWeightSync: this step's check has run; the next step's must catch this.
         self.steps += 1
-        if self.steps == 1 and trainer.global_rank == 1:
-            weight = pl_module.engine.weights([DRIFTED])[DRIFTED][: pl_module.policy.get_parameter(DRIFTED).shape[0]]
-            weight[3, 5] += 1e-3
+        if self.steps != 1:
+            return
+        # Every rank asks (a tensor-parallel engine's workers answer together); rank 1 alone changes what it holds.
+        weight = pl_module.engine.weights([DRIFTED])[DRIFTED][: pl_module.policy.get_parameter(DRIFTED).shape[0]]
+        if trainer.global_rank == 1:
+            # Column 100 of o_proj (a row-parallel layer): in rank 1's shard of a 2-way tensor-parallel engine too.
+            weight[3, 100] += 1e-3
             pl_module.engine.load_weights({DRIFTED: weight})
 
     def on_train_end(self, trainer, pl_module):

@@ -76,6 +76,33 @@ def test_a_sharded_run_killed_mid_way_resumes_with_its_engines_equal_to_the_trai
     # after it, exactly 0 at every other check.
     diffs = _scalars(root, "sync/max_abs_diff")
     assert len(diffs) == 2 and diffs[0] == 0.0 and diffs[1] == pytest.approx(1e-3, rel=1e-3)
+    # The engines sample as the trainer computes (the densely trained embedding reaches the tied head's logits too;
+    # the second step sampled with rank 1's drift)
+    assert _scalars(root, "rollout/logprob_abs_diff")[0] < 1e-5
+
+
+def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tmp_path):
+    # placement trainer_ranks: the 2 trainer ranks are the 2 workers of one tensor-parallel engine (vLLM's external
+    # launcher), each holding half of every weight, the ranks' prompts generated together.
+    config = _config(tmp_path / "fsdp_vllm.yaml")
+    run_cli(config, "--model.engine.init_args.placement", "trainer_ranks",
+            "--model.engine.init_args.tensor_parallel_size", "2", "--trainer.callbacks+=engine_ranks.RankReport",
+            steps=3, root=tmp_path, subprocess=True, env=ENV)
+    reports = _reports(tmp_path)
+    for rank, report in enumerate(reports):
+        assert report["same_samples"] and report["restarts"] == 0 and report["engine_pids"] == [], rank
+        # The workers are the trainer's processes, in its world of 2 ranks.
+        assert report["engine_world_sizes"] == [2]
+        # Rank 1's drift is in the engine both ranks share: both see it at the next check and load the tensor
+        # (each worker copies its shard); every weight equals the gathered trainer's at the end, bit for bit.
+        assert report["loads"] == 1 and report["max_weight_diff"] == 0.0, rank
+    assert reports[0]["samples"] != reports[1]["samples"]  # each rank kept its own prompts' completions
+    diffs = _scalars(tmp_path, "sync/max_abs_diff")
+    assert diffs[0] == diffs[2] == 0.0 and diffs[1] == pytest.approx(1e-3, rel=1e-3)
+    # The tensor-parallel sampler's log-probs agree with the trainer's as one worker's do (2.2e-7 per token there),
+    # the embedding trained densely included; the second step sampled with rank 1's drift.
+    mismatch = _scalars(tmp_path, "rollout/logprob_abs_diff")
+    assert max(mismatch[0], mismatch[2]) < 1e-5 and mismatch[1] > 1e-5
 
 
 def test_bf16_engines_follow_sharded_bf16_training_bit_for_bit(run_cli, tmp_path):

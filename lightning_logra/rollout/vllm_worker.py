@@ -10,7 +10,9 @@ A weight is therefore a *slot*: the local tensor and which rows and columns of t
 On the CPU backend vLLM prepacks every linear weight for its GEMM kernels and leaves `layer.weight` empty. The
 first time a layer is touched its weight is recovered exactly from the packed kernel (Wᵀ = linear(I)), kept, and
 the layer is re-packed after every change: the unpacked copy costs one more copy of the linear weights in host
-memory, which is what an in-place update on that backend needs. On GPUs the weight is updated where it lies.
+memory, which is what an in-place update on that backend needs. The embedding keeps its weight but is packed too
+(for the logits of an LM head tied to it, packed apart): it is re-packed after a change as well. On GPUs the weight
+is updated where it lies.
 
 Methods are called through `LLM.collective_rpc("logra_…")`; arguments and answers are bytes (tensors do not cross
 that boundary), built with `lightning_logra.rollout.sync`, or for a full load by reference with
@@ -254,7 +256,8 @@ class LogRAWorkerExtension:
         return missing_layer_attributes(self._logra_model(), cpu=current_platform.is_cpu())
 
     def _logra_copy(self, tensors: dict[str, torch.Tensor]) -> set:
-        touched, rest = set(), []
+        """Copy whole tensors into this worker's blocks; returns the layers to re-pack (`_logra_repack`)."""
+        touched, rest, written = set(), [], set()
         for name, full in tensors.items():
             try:
                 slot = self._logra_slot(name)
@@ -264,9 +267,21 @@ class LogRAWorkerExtension:
             block = full[slot.rows] if slot.cols is None else full[slot.rows, slot.cols]
             slot.tensor.copy_(block)
             touched.add(slot.layer)
+            if slot.layer is None:
+                written.add(slot.tensor.untyped_storage().data_ptr())
         if rest:
             self._logra_model().load_weights(iter(rest))
-        return touched
+        return touched | self._logra_packed_users(written)
+
+    def _logra_packed_users(self, storages: set[int]) -> set:
+        """The non-linear modules whose CPU kernel packed a copy of one of these storages' weights: the embedding,
+        and an LM head tied to it (a module of its own sharing the embedding's weight, packed for the logits GEMM
+        apart). Without a re-pack the logits would go on using the old embedding."""
+        if not storages:
+            return set()
+        return {module for module in self._logra_model().modules()
+                if hasattr(module, "cpu_linear") and not _is_linear(module) and getattr(module, "weight", None)
+                is not None and module.weight.numel() > 0 and module.weight.untyped_storage().data_ptr() in storages}
 
     @torch.no_grad()
     def logra_blocks(self, names: list[str], seed: int | None = None) -> bytes:

@@ -49,6 +49,20 @@ def _per_gpu(model: torch.nn.Module, strategy: SketchFSDPStrategy, world: int) -
             "reduce_buffer": buffer / GB, "projections": projections / GB}
 
 
+def _engine_per_gpu(model: torch.nn.Module, config: Qwen2Config, engine, sequences_per_gpu: int) -> dict[str, float]:
+    """What the vLLM engine holds on each GPU while it generates, in GB, for bf16 weights and KV cache: its share of
+    the whole model (1/tensor_parallel_size: one engine per tensor-parallel group of ranks, or a whole copy per rank),
+    and the KV cache of every sequence its group generates at max_model_len, for the kv heads a GPU holds."""
+    tp = engine.options["tensor_parallel_size"]
+    # the model's own parameters: not the sketch carriers (stride-0 views of one zero)
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("sketch_param")) * 2 / tp
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_heads = max(1, config.num_key_value_heads // tp)  # vLLM replicates kv heads when TP exceeds their count
+    tokens = sequences_per_gpu * tp * engine.options["max_model_len"]
+    kv_cache = tokens * config.num_hidden_layers * 2 * kv_heads * head_dim * 2
+    return {"engine_weights": weights / GB, "engine_kv_cache": kv_cache / GB}
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_headers_memory_arithmetic_is_the_models(run_cli, name):
     # the GPU config, checked on this CPU machine by overriding only where it runs
@@ -60,6 +74,21 @@ def test_the_headers_memory_arithmetic_is_the_models(run_cli, name):
     with torch.device("meta"):
         model = Qwen2ForCausalLM(Qwen2Config(**SHAPES[name]))
     computed = _per_gpu(model, strategy, world=8)
+    # The configs generate with vLLM: each rank's engine whole (7B), or one engine per node in the trainer's ranks,
+    # tensor-parallel (32B), asleep during the update.
+    engine, hp = cli.model.engine, cli.model.hparams
+    assert type(engine).__name__ == "VLLMEngine" and engine.sleep_between_rollouts
+    assert engine.placement == ("trainer_ranks" if name == "qwen32b_fsdp.yaml" else "processes")
+    sequences = cli.datamodule.batch_size // 8 * hp.num_generations  # per GPU: its share of the prompts
+    assert engine.options["max_model_len"] >= cli.datamodule.max_prompt_length + hp.max_new_tokens
+    computed |= _engine_per_gpu(model, Qwen2Config(**SHAPES[name]), engine, sequences)
     stated = _header(CONFIGS / name)
+    assert set(computed) <= set(stated)
     for key, value in computed.items():
         assert stated[key] == pytest.approx(value, abs=0.006), (key, stated[key], value)
+    # The engine's share of each 80 GB GPU holds its weights and KV cache, with room for its activations (~1-2 GB).
+    engine_share = engine.options["gpu_memory_utilization"] * 80
+    assert engine_share >= computed["engine_weights"] + computed["engine_kv_cache"] + 1.0
+    # And beside it, while generating, the trainer's resident part fits: weights, sketches, state, projections.
+    resident = sum(computed[key] for key in ("weights", "sketches", "sketch_state", "projections"))
+    assert resident + engine_share < 0.6 * 80

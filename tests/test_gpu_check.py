@@ -52,6 +52,18 @@ def test_a_stage_that_raises_is_recorded_and_the_next_still_runs(gpu_check, tmp_
     assert "| first | error |" in table and "| second | ok |" in table
 
 
+def test_a_stage_that_cannot_run_here_is_recorded_as_skipped_with_its_reason(gpu_check, tmp_path):
+    report = {"stages": {}}
+
+    def needs_two_gpus(plan, progress):
+        raise gpu_check.StageSkipped("needs 2 GPUs; 1 visible")
+
+    gpu_check.run_stage("vllm_colocated", needs_two_gpus, gpu_check.Plan.dry(), report, tmp_path / "report.json")
+    assert report["stages"]["vllm_colocated"] == {"status": "skipped", "reason": "needs 2 GPUs; 1 visible",
+                                                  "seconds": ANY}
+    assert "| vllm_colocated | skipped | 0 | needs 2 GPUs; 1 visible |" in gpu_check.markdown(report)
+
+
 @pytest.mark.integration  # every stage end to end on the CPU: about half a minute on 2 cores
 def test_the_dry_run_reports_every_stage(tmp_path):
     out = tmp_path / "gpu_check.json"
@@ -62,7 +74,8 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     stages = report["stages"]
-    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load"]
+    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load",
+                            "vllm_colocated"]
     for name, entry in stages.items():
         assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
         assert f"| {name} | ok |" in run.stdout
@@ -106,3 +119,10 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert rows["shared"]["bytes_sent"] < 512 * load["tensors"]
     for row in rows.values():
         assert row["max_abs_diff"] == 0.0 and len(row["seconds_all"]) == 2 and row["seconds"] > 0
+
+    # FSDP on 2 CPU processes with one 2-way tensor-parallel vLLM engine in the trainer's ranks (no sleep mode on
+    # the CPU): every sync's exact comparison found the engine equal to the trainer, nothing loaded.
+    colocated = stages["vllm_colocated"]["result"]
+    assert colocated["steps"] == 3 and colocated["sleep"] is False
+    assert colocated["max_abs_diff"] == 0.0 and colocated["loads"] == 0 and colocated["logprob_abs_diff"] < 1e-5
+    assert colocated["step_s"] > colocated["rollout_s"] > 0 and colocated["sync_bytes"] > 0

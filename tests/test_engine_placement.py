@@ -24,6 +24,32 @@ def test_a_tensor_parallel_engine_is_refused_with_several_ranks():
         VLLMEngine(tensor_parallel_size=2).place(0, 2, torch.device("cpu"))
 
 
+def test_engines_in_the_trainers_ranks_need_whole_groups_of_ranks():
+    with pytest.raises(ValueError, match="engine.placement must be one of processes, trainer_ranks"):
+        VLLMEngine(placement="rank0")
+    with pytest.raises(ValueError, match=r"one engine per 2 consecutive ranks .* 3 ranks are not a multiple"):
+        VLLMEngine(placement="trainer_ranks", tensor_parallel_size=2).place(0, 3, torch.device("cpu"))
+    # one worker per rank: no group to gather prompts in, and no process of its own whatever separate_process says
+    engine = VLLMEngine(placement="trainer_ranks", separate_process=True)
+    engine.place(1, 2, torch.device("cpu"))
+    assert engine.in_trainer_ranks and engine.group is None and engine.group_ranks == [1]
+    assert not engine.separate_process
+
+
+def test_an_engine_in_the_trainers_ranks_starts_with_them(monkeypatch):
+    # vLLM's external launcher reads the rank from RANK, which Lightning's launcher does not set; the rendezvous
+    # stays (vLLM joins the trainer's process group).
+    for name, value in TRAINER.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RANK")
+    engine = VLLMEngine(placement="trainer_ranks")
+    engine.place(1, 2, torch.device("cpu"))
+    with engine._environment():
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "1")
+        assert os.environ["MASTER_PORT"] == "29500" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    assert "RANK" not in os.environ
+
+
 def test_the_engine_starts_without_the_trainers_rank_and_rendezvous(monkeypatch):
     for name, value in TRAINER.items():
         monkeypatch.setenv(name, value)

@@ -174,7 +174,7 @@ class VLLMEngine(RolloutEngine):
         if world_size > 1 and self.placement == "trainer_ranks":
             if world_size % tp:
                 raise ValueError(f"model.engine: placement trainer_ranks runs one engine per {tp} consecutive ranks "
-                                 f"(tensor_parallel_size); {world_size} ranks are not a multiple of it")
+                                 f"(engine.tensor_parallel_size); {world_size} ranks are not a multiple of it")
             # Every rank builds every group (a collective), and keeps its own.
             groups = [list(range(first, first + tp)) for first in range(0, world_size, tp)]
             self.group_ranks = groups[rank // tp]
@@ -183,11 +183,11 @@ class VLLMEngine(RolloutEngine):
         elif world_size > 1 and not self.separate_process:
             # vLLM's worker would run in the trainer's process, where torch.distributed is the trainer's already.
             raise ValueError("model.engine: with several trainer processes each rank's engine must run in processes "
-                             "of its own (separate_process: true), or in the trainer's ranks themselves (placement: "
-                             "trainer_ranks)")
+                             "of its own (engine.separate_process: true), or in the trainer's ranks themselves "
+                             "(engine.placement: trainer_ranks)")
         elif world_size > 1 and tp != 1:
             raise ValueError(f"model.engine: with several trainer processes each rank's engine runs on that rank's "
-                             f"device alone; set engine.tensor_parallel_size: 1 (got {tp}), or placement: "
+                             f"device alone; set engine.tensor_parallel_size: 1 (got {tp}), or engine.placement: "
                              "trainer_ranks for tensor-parallel engines in the trainer's ranks")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
 

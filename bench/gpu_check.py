@@ -475,7 +475,8 @@ def full_load(plan: Plan, progress: Progress) -> dict:
 def vllm_colocated(plan: Plan, progress: Progress) -> dict:
     """The path of configs/qwen32b_fsdp.yaml at the tiny shape: 2 ranks sharded by FSDP2, their processes the 2
     workers of one tensor-parallel vLLM engine (vLLM's external launcher), which sleeps while the trainer runs its
-    backward passes (GPU only). Through the CLI, in a process of its own; the run's TensorBoard scalars are read back."""
+    backward passes (GPU only). Through the CLI, in a process of its own; the run's TensorBoard scalars are read
+    back."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if importlib.util.find_spec("vllm") is None:

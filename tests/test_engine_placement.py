@@ -42,6 +42,7 @@ def test_an_engine_in_the_trainers_ranks_starts_with_them(monkeypatch):
     for name, value in TRAINER.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("RANK")
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)  # vLLM sets it in a process that started one
     engine = VLLMEngine(placement="trainer_ranks")
     engine.place(1, 2, torch.device("cpu"))
     with engine._environment():

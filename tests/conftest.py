@@ -104,6 +104,24 @@ def run_cli(tiny_arith_model, tmp_path_factory):
     return run
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback address, for the rendezvous of processes a test starts."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, out: Path, nprocs: int = 2) -> list:
+    """`target(rank, port, out)` in `nprocs` processes (torch.multiprocessing.spawn) that meet at a free loopback
+    port; returns what each saved with torch.save to out/rank<r>.pt."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(target, args=(free_port(), str(out)), nprocs=nprocs)
+    return [torch.load(Path(out) / f"rank{rank}.pt") for rank in range(nprocs)]
+
+
 def _run_in_a_process(args: list[str], root: Path, env: dict[str, str], wait: bool, check: bool):
     # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a sum
     # over as many threads as they find free, which moves a comparison's last bits from one run to the next.

@@ -142,16 +142,9 @@ def test_each_rank_merges_its_rows_with_the_rounding_bits_of_the_whole_matrix(tm
     # bf16 weights: each rank merges its rows of F·A into its shard, rounding stochastically with the bits those
     # rows draw in the whole matrix, and keeps Adam's state for its rows only: the gathered weights equal one
     # process's bit for bit.
-    import socket
+    from conftest import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_merge_on_shards, args=(port, str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        state = torch.load(tmp_path / f"rank{rank}.pt")
+    for state in spawn_ranks(_merge_on_shards, tmp_path):
         for rows, mine, whole in zip(state["rows"], state["exp_avg"], state["reference_exp_avg"]):
             assert torch.equal(mine, whole[rows])  # (rows, r): the state of this rank's rows, nothing more
         assert sum(len(rows) for rows in state["rows"]) < sum(w.shape[0] for w in state["reference"])

@@ -4,7 +4,6 @@ the rendezvous on the loopback address) and Lightning's `trainer.num_nodes`, no 
 and DDP."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, ROOT, fast_overrides
+from conftest import CONFIGS, ROOT, fast_overrides, free_port
 
 pytestmark = pytest.mark.integration  # end-to-end runs of 2 processes: `pytest -m "not integration"` skips them
 
@@ -21,16 +20,10 @@ pytestmark = pytest.mark.integration  # end-to-end runs of 2 processes: `pytest 
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(args: list[str], root: Path) -> None:
     """`cli.py fit <args>` on 2 nodes of 1 process, each started by its own torchrun (static rendezvous at node 0's
     address), as a SLURM script starts one torchrun per node (README)."""
-    port = _free_port()
+    port = free_port()
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ENV}
     root.mkdir(parents=True, exist_ok=True)

@@ -105,16 +105,10 @@ def _sharded_fingerprints(rank: int, port: int, out: str) -> None:
 
 def test_fingerprints_of_sharded_tensors_are_gathered_rows_not_weights(tmp_path):
     # Under FSDP a rank fingerprints its rows and all-gathers the d numbers: exactly the whole tensor's fingerprint.
-    import socket
+    from conftest import spawn_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_sharded_fingerprints, args=(port, str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        for name, (tensor, gathered, value, local_rows) in torch.load(tmp_path / f"rank{rank}.pt").items():
+    for rank, result in enumerate(spawn_ranks(_sharded_fingerprints, tmp_path)):
+        for name, (tensor, gathered, value, local_rows) in result.items():
             assert local_rows == (3, 2)[rank]  # each rank held its rows only
             assert torch.equal(gathered, fingerprint(tensor, seed=11)), name
             assert torch.equal(value, tensor), name

@@ -103,6 +103,60 @@ def _sharded_fingerprints(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _restart_under_sharding(rank: int, port: int, out: str) -> None:
+    """One gloo process: a sync attached to an engine whose trainer tensors are DTensors (as under FSDP), then the
+    engine's restart asks it to reload; what it raised is saved for the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_logra.rollout.engine import RolloutEngine
+
+    class Files(RolloutEngine):  # an engine holding what the trainer holds: nothing to load at the start
+        def __init__(self, tensors):
+            self.tensors, self.loaded = tensors, []
+
+        def generate(self, *args):
+            raise NotImplementedError
+
+        def load_weights(self, tensors):
+            self.loaded.append(sorted(tensors))
+            return 0
+
+        def apply_update(self, update):
+            return 0
+
+        def fingerprints(self, names, seed):
+            return {name: fingerprint(self.tensors[name], seed) for name in names}
+
+        def weights(self, names):
+            return {name: self.tensors[name] for name in names}
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    weight = torch.randn(4, 3)
+    sharded = {"w": distribute_tensor(weight, init_device_mesh("cpu", (1,)), [Shard(0)])}
+    engine = Files({"w": weight})
+    sync = RolloutWeightSync()
+    sync.attach(engine, lambda: sharded, lambda values: values)
+    try:
+        engine._reload()  # what VLLMEngine.restart calls once a new engine is up
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    torch.save({"raised": raised, "loaded": engine.loaded, "loads": sync.loads}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_restarted_engine_under_sharded_training_stops_the_run_saying_how_to_resume(tmp_path):
+    # Its reload would need every rank to gather every tensor while the others are elsewhere in the step: the run
+    # stops rather than generate from the model's files.
+    from conftest import spawn_ranks
+
+    (result,) = spawn_ranks(_restart_under_sharding, tmp_path, nprocs=1)
+    assert result["loaded"] == [] and result["loads"] == 0  # the start found the engine equal
+    assert "under sharded training (FSDP)" in result["raised"] and "--ckpt_path" in result["raised"]
+
+
 def test_fingerprints_of_sharded_tensors_are_gathered_rows_not_weights(tmp_path):
     # Under FSDP a rank fingerprints its rows and all-gathers the d numbers: exactly the whole tensor's fingerprint.
     from conftest import spawn_ranks

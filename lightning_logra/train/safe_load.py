@@ -146,7 +146,8 @@ class SafeReader(FileSystemReader):
 
 
 def _load_bytes(planner: DefaultLoadPlanner, read_item: Any, value: Any) -> None:
-    """`DefaultLoadPlanner.load_bytes`, with the entry loaded as `load_file` loads (it uses weights_only=False)."""
+    """`DefaultLoadPlanner.load_bytes` made safe: the entry is loaded by `load_file` (weights_only=True and the
+    allow-list), where the default planner's load_bytes would unpickle anything."""
     loaded = load_file(value, where=f"the sharded checkpoint's entry {read_item.dest_index.fqn!r}")
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)

@@ -36,6 +36,15 @@ def load_policy(model: str, dtype: str, gradient_checkpointing: bool) -> tuple[t
     return policy, tokenizer
 
 
+def load_reference(model: str, dtype: str, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """π_0: a frozen copy of the starting policy, loaded from the model's files (a resumed run's reference is still
+    the run's start, not the checkpoint's weights), in eval mode, no parameter requiring a gradient. It costs one more
+    copy of the weights in `dtype` (for a KL penalty or a measurement of the distance travelled)."""
+    reference, _ = load_policy(model, dtype, gradient_checkpointing=False)
+    reference.eval().requires_grad_(False)
+    return reference.to(device)
+
+
 def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

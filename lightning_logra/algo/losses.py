@@ -12,6 +12,10 @@ the whole batch (so that any split into micro-batches sums to the same loss):
 
 When the batch is sharded over processes, `total_tokens` / `total_sequences` are the counts of the global batch, so
 that the processes' summed gradients equal the gradient of the global loss.
+
+With a KL penalty to the starting policy (`model.beta` = β > 0, TRL's `beta`), each token's term gains
+β · w_t · kl_t (`reference_kl`), weighted as the policy-gradient term but by neither the advantage nor the importance
+weight.
 """
 
 from __future__ import annotations
@@ -101,3 +105,23 @@ def mismatch_metrics(stats: torch.Tensor) -> dict[str, torch.Tensor]:
     tokens = tokens.clamp(min=1)
     return {"rollout/logprob_abs_diff": abs_diff / tokens, "rollout/sampler_kl": k3 / tokens,
             "rollout/is_clipped_frac": clipped / tokens}
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token "k3" estimate of KL(π_θ ‖ π_ref) on sampled tokens, the KL penalty's term (TRL's GRPO `beta`):
+
+        kl_t = exp(r_t − l_t) − (r_t − l_t) − 1,   l_t = log π_θ(token_t),  r_t = log π_ref(token_t)
+
+    both at the sampling temperature. Never negative (e^x ≥ 1 + x), 0 where the two agree, and unbiased for
+    KL(π_θ ‖ π_ref) on tokens drawn from π_θ (E[exp(r − l)] = 1, so E[kl_t] = E[l − r]). Its gradient flows through
+    l only: ∂kl_t/∂l_t = 1 − exp(r_t − l_t); in expectation over tokens from π_θ that is, per context, the gradient of
+    KL(π_ref ‖ π_θ), which is what the penalty pulls on (as in TRL). exp(x) − x − 1 is computed as expm1(x) − x,
+    exact near 0 where the policy is close to the reference (exp(x) − 1 would lose the x²/2 that is the answer).
+
+    Args: logprobs (m, w): the policy's, differentiable; ref_logprobs (m, w): the reference's, no gradient;
+        mask (m, w): 1 on real tokens.
+    Returns: kl (m, w), 0 on padding (where r − l is set to 0 first, so that exp cannot overflow).
+    """
+    mask = mask.to(logprobs.dtype)
+    delta = (ref_logprobs - logprobs) * mask  # (m, w): r − l, 0 on padding
+    return (torch.expm1(delta) - delta) * mask

@@ -21,7 +21,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_logra.algo.advantages import ScaleRewards, estimator, group_advantages
 from lightning_logra.algo.logprobs import completion_logprobs
-from lightning_logra.algo.losses import LOSSES, LossType, importance_weights, mismatch_metrics, token_weights
+from lightning_logra.algo.losses import (LOSSES, LossType, importance_weights, mismatch_metrics, reference_kl,
+                                         token_weights)
 from lightning_logra.algo.step_size import StepContext, StepSizeController, find_controller
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
@@ -35,7 +36,8 @@ from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
 from lightning_logra.train.digests import write_sums
 from lightning_logra.train.modes import TrainingMode, training_mode
-from lightning_logra.train.policy import completions_table, encode_prompts, load_policy, pad_token_id, stop_token_ids
+from lightning_logra.train.policy import (completions_table, encode_prompts, load_policy, load_reference, pad_token_id,
+                                         stop_token_ids)
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.train.strategies.base import Distribution, distribution_of
 
@@ -58,6 +60,10 @@ def _check_settings(hp: Any) -> None:
         raise ValueError(f"model.top_p must be in (0, 1], got {hp.top_p}")
     if hp.is_cap is not None and hp.is_cap <= 0:
         raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {hp.is_cap}")
+    if isinstance(hp.beta, bool) or not isinstance(hp.beta, (int, float)) or not (math.isfinite(hp.beta)
+                                                                                 and hp.beta >= 0):
+        raise ValueError(f"model.beta must be a finite number ≥ 0, got {hp.beta!r}: set 0 for no KL penalty, or a "
+                         f"small weight such as 0.04")
     if hp.reward_timeout_s is not None and not hp.reward_timeout_s > 0:
         raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
                          f"got {hp.reward_timeout_s}")
@@ -108,6 +114,7 @@ class RLVRModule(LightningModule):
         export_dir: str | None = None,
         engine: RolloutEngine | None = None,
         is_cap: float | None = 2.0,
+        beta: float = 0.0,
         reward_timeout_s: float | None = 600.0,
         reward_memory_gib: float | None = DEFAULT_MEMORY_GIB,
         max_unlearnable_steps: int | None = None,
@@ -170,6 +177,16 @@ class RLVRModule(LightningModule):
             is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
                 correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
                 bf16). None turns the correction off; the mismatch is logged either way.
+            beta: the weight β of a KL penalty to the starting policy (TRL's `beta`): each completion token's loss
+                gains β·kl_t, the k3 estimate exp(r_t − l_t) − (r_t − l_t) − 1 between the policy's log-prob l_t and
+                a frozen reference's r_t (`losses.reference_kl`), weighted per token as `loss_type` weighs the
+                policy-gradient term (not by the advantage, nor the importance weight); `train/kl` logs its mean per
+                token, and `train/loss` includes the penalty. 0 (the default) turns it off and loads nothing. With
+                β > 0 a fit keeps the reference, a frozen copy of the starting weights loaded from `model` (a resumed
+                run's too): one more copy of the weights in the policy's dtype on every process, and one more forward
+                pass of it per micro-batch; every sample goes through the backward passes (a zero advantage no
+                longer means a zero gradient). Refused under `SketchFSDPStrategy`, where the reference would be a
+                whole, unsharded copy on every rank.
             reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
                 many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
                 this process without a deadline.
@@ -192,6 +209,8 @@ class RLVRModule(LightningModule):
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)
         self.eval_sampling = SamplingParams(eval_temperature, 1.0, eval_max_new_tokens or max_new_tokens)
         self.policy: torch.nn.Module | None = None
+        # π_0 for the KL penalty (model.beta > 0), loaded for a fit by configure_model; never a submodule (below).
+        self.reference: torch.nn.Module | None = None
         self.tokenizer = None
         self.engine: RolloutEngine | None = engine
         self.lr_schedule = lr_schedule
@@ -209,14 +228,27 @@ class RLVRModule(LightningModule):
     def configure_model(self) -> None:
         # Loaded here, not in __init__, so that configs can be parsed and checked without loading weights.
         hp = self.hparams
+        trainer = self._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if hp.beta > 0 and fitting and distribution_of(trainer).shards_weights:  # before any weights are loaded
+            raise ValueError(
+                f"model.beta={hp.beta}: the KL penalty's reference model would be a whole, unsharded copy of the "
+                "weights on every rank under SketchFSDPStrategy; train with SketchDDPStrategy, or set model.beta 0")
         if self.policy is None:
             self.policy, self.tokenizer = load_policy(hp.model, hp.dtype, hp.gradient_checkpointing)
         # Without a Trainer (a module built to export or evaluate by hand) the policy is set up as the dense baseline.
-        trainer = self._trainer
         if trainer is not None:
             self.distribution = distribution_of(trainer)
+        if hp.beta > 0 and fitting and self.reference is None:
+            # Straight onto the strategy's device and into the dtype the policy's weights will have: the strategy's
+            # set-up, which comes after this hook, moves and converts only registered submodules. And not one of
+            # those: nn.Module.__setattr__ registers any module assigned to an attribute, which would put the
+            # reference into the checkpoint's state_dict, the parameters an optimizer or FSDP could collect, and
+            # Lightning's model.train() at fit start; object.__setattr__ keeps it a plain attribute.
+            reference = load_reference(hp.model, self.weights_dtype(), trainer.strategy.root_device)
+            object.__setattr__(self, "reference", reference)
         self.mode = training_mode(trainer and trainer.strategy, self.distribution, hp, self.lr_schedule)
-        self.mode.install(self.policy, fitting=trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        self.mode.install(self.policy, fitting=fitting)
         self.mode.bind(self.optimizers)
         if self.engine is None:
             self.engine = HFEngine(self.policy, self.stop_token_ids(), pad_token_id(self.tokenizer),
@@ -272,7 +304,7 @@ class RLVRModule(LightningModule):
         rollout_s = time.perf_counter() - start
         self.unlearnable.add(rewards.view(-1, hp.num_generations), self.sum_over_ranks)
         advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards, self.sum_over_ranks)  # (N,)
-        loss, mismatch, entropy = self.accumulate_gradients(rollout, advantages)
+        loss, mismatch, metrics = self.accumulate_gradients(rollout, advantages)
         grad_norm = self.mode.reduce_and_clip(hp.max_grad_norm)
         proposal = self.mode.propose(grad_norm, measured=self.controller is not None)  # None: skipped
         alpha = self.step_size(proposal, rollout, step)
@@ -282,7 +314,7 @@ class RLVRModule(LightningModule):
         synced = self.weight_sync.sync(update, float(mismatch["rollout/logprob_abs_diff"])) if self.weight_sync else {}
         controlled = self.controller.applied(update) if self.controller is not None else {}
         self.log_step(rollout, rewards, per_reward, step, time.perf_counter() - start, rollout_s, {
-            "train/loss": loss, "train/grad_norm": grad_norm, "train/entropy": entropy,
+            "train/loss": loss, "train/grad_norm": grad_norm, **metrics,
             "train/update_skipped": float(update is None),
             # The step actually taken, α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
             "train/effective_lr": alpha * lr if update is not None else math.nan,
@@ -319,10 +351,12 @@ class RLVRModule(LightningModule):
         return rewards.to(self.device), per_reward.to(self.device)
 
     def accumulate_gradients(self, rollout: Rollout, advantages: torch.Tensor
-                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The gradient of the batch's policy-gradient loss, micro-batch by micro-batch, into the parameters' .grad
-        (a sketched layer's: its d×r sketch). Returns the global batch's loss, the sampler/trainer log-prob mismatch
-        (`losses.mismatch_metrics`) and the policy's mean token entropy on the tokens trained on (NaN: none)."""
+                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The gradient of the batch's policy-gradient loss (with model.beta > 0, plus the KL penalty), micro-batch by
+        micro-batch, into the parameters' .grad (a sketched layer's: its d×r sketch). Returns the global batch's
+        loss, the sampler/trainer log-prob mismatch (`losses.mismatch_metrics`), and `train/entropy`, the policy's
+        mean token entropy on the tokens trained on (NaN: none), with, when beta > 0, `train/kl`: the mean per-token
+        k3 estimate of KL(π_θ ‖ π_0) (`losses.reference_kl`) over the batch's completion tokens."""
         hp = self.hparams
         # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
         total_tokens = self.sum_over_ranks(rollout.completion_mask.sum().float())
@@ -332,12 +366,22 @@ class RLVRModule(LightningModule):
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)
         entropy = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ entropy, tokens: over those trained on
-        # A sample with zero advantage contributes exactly zero gradient: leave it out of the backward passes —
-        # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them.
-        lockstep = self.distribution.lockstep
-        active = torch.arange(len(advantages), device=self.device) if lockstep else advantages.nonzero().squeeze(-1)
+        kl_stats = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ k3, tokens (with model.beta > 0)
+        penalized = hp.beta > 0
+        # A sample with zero advantage contributes exactly zero policy gradient: leave it out of the backward passes —
+        # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them,
+        # or a KL penalty acts, whose gradient β·Σ w·∂kl/∂θ every sample carries whatever its advantage.
+        every_row = self.distribution.lockstep or penalized
+        active = torch.arange(len(advantages), device=self.device) if every_row else advantages.nonzero().squeeze(-1)
         for rows in active.split(hp.micro_batch_size) if active.numel() else ():
             micro = rollout.select(rows)  # (m, w): right padding trimmed
+            if penalized:
+                # The reference's log-probs first: its forward pass's transients are gone before the policy's, whose
+                # activations are kept for the backward pass, are built. Same tokens, temperature and chunking.
+                with torch.no_grad():
+                    ref_logprobs, _ = completion_logprobs(self.reference, micro.prompt_ids, micro.prompt_mask,
+                                                          micro.completion_ids, micro.completion_mask,
+                                                          hp.temperature, hp.logprob_chunk_tokens)  # (m, w)
             # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
             logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
                                                           micro.completion_ids, micro.completion_mask,
@@ -349,10 +393,21 @@ class RLVRModule(LightningModule):
             entropy += torch.stack([(token_entropy * mask).sum(), mask.sum()])
             width = micro.completion_ids.shape[1]
             micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
+            if penalized:
+                # (m, w), 0 on padding; differentiable through the policy's log-probs (the reference's have no graph)
+                kl = reference_kl(logprobs, ref_logprobs, mask)
+                # The same per-token weights as the policy-gradient term, but neither the advantage nor the importance
+                # weight: the penalty is a distance to the reference, not a reward (TRL adds it the same way).
+                micro_loss = micro_loss + hp.beta * (weights[rows, :width] * kl).sum()
+                kl_stats += torch.stack([kl.detach().sum(), mask.sum()])
             self.manual_backward(micro_loss * self.distribution.loss_scale)
             loss += micro_loss.detach()
         entropy_sum, tokens = self.sum_over_ranks(entropy).unbind()
-        return self.sum_over_ranks(loss), mismatch_metrics(self.sum_over_ranks(mismatch)), entropy_sum / tokens
+        metrics = {"train/entropy": entropy_sum / tokens}
+        if penalized:
+            kl_sum, kl_tokens = self.sum_over_ranks(kl_stats).unbind()
+            metrics["train/kl"] = kl_sum / kl_tokens.clamp(min=1)  # 0 for a batch without completion tokens
+        return self.sum_over_ranks(loss), mismatch_metrics(self.sum_over_ranks(mismatch)), metrics
 
     def step_size(self, proposal: Update | None, rollout: Rollout, step: int) -> float:
         """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""
@@ -507,13 +562,17 @@ class RLVRModule(LightningModule):
 
     # ---- checkpoints say what they are (train/checkpoint.py) ------------------------------------------------------
 
-    def _stamp(self) -> dict[str, Any]:
+    def weights_dtype(self) -> str:
+        """The dtype the policy's weights are held in during the run: a "-true" precision's, which the strategy's set-up
+        converts them to; otherwise ("-mixed" ones, no Trainer) model.dtype's."""
+        if self._trainer is None:
+            return self.hparams.dtype
         precision = str(self.trainer.precision)
-        # "-true" precisions hold the weights themselves in that dtype; "-mixed" ones keep model.dtype's
-        weights = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision,
-                                                                                          self.hparams.dtype)
+        return {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision, self.hparams.dtype)
+
+    def _stamp(self) -> dict[str, Any]:
         mode = self.mode.stamp()
-        return {**stamp(weights, mode.pop("training")), **mode}
+        return {**stamp(self.weights_dtype(), mode.pop("training")), **mode}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens}

@@ -1,0 +1,316 @@
+"""The reward–KL frontier on add3: what each method reaches for the distance it moves the policy from its start.
+
+    python bench/frontier.py            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
+                                        # LoGRA row); about 100 minutes alone on 2 cores
+    python bench/frontier.py --quick    # every row at 4 steps, 2 seeds, 64 held-out items: checks the script (CI)
+
+`bench/quality.py` compares methods at equal steps, each at its best learning rate. RL methods are compared on the
+frontier instead: greedy pass@1 and sampled reward against KL(π_t ‖ π_0), measured every `--every` steps by
+`lightning_logra.callbacks.KLFromStart` (the mean per-token exact KL from a frozen copy of the starting policy on
+completions the current policy samples for 256 held-out prompts × 4; measured, not the sum of per-step KLs, since
+steps that point the same way compound). A method whose curve lies above another's reaches more for the same
+distance. Every run is `python cli.py fit` of a config built from configs/add3.yaml by bench/quality.py's
+`run_config` (paired seeds: seed s gives every row the same prompts, sampling noise, projections and adapters).
+
+Rows (learning rates: bench/quality.py's best per method on the same task):
+- dense AdamW on the target matrices (what LoGRA and LoRA train), 1e-4, and the same with TRL's KL penalty to π_0
+  (`model.beta` 0.04): the penalty is what the predicted-KL controller is the paper's alternative to;
+- LoRA rank 16 at 1e-3, and LoRA rank 1 at 10× dense's rate ("LoRA Without Regret": small-rank LoRA at about 10× the
+  full fine-tuning rate matches it in RL);
+- LoGRA rank 16 uncontrolled at its grid 3e-4 / 1e-3 / 3e-3 (α = 1: a budget that never binds logs the per-step KL);
+- LoGRA rank 16 at 1e-3 under a constant predicted-KL budget δ = 0.1×, 0.3× and 1× the per-step KL of the
+  uncontrolled 1e-3 runs in bench/quality.py (1.8e-2), α_max 4;
+- LoGRA rank 16 under a total budget (`PredictedKLBudget.total_budget`: Σ `kl/realized` over the run, spread over the
+  remaining steps), set to what the best constant-δ row spent: the budget form that needs no per-step δ, against the
+  hand-tuned one;
+- the paper's pair, done fairly: LoRA at a constant 2e-4 against LoGRA under a total budget equal to LoRA's measured
+  Σ `kl/realized` (mean over seeds), both placed on the frontier by their measured KL(π_t ‖ π_0).
+
+Reported per row (mean ± std over seeds): where it ends (KL from π_0, greedy pass@1, sampled reward over the last
+tenth), Σ `kl/realized`, and pass@1's paired difference from dense **at equal measured KL**: for each seed, dense's
+pass@1 curve (a point every `--every` steps, from the start's (0, pass@1₀)) interpolated at the row's final KL; a row
+that moved further than dense ever did is compared with dense's last point and marked. JSON and plot under bench/out/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
+from plotting import pyplot, save_figure  # noqa: E402
+from runs import ROOT, latest_run, run_all, scalars  # noqa: E402
+
+DENSE_LR, LORA_LR, LOGRA_LR = 1e-4, 1e-3, 1e-3  # bench/quality.py's best on add3 (docs/results.md)
+LOGRA_GRID = [3e-4, 1e-3, 3e-3]
+UNCONTROLLED_KL = 1.8e-2  # LoGRA rank 16 at 1e-3, uncontrolled: realized KL per step in bench/quality.py
+FRACTIONS = [0.1, 0.3, 1.0]  # the constant budgets δ, as fractions of UNCONTROLLED_KL
+BETA = 0.04  # TRL's long-standing default for its KL penalty
+ALPHA_MAX = 4.0  # as configs/add3.yaml: lets the controller enlarge steps too
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--every", type=int, default=50, help="steps between measurements (pass@1, KL from π_0)")
+    parser.add_argument("--seeds", type=int, default=3, help="paired seeds per row (0, 1, ...)")
+    parser.add_argument("--more-seeds", type=int, default=5, help="seeds of dense and of the best controlled row")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=256, help="held-out prompts of the KL measurement")
+    parser.add_argument("--samples", type=int, default=4, help="completions per prompt of the KL measurement")
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out items of pass@1 (default: all 2,054)")
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true",
+                        help="measure, not rerun, every run whose config is unchanged and whose log is complete")
+    parser.add_argument("--quick", action="store_true", help="4 steps, 2 seeds, 64 held-out items, 16 KL prompts")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "frontier.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "frontier.png")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "frontier_runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.every, args.seeds, args.more_seeds = 4, 2, 2, 2
+        args.eval_limit, args.prompts = args.eval_limit or 64, 16
+    for key in ("steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.steps % args.every:
+        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
+    args.evals = args.steps // args.every  # what quality.run_config reads
+    return args
+
+
+# ---- the runs -------------------------------------------------------------------------------------------------------
+
+def budget_callback(run: dict) -> dict:
+    """The run's PredictedKLBudget: a constant δ, a total, or (uncontrolled) one that never binds and only logs."""
+    if run.get("delta") is not None:
+        settings = {"budget": run["delta"], "alpha_max": ALPHA_MAX}
+    elif run.get("total") is not None:
+        settings = {"total_budget": run["total"], "alpha_max": ALPHA_MAX}
+    else:
+        settings = {"budget": 1e6, "alpha_max": 1.0}  # α = min(1, √(1e6/q)) = 1
+    return {"class_path": "lightning_logra.callbacks.PredictedKLBudget", "init_args": {**settings, "subset": 16}}
+
+
+def run_config(run: dict, args: argparse.Namespace) -> dict:
+    config = quality.run_config(run, args)
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lightning_logra.callbacks.KLFromStart",
+         "init_args": {"prompts": args.prompts, "samples": args.samples}},
+        budget_callback(run)]
+    if run.get("beta"):
+        config["model"]["beta"] = run["beta"]
+    return config
+
+
+def command(run: dict, args: argparse.Namespace) -> list[str]:
+    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    verb = "fit"
+    if run["method"] == "start":  # the shipped model's greedy pass@1, once: validate runs no training step
+        config = quality.run_config({**run, "method": "dense_targets", "lr": DENSE_LR}, args)
+        config["trainer"]["callbacks"] = []
+        verb = "validate"
+    else:
+        config = run_config(run, args)
+    path.write_text(yaml.safe_dump(config))
+    return [sys.executable, str(ROOT / "cli.py"), verb, "--config", str(path)]
+
+
+def finished(run: dict, args: argparse.Namespace) -> bool:
+    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
+    if not args.reuse or not path.exists() or not (args.runs_dir / run["name"]).exists():
+        return False
+    if run["method"] != "start" and yaml.safe_load(path.read_text()) != run_config(run, args):
+        return False
+    values = scalars(latest_run(args.runs_dir, run["name"]))
+    return len(values.get("val/pass@1", [])) == (1 if run["method"] == "start" else args.evals)
+
+
+def train(runs: list[dict], args: argparse.Namespace) -> None:
+    todo = [run for run in runs if not finished(run, args)]
+    failed = [row for row in run_all(todo, lambda run: command(run, args), args.parallel) if "error" in row]
+    if failed:
+        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
+
+
+def spec(row: str, method: str, seeds: int, **settings) -> list[dict]:
+    """A row's runs, one per seed; `settings` are what quality.run_config and run_config read."""
+    base = dict(row=row, method=method, rank=settings.pop("rank", 16), distribution="rademacher", refresh_every=None)
+    return [dict(base, **settings, seed=seed, name=f"{row}_seed{seed}") for seed in range(seeds)]
+
+
+def first_rows(args: argparse.Namespace) -> list[dict]:
+    """The rows that need nothing measured first; the pair's LoRA first, since two later rows are set from it."""
+    more, seeds = args.more_seeds, args.seeds
+    runs = spec("pair_lora", "lora", seeds, lr=quality.PAPER_LORA_LR, rank=args.rank)
+    runs += spec("dense", "dense_targets", more, lr=DENSE_LR)
+    runs += spec("lora", "lora", seeds, lr=LORA_LR, rank=args.rank)
+    runs += spec("lora_rank1", "lora", seeds, lr=10 * DENSE_LR, rank=1)
+    for fraction in FRACTIONS:
+        runs += spec(f"logra_delta{fraction:g}", "logra", seeds, lr=LOGRA_LR, rank=args.rank,
+                     delta=fraction * UNCONTROLLED_KL)
+    for lr in LOGRA_GRID:
+        runs += spec(f"logra_lr{lr:g}", "logra", seeds, lr=lr, rank=args.rank)
+    return runs
+
+
+def second_rows(args: argparse.Namespace, measured: dict[str, list[dict]]) -> list[dict]:
+    """The best constant-δ row's extra seeds, the total budget at what it spent, the pair's LoGRA at LoRA's Σ, and
+    dense with the KL penalty."""
+    best = best_controlled(measured)
+    delta = measured[best][0]["delta"]
+    runs = [run for run in spec(best, "logra", args.more_seeds, lr=LOGRA_LR, rank=args.rank, delta=delta)
+            if run["seed"] >= args.seeds]
+    spent = statistics.fmean(r["kl_sum"] for r in measured[best])
+    runs += spec("logra_total", "logra", args.seeds, lr=LOGRA_LR, rank=args.rank, total=spent)
+    lora_spent = statistics.fmean(r["kl_sum"] for r in measured["pair_lora"])
+    runs += spec("pair_logra_total", "logra", args.seeds, lr=LOGRA_LR, rank=args.rank, total=lora_spent)
+    runs += spec("dense_beta", "dense_targets", args.seeds, lr=DENSE_LR, beta=BETA)
+    return runs
+
+
+def best_controlled(measured: dict[str, list[dict]]) -> str:
+    rows = [row for row in measured if row.startswith("logra_delta")]
+    return max(rows, key=lambda row: statistics.fmean(r["pass_at_1"] for r in measured[row]))
+
+
+# ---- what each run measured ---------------------------------------------------------------------------------------
+
+def measure(run: dict, args: argparse.Namespace, start: float) -> dict:
+    values = scalars(latest_run(args.runs_dir, run["name"]))
+    rewards, kl = values["train/reward_mean"], [k for k in values.get("kl/realized", []) if math.isfinite(k)]
+    tenth = max(1, len(rewards) // 10)
+    reward_at = [statistics.fmean(rewards[max(0, s - tenth):s]) for s in range(args.every, args.steps + 1,
+                                                                                 args.every)]
+    return {**run, "kl_curve": [0.0] + values["val/kl_from_start"], "pass_curve": [start] + values["val/pass@1"],
+            "reward_curve": [statistics.fmean(rewards[:tenth])] + reward_at,
+            "pass_at_1": values["val/pass@1"][-1], "kl_from_start": values["val/kl_from_start"][-1],
+            "reward_last": statistics.fmean(rewards[-tenth:]), "kl_sum": sum(kl)}
+
+
+def at_kl(kl_curve: list[float], pass_curve: list[float], kl: float) -> tuple[float, bool]:
+    """pass@1 on a run's curve at KL `kl` (linear between measurements, in the order they were taken; the first
+    crossing), and whether `kl` lay beyond the curve's reach (then its last point)."""
+    for (k0, p0), (k1, p1) in zip(zip(kl_curve, pass_curve), zip(kl_curve[1:], pass_curve[1:])):
+        if min(k0, k1) <= kl <= max(k0, k1):
+            return (p0 if k1 == k0 else p0 + (p1 - p0) * (kl - k0) / (k1 - k0)), False
+    return pass_curve[-1], True
+
+
+def summarize(measured: dict[str, list[dict]]) -> dict[str, dict]:
+    dense = {r["seed"]: r for r in measured["dense"]}
+    summary = {}
+    for row, results in measured.items():
+        differences, beyond = [], 0
+        for r in results:
+            reference = dense.get(r["seed"])
+            if reference is None:
+                continue
+            value, past = at_kl(reference["kl_curve"], reference["pass_curve"], r["kl_from_start"])
+            differences.append(r["pass_at_1"] - value)
+            beyond += past
+        entry = {"seeds": len(results), "vs_dense_at_kl": _mean_se(differences), "beyond_dense": beyond}
+        for key in ("pass_at_1", "kl_from_start", "reward_last", "kl_sum"):
+            entry[key] = _mean_std([r[key] for r in results])
+        for key in ("lr", "delta", "total", "beta", "rank"):
+            if results[0].get(key) is not None:
+                entry[key] = results[0][key]
+        summary[row] = entry
+    return summary
+
+
+def _mean_std(values: list[float]) -> list[float]:
+    return [statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0]
+
+
+def _mean_se(values: list[float]) -> list[float]:
+    if not values:
+        return [math.nan, math.nan]
+    return [statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0]
+
+
+LABELS = {"dense": "dense AdamW, targets", "dense_beta": f"dense AdamW + KL penalty β {BETA:g}",
+          "lora": "LoRA r16", "lora_rank1": "LoRA r1, 10× dense lr", "pair_lora": "LoRA r16, 2e-4 (paper's pair)",
+          "logra_total": "LoGRA r16, total budget", "pair_logra_total": "LoGRA r16, total = LoRA 2e-4's (pair)"}
+
+
+def label(row: str, entry: dict) -> str:
+    if row in LABELS:
+        return LABELS[row]
+    if row.startswith("logra_delta"):
+        return f"LoGRA r16, δ {entry['delta']:.1e}"
+    return f"LoGRA r16, uncontrolled, lr {entry['lr']:g}"
+
+
+def table(summary: dict[str, dict], start: float, args: argparse.Namespace) -> str:
+    lines = [f"greedy pass@1 at the start: {start:.3f}", "",
+             f"| row | setting | seeds | KL(π_{args.steps} ‖ π_0) | Σ kl/realized | greedy pass@1 | "
+             "vs dense at equal KL, paired (± s.e.) | sampled reward, last tenth |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row, e in summary.items():
+        setting = ", ".join(f"{k} {e[k]:.3g}" for k in ("lr", "delta", "total", "beta") if k in e)
+        mark = f" ({e['beyond_dense']} beyond dense's reach)" if e["beyond_dense"] else ""
+        lines.append(f"| {label(row, e)} | {setting} | {e['seeds']} | {_pm(e['kl_from_start'])} "
+                     f"| {_pm(e['kl_sum'])} | {_pm(e['pass_at_1'])} | {_pm(e['vs_dense_at_kl'])}{mark} "
+                     f"| {_pm(e['reward_last'])} |")
+    return "\n".join(lines)
+
+
+def _pm(pair: list[float]) -> str:
+    return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+
+
+def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argparse.Namespace) -> None:
+    plt = pyplot()
+    fig, (pass_axis, reward_axis) = plt.subplots(1, 2, figsize=(15, 6))
+    for row, results in measured.items():
+        points = len(results[0]["kl_curve"])
+        kl = [statistics.fmean(r["kl_curve"][i] for r in results) for i in range(points)]
+        style = "--" if row.startswith(("pair", "dense_beta")) else ("-" if not row.startswith("logra_lr") else ":")
+        width = 2.5 if row == "dense" else 1.2
+        for axis, key in ((pass_axis, "pass_curve"), (reward_axis, "reward_curve")):
+            axis.plot(kl, [statistics.fmean(r[key][i] for r in results) for i in range(points)], style,
+                      marker="o", markersize=3, linewidth=width, label=label(row, summary[row]))
+    for axis, name in ((pass_axis, "greedy pass@1, held-out"), (reward_axis, "sampled reward (moving mean)")):
+        axis.set(xlabel="KL(π_t ‖ π_0), per token, measured", ylabel=name, xscale="symlog")
+        axis.set_xscale("symlog", linthresh=1e-2)
+    pass_axis.legend(fontsize=7)
+    save_figure(fig, f"reward–KL frontier on add3: a point every {args.every} steps, mean over paired seeds",
+                args.plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    start_run = dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank,
+                     distribution="rademacher", refresh_every=None)
+    first = first_rows(args)
+    train([start_run, *first], args)
+    start = scalars(latest_run(args.runs_dir, "start"))["val/pass@1"][-1]
+    measured: dict[str, list[dict]] = {}
+    for run in first:
+        measured.setdefault(run["row"], []).append(measure(run, args, start))
+    second = second_rows(args, measured)
+    train(second, args)
+    for run in second:
+        measured.setdefault(run["row"], []).append(measure(run, args, start))
+    summary = summarize(measured)
+    print(table(summary, start, args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.out.write_text(json.dumps({"start_pass_at_1": start, "summary": summary, "runs": measured,
+                                    "settings": settings}, indent=1) + "\n")
+    plot(measured, summary, args)
+    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

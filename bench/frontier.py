@@ -2,7 +2,7 @@
 
     python bench/frontier.py            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
                                         # LoGRA row); about 100 minutes alone on 2 cores
-    python bench/frontier.py --quick    # every row at 4 steps, 2 seeds, 64 held-out items: checks the script (CI)
+    python bench/frontier.py --quick    # every row at 4 steps, 1 seed, 64 held-out items: checks the script (CI)
 
 `bench/quality.py` compares methods at equal steps, each at its best learning rate. RL methods are compared on the
 frontier instead: greedy pass@1 and sampled reward against KL(π_t ‖ π_0), measured every `--every` steps by
@@ -69,13 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--reuse", action="store_true",
                         help="measure, not rerun, every run whose config is unchanged and whose log is complete")
-    parser.add_argument("--quick", action="store_true", help="4 steps, 2 seeds, 64 held-out items, 16 KL prompts")
+    parser.add_argument("--quick", action="store_true", help="4 steps, 1 seed, 64 held-out items, 16 KL prompts")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "frontier.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "frontier.png")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "frontier_runs")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.every, args.seeds, args.more_seeds = 4, 2, 2, 2
+        args.steps, args.every, args.seeds, args.more_seeds = 4, 2, 1, 1
         args.eval_limit, args.prompts = args.eval_limit or 64, 16
     for key in ("steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel"):
         if getattr(args, key) < 1:

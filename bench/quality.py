@@ -1,7 +1,7 @@
 """Does LoGRA give up task performance? Methods side by side on the harder embedded task, paired seeds.
 
     python bench/quality.py            # the full comparison (see --steps, --seeds; 55 runs of 400 steps, ~65 min)
-    python bench/quality.py --quick    # every row at 4 steps, 2 seeds, 64 held-out items: checks the script (CI)
+    python bench/quality.py --quick    # every row at 4 steps, 1 seed, 64 held-out items: checks the script (CI)
 
 The task is `configs/add3.yaml`'s (3-digit addition written least significant digit first, the shipped partially
 trained model, greedy pass@1 0.2 at the start), where pass@1 is far from its ceiling, so methods can differ. Every run
@@ -87,13 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="measure, not rerun, every run whose config is unchanged in --runs-dir and whose log "
                              "holds all its evaluations (a rerun after an interruption or a change to some rows)")
     parser.add_argument("--quick", action="store_true",
-                        help="every row, 4 steps, 2 seeds, one learning rate per method, 64 held-out items")
+                        help="every row, 4 steps, 1 seed, one learning rate per method, 64 held-out items")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "quality.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "quality.png")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "quality_runs")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds, args.evals, args.eval_limit = 4, 2, 1, args.eval_limit or 64
+        args.steps, args.seeds, args.evals, args.eval_limit = 4, 1, 1, args.eval_limit or 64
     for key in ("steps", "seeds", "evals", "rank", "rank2", "parallel"):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")

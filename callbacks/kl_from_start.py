@@ -64,9 +64,10 @@ class KLFromStart(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._batch:
             return
-        if self.reference is None:
+        if self.reference is None:  # the KL penalty's π_0 when the run has one (model.beta > 0): not a second copy
             hp = pl_module.hparams
-            self.reference = load_reference(hp.model, hp.dtype, pl_module.device)
+            self.reference = getattr(pl_module, "reference", None) or load_reference(hp.model, hp.dtype,
+                                                                                      pl_module.device)
         rollout = pl_module.generate(self._batch, self.samples, pl_module.sampling, KL_STEP)
         total, tokens = self.kl_sum(pl_module.policy, rollout, pl_module.sampling.temperature)
         total, tokens = (pl_module.trainer.strategy.reduce(torch.stack([total, tokens]).to(pl_module.device),
@@ -74,6 +75,7 @@ class KLFromStart(Callback):
                          else torch.stack([total, tokens]))
         pl_module.log("val/kl_from_start", float(total / tokens.clamp(min=1)), batch_size=int(tokens))
 
+    @torch.no_grad()
     def kl_sum(self, policy: torch.nn.Module, rollout: Rollout, temperature: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ over completion tokens of KL(π_policy ‖ π_0), the number of tokens), float64, `chunk` sequences at a

@@ -81,7 +81,8 @@ def importance_weights(
 
     With Δ = log π_θ − log π_sampler per token (both at the sampling temperature), each token's loss is weighted by
     w = min(exp Δ, cap): the completions were drawn from the sampler, and w re-weights them towards π_θ; the cap
-    bounds the variance that a few tokens with tiny sampler probability would otherwise add. `cap=None` gives w = 1.
+    bounds the variance that a few tokens with tiny sampler probability would otherwise add. `cap=None` gives w = 1
+    (no correction: `model.is_cap: null`), the mismatch still measured.
 
     Args: logprobs, sampler_logprobs, mask: (m, w) — the trainer's (detached), the sampler's, 1 on real tokens.
     Returns: w (m, w), 0 on padding; and the sums over real tokens of (|Δ|, exp Δ − 1 − Δ — the "k3" estimate of
@@ -90,7 +91,7 @@ def importance_weights(
     mask = mask.to(logprobs.dtype)
     delta = (logprobs - sampler_logprobs) * mask  # (m, w)
     ratio = delta.exp()
-    weight = ratio if cap is None else ratio.clamp(max=cap)
+    weight = torch.ones_like(ratio) if cap is None else ratio.clamp(max=cap)  # None: the correction off
     clipped = (ratio > cap).to(mask.dtype) if cap is not None else torch.zeros_like(mask)
     stats = torch.stack([
         delta.abs().sum(), ((ratio - 1.0 - delta) * mask).sum(), (clipped * mask).sum(), mask.sum()

@@ -1,0 +1,58 @@
+"""bench/frontier.py --quick end to end: every row of the reward–KL frontier trains through the CLI on add3, each run
+measures its distance from the starting policy at every evaluation, and the rows set from measured values (the total
+budgets, the best constant-δ row) take them from this invocation's runs."""
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "frontier.py"
+ROWS = ["pair_lora", "dense", "lora", "lora_rank1", "logra_delta0.1", "logra_delta0.3", "logra_delta1",
+        "logra_lr0.0003", "logra_lr0.001", "logra_lr0.003", "logra_total", "pair_logra_total", "dense_beta"]
+
+
+def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
+    out, plot, runs_dir = tmp_path / "frontier.json", tmp_path / "frontier.png", tmp_path / "runs"
+    args = [sys.executable, str(SCRIPT), "--quick", "--plot", str(plot), "--runs-dir", str(runs_dir)]
+    result = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["summary"]) == ROWS
+    runs = {row: results[0] for row, results in report["runs"].items()}
+    for row, run in runs.items():
+        # the start, then a measurement every 2 of the 4 steps: all of them taken, the first at π_0 itself
+        assert len(run["kl_curve"]) == len(run["pass_curve"]) == 3, row
+        assert run["kl_curve"][0] == 0.0 and run["pass_curve"][0] == report["start_pass_at_1"], row
+        assert run["kl_curve"][-1] > 0, row  # every row moved, and its distance was measured
+        assert 0 <= run["pass_at_1"] <= 1, row
+    # the rows set from this invocation's measurements
+    assert runs["pair_logra_total"]["total"] == pytest.approx(statistics.fmean(
+        r["kl_sum"] for r in report["runs"]["pair_lora"]))
+    best = max((row for row in ROWS if row.startswith("logra_delta")),
+               key=lambda row: report["summary"][row]["pass_at_1"][0])
+    assert runs["logra_total"]["total"] == pytest.approx(report["summary"][best]["kl_sum"][0])
+    assert runs["dense_beta"]["beta"] == 0.04
+    assert "| LoGRA r16, total budget |" in result.stdout and plot.stat().st_size > 0
+
+    # --reuse: nothing changed, nothing trained, the same report
+    again = subprocess.run([*args, "--reuse", "--out", str(tmp_path / "again.json")], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "training" not in again.stderr
+    assert json.loads((tmp_path / "again.json").read_text())["summary"] == report["summary"]
+
+
+def test_pass_at_one_at_equal_kl_is_read_off_the_curve():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from frontier import at_kl
+
+    kl, passes = [0.0, 0.1, 0.3, 0.2], [0.2, 0.4, 0.8, 0.6]
+    assert at_kl(kl, passes, 0.05) == (pytest.approx(0.3), False)
+    assert at_kl(kl, passes, 0.25) == (pytest.approx(0.7), False)  # the first crossing, on the way out
+    assert at_kl(kl, passes, 0.5) == (0.6, True)  # beyond the curve's reach: its last point, marked

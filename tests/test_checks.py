@@ -136,3 +136,10 @@ def test_every_module_and_sketch_option_has_a_description_in_help(capsys):
     undocumented += [o for o in sketch if _description_words(strategy_help[o]) < 3]
     assert not undocumented
     assert not any(o.startswith(("--optimizer", "--lr_scheduler")) for o in module_help)
+
+
+def test_a_kl_penalty_under_fsdp_is_refused_before_the_processes_start(run_cli, nothing_loads):
+    # The reference would be a whole copy of the weights on every rank: refused by the CLI's checks, before
+    # `fit` launches the ranks or anything loads (configure_model refuses it too, for a module used without the CLI).
+    with pytest.raises(ValueError, match=r"model\.beta=0\.04: .*unsharded copy .*SketchDDPStrategy"):
+        run_cli("tiny_arith_fsdp", "--model.beta", "0.04")

@@ -84,6 +84,15 @@ def _check_settings(hp: Any) -> None:
                                 f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")
 
 
+def check_penalty_placement(beta: float, distribution: Distribution) -> None:
+    """The KL penalty's reference is a whole copy of the weights in every process: refused where the weights are
+    sharded (it would undo what sharding saves)."""
+    if beta > 0 and distribution.shards_weights:
+        raise ValueError(
+            f"model.beta={beta}: the KL penalty's reference model would be a whole, unsharded copy of the weights on "
+            "every rank under SketchFSDPStrategy; train with SketchDDPStrategy, or set model.beta 0")
+
+
 class RLVRModule(LightningModule):
     def __init__(
         self,
@@ -230,10 +239,8 @@ class RLVRModule(LightningModule):
         hp = self.hparams
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if hp.beta > 0 and fitting and distribution_of(trainer).shards_weights:  # before any weights are loaded
-            raise ValueError(
-                f"model.beta={hp.beta}: the KL penalty's reference model would be a whole, unsharded copy of the "
-                "weights on every rank under SketchFSDPStrategy; train with SketchDDPStrategy, or set model.beta 0")
+        if fitting:  # before any weights are loaded (the CLI checks it before the processes start, too)
+            check_penalty_placement(hp.beta, distribution_of(trainer))
         if self.policy is None:
             self.policy, self.tokenizer = load_policy(hp.model, hp.dtype, hp.gradient_checkpointing)
         # Without a Trainer (a module built to export or evaluate by hand) the policy is set up as the dense baseline.

@@ -13,8 +13,9 @@ import pytest
 pytestmark = pytest.mark.integration  # minutes of end-to-end runs: `pytest -m "not integration"` skips them
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "frontier.py"
-ROWS = ["pair_lora", "dense", "lora", "lora_rank1", "logra_delta0.1", "logra_delta0.3", "logra_delta1",
-        "logra_lr0.0003", "logra_lr0.001", "logra_lr0.003", "logra_total", "pair_logra_total", "dense_beta"]
+ROWS = ["pair_lora", "dense", "dense_lr0.0003", "lora", "lora_rank1", "logra_delta0.1", "logra_delta0.3",
+        "logra_delta1", "logra_lr0.0003", "logra_lr0.001", "logra_lr0.003", "logra_total", "pair_logra_total",
+        "dense_beta"]
 
 
 def test_quick_mode_places_every_row_on_the_frontier(tmp_path):

@@ -1,5 +1,6 @@
 """bench/quality.py --quick end to end: every row of the comparison trains through the CLI on the add3 task (one seed;
-the full run pairs 3), and the report holds each row's pass@1, sampled reward, realized KL and the learning-rate grid."""
+the full run pairs 3), and the report holds each row's pass@1, sampled reward, realized KL and the learning-rate
+grid."""
 
 import json
 import math

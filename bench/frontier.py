@@ -46,6 +46,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
+import rank_sweep  # bench/rank_sweep.py: cos(G, S·A), a sketch's reconstruction against the dense gradient  # noqa: E402
+from memory import fixed_batch  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
 from runs import ROOT, latest_run, run_all, scalars  # noqa: E402
 
@@ -265,6 +267,28 @@ def label(row: str, entry: dict) -> str:
     return f"LoGRA r16, uncontrolled, lr {entry['lr']:g}"
 
 
+def sketch_cosines(ranks: list[int], seeds: int = 3) -> dict[int, float]:
+    """{rank: mean over add3's target matrices and `seeds` projections of cos(G, S·A)}: how much of the gradient a
+    sketch of that rank sees (one policy-gradient batch of random tokens through the shipped add3 model, float32).
+    A step along S·A spends KL in every direction it moves, and makes first-order progress only along G."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_logra.paths import model_path
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path("lightning_logra/data/add3"), dtype=torch.float32)
+    batch = fixed_batch(argparse.Namespace(seed=0, batch=8, group=4, prompt_len=8, completion_len=5),
+                        model.config.vocab_size)
+    gradients = rank_sweep.dense_gradients(model, batch)
+    cosines = {}
+    for rank in ranks:
+        per_seed = [rank_sweep.reconstruction_cosines(model, batch, gradients, rank, "rademacher", seed)
+                    for seed in range(seeds)]
+        cosines[rank] = statistics.fmean(statistics.fmean(c.values()) for c in per_seed)
+    return cosines
+
+
 def table(summary: dict[str, dict], start: float, args: argparse.Namespace) -> str:
     lines = [f"greedy pass@1 at the start: {start:.3f}", "",
              f"| row | setting | seeds | KL(π_{args.steps} ‖ π_0) | Σ kl/realized | greedy pass@1 | "
@@ -318,11 +342,13 @@ def main(argv: list[str] | None = None) -> None:
     for run in second:
         measured.setdefault(run["row"], []).append(measure(run, args, start))
     summary = summarize(measured)
+    cosines = sketch_cosines([args.rank, 4 * args.rank])
     print(table(summary, start, args))
+    print("cos(G, S·A) on add3's model: " + ", ".join(f"rank {r} {c:.3f}" for r, c in cosines.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.write_text(json.dumps({"start_pass_at_1": start, "summary": summary, "runs": measured,
-                                    "settings": settings}, indent=1) + "\n")
+                                    "sketch_cosines": cosines, "settings": settings}, indent=1) + "\n")
     plot(measured, summary, args)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 

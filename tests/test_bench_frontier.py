@@ -39,6 +39,9 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
                key=lambda row: report["summary"][row]["pass_at_1"][0])
     assert runs["logra_total"]["total"] == pytest.approx(report["summary"][best]["kl_sum"][0])
     assert runs["dense_beta"]["beta"] == 0.04
+    # how much of the gradient a sketch sees: about √(r/(r+k)) (docs/results.md), so more at rank 64 than at 16
+    cosines = report["sketch_cosines"]
+    assert 0.25 < cosines["16"] < 0.4 and cosines["16"] < cosines["64"] < 0.7
     assert "| LoGRA r16, total budget |" in result.stdout and plot.stat().st_size > 0
 
     # --reuse: nothing changed, nothing trained, the same report

@@ -28,9 +28,10 @@ Rows (learning rates: bench/quality.py's best per method on the same task):
 
 Reported per row (mean ± std over seeds): where it ends (KL from π_0, greedy pass@1, sampled reward over the last
 tenth), Σ `kl/realized`, and pass@1's paired difference from dense **at equal measured KL**: for each seed, dense's
-frontier there — the better of its two rows' pass@1 curves (1e-4, and 3e-4 to carry it further out; a point every
-`--every` steps from the start's (0, pass@1₀)), interpolated at the row's final KL; a row that moved further than
-dense ever did is compared with dense's best last point and marked. JSON and plot under bench/out/.
+frontier there: the best pass@1 any dense row (1e-4; 3e-4, to carry it further out; 1e-4 with the KL penalty; a
+point every `--every` steps from the start's (0, pass@1₀)) reached within the row's final KL from π_0, between
+measurements interpolated along each curve; a row that moved further than dense ever did is compared with dense's best
+point and marked. JSON and plot under bench/out/.
 """
 
 from __future__ import annotations
@@ -201,25 +202,27 @@ def measure(run: dict, args: argparse.Namespace, start: float) -> dict:
             "reward_last": statistics.fmean(rewards[-tenth:]), "kl_sum": sum(kl)}
 
 
-DENSE_ROWS = ("dense", f"dense_lr{FAST_DENSE_LR:g}")
+DENSE_ROWS = ("dense", f"dense_lr{FAST_DENSE_LR:g}", "dense_beta")  # dense's frontier: the best any of them reached
 
 
-def at_kl(kl_curve: list[float], pass_curve: list[float], kl: float) -> tuple[float, bool]:
-    """pass@1 on a run's curve at KL `kl` (linear between measurements, in the order they were taken; the first
-    crossing), and whether `kl` lay beyond the curve's reach (then its last point)."""
-    for (k0, p0), (k1, p1) in zip(zip(kl_curve, pass_curve), zip(kl_curve[1:], pass_curve[1:])):
-        if min(k0, k1) <= kl <= max(k0, k1):
-            return (p0 if k1 == k0 else p0 + (p1 - p0) * (kl - k0) / (k1 - k0)), False
-    return pass_curve[-1], True
+def frontier_at(curves: list[tuple[list[float], list[float]]], kl: float) -> tuple[float, bool]:
+    """The best pass@1 that any of `curves` ((KL, pass@1) measurements in the order taken) reached within KL `kl`:
+    the best of its points at KL ≤ `kl` and of its segments interpolated at `kl` (a run's KL from the start need not
+    grow monotonically); and whether `kl` lay beyond every curve's reach (then the best point of all, marked)."""
+    best, beyond = -math.inf, kl > max(max(k) for k, _ in curves)
+    for kls, passes in curves:
+        for (k0, p0), (k1, p1) in zip(zip(kls, passes), zip(kls[1:], passes[1:])):
+            if min(k0, k1) <= kl <= max(k0, k1):
+                best = max(best, p0 if k1 == k0 else p0 + (p1 - p0) * (kl - k0) / (k1 - k0))
+        best = max([best] + [p for k, p in zip(kls, passes) if k <= kl or beyond])
+    return best, beyond
 
 
 def dense_frontier(measured: dict[str, list[dict]], seed: int, kl: float) -> tuple[float, bool]:
-    """Dense's pass@1 at KL `kl` on seed `seed`: the best of the dense rows' curves (both learning rates) that reach
-    that far; when none does, the best of their last points, marked as beyond dense's reach."""
-    points = [at_kl(r["kl_curve"], r["pass_curve"], kl) for row in DENSE_ROWS for r in measured.get(row, [])
-              if r["seed"] == seed]
-    reached = [value for value, past in points if not past]
-    return (max(reached), False) if reached else (max(value for value, _ in points), True)
+    """Dense's frontier at KL `kl` on seed `seed`: the best pass@1 its rows (both learning rates, and the KL
+    penalty's) reached within that distance of the start (`frontier_at`)."""
+    return frontier_at([(r["kl_curve"], r["pass_curve"]) for row in DENSE_ROWS for r in measured.get(row, [])
+                        if r["seed"] == seed], kl)
 
 
 def summarize(measured: dict[str, list[dict]]) -> dict[str, dict]:

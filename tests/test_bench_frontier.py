@@ -52,11 +52,15 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == report["summary"]
 
 
-def test_pass_at_one_at_equal_kl_is_read_off_the_curve():
+def test_dense_frontier_is_the_best_reached_within_a_distance():
     sys.path.insert(0, str(SCRIPT.parent))
-    from frontier import at_kl
+    from frontier import frontier_at
 
-    kl, passes = [0.0, 0.1, 0.3, 0.2], [0.2, 0.4, 0.8, 0.6]
-    assert at_kl(kl, passes, 0.05) == (pytest.approx(0.3), False)
-    assert at_kl(kl, passes, 0.25) == (pytest.approx(0.7), False)  # the first crossing, on the way out
-    assert at_kl(kl, passes, 0.5) == (0.6, True)  # beyond the curve's reach: its last point, marked
+    # one run whose KL overshoots early (0.3 at pass 0.4) before settling, and one that creeps out steadily
+    overshoot = ([0.0, 0.3, 0.2, 0.25], [0.2, 0.4, 0.5, 0.7])
+    steady = ([0.0, 0.1, 0.2], [0.2, 0.3, 0.6])
+    assert frontier_at([steady], 0.15) == (pytest.approx(0.45), False)  # along the segment
+    # at 0.25 the overshooting run's first crossing (0 → 0.3) reads 0.367, its last point 0.7: the best counts
+    assert frontier_at([overshoot, steady], 0.25) == (pytest.approx(0.7), False)
+    assert frontier_at([overshoot, steady], 0.2) == (pytest.approx(0.6), False)  # steady's point at 0.2 beats 0.5
+    assert frontier_at([overshoot, steady], 0.5) == (0.7, True)  # beyond every curve: the best point, marked

@@ -312,18 +312,24 @@ def _pm(pair: list[float]) -> str:
 
 def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argparse.Namespace) -> None:
     plt = pyplot()
-    fig, (pass_axis, reward_axis) = plt.subplots(1, 2, figsize=(15, 6))
-    for row, results in measured.items():
+    fig, (pass_axis, reward_axis) = plt.subplots(1, 2, figsize=(16, 6.5))
+    # A linear KL axis up to the rows that stayed near the others; a row that ran far off (a collapse) is named,
+    # not drawn, so that the rest stay readable.
+    ends = {row: statistics.fmean(r["kl_from_start"] for r in results) for row, results in measured.items()}
+    near = [kl for kl in ends.values() if kl < 4 * statistics.median(ends.values())]
+    for index, (row, results) in enumerate(measured.items()):
+        name = label(row, summary[row])
+        if ends[row] not in near:
+            name += f" (off the axis: KL {ends[row]:.1f}, pass@1 {summary[row]['pass_at_1'][0]:.2f})"
         points = len(results[0]["kl_curve"])
         kl = [statistics.fmean(r["kl_curve"][i] for r in results) for i in range(points)]
-        style = "--" if row.startswith(("pair", "dense_beta")) else ("-" if not row.startswith("logra_lr") else ":")
-        width = 2.5 if row == "dense" else 1.2
+        style = "--" if row.startswith(("pair", "dense_beta")) else (":" if row.startswith("logra_lr") else "-")
+        width = 2.5 if row in DENSE_ROWS else 1.2
         for axis, key in ((pass_axis, "pass_curve"), (reward_axis, "reward_curve")):
             axis.plot(kl, [statistics.fmean(r[key][i] for r in results) for i in range(points)], style,
-                      marker="o", markersize=3, linewidth=width, label=label(row, summary[row]))
+                      color=plt.cm.tab20(index % 20), marker="o", markersize=3, linewidth=width, label=name)
     for axis, name in ((pass_axis, "greedy pass@1, held-out"), (reward_axis, "sampled reward (moving mean)")):
-        axis.set(xlabel="KL(π_t ‖ π_0), per token, measured", ylabel=name, xscale="symlog")
-        axis.set_xscale("symlog", linthresh=1e-2)
+        axis.set(xlabel="KL(π_t ‖ π_0), per token, measured", ylabel=name, xlim=(0, 1.1 * max(near)))
     pass_axis.legend(fontsize=7)
     save_figure(fig, f"reward–KL frontier on add3: a point every {args.every} steps, mean over paired seeds",
                 args.plot)

@@ -133,5 +133,5 @@ def test_add3_learns_from_well_below_half(run_cli, tmp_path):
     first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
     print(f"add3: held-out greedy pass@1 {before:.3f} → {after:.3f}; reward {first:.3f} → {last:.3f}")
     assert 0.1 <= before <= 0.3  # the shipped model: 0.201 on all 2,054
-    assert after >= before + 0.08  # measured on all 2,054: 0.201 → 0.359
+    assert after >= before + 0.08  # measured on all 2,054: 0.201 → 0.328 (the full run, docs/results.md)
     assert last >= first + 0.05

@@ -122,11 +122,19 @@ def spawn_ranks(target, out: Path, nprocs: int = 2) -> list:
     return [torch.load(Path(out) / f"rank{rank}.pt") for rank in range(nprocs)]
 
 
+DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+                         "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
 def _run_in_a_process(args: list[str], root: Path, env: dict[str, str], wait: bool, check: bool):
     # One thread per process: two processes share this machine's 2 cores, and MKL/OpenMP may otherwise split a sum
     # over as many threads as they find free, which moves a comparison's last bits from one run to the next.
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **env}
+    # Not the process group an earlier in-process run left in this process's environment (Lightning sets
+    # MASTER_PORT, WORLD_SIZE, ... and keeps them): with them a new DDP run took itself for a launched rank, or
+    # reused a port still in use (EADDRINUSE). A run started here launches its own ranks on a free port.
+    inherited = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_VARIABLES}
+    env = {**inherited, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **env}
     command = [sys.executable, "cli.py", *args]
     if not wait:
         root.mkdir(parents=True, exist_ok=True)

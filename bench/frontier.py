@@ -1,7 +1,7 @@
 """The reward–KL frontier on add3: what each method reaches for the distance it moves the policy from its start.
 
     python bench/frontier.py            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
-                                        # LoGRA row); about 100 minutes alone on 2 cores
+                                        # LoGRA row), 46 runs: about 1 h 46 min alone on 2 cores
     python bench/frontier.py --quick    # every row at 4 steps, 1 seed, 64 held-out items: checks the script (CI)
 
 `bench/quality.py` compares methods at equal steps, each at its best learning rate. RL methods are compared on the

@@ -49,7 +49,8 @@ def test_a_loss_registered_by_name_is_one_the_config_can_choose():
 
     try:
         assert torch.equal(token_weights(MASK, "sum", 5), MASK.float())
-        with pytest.raises(ValueError, match=r"model.loss_type must be one of \['dapo', 'dr_grpo', 'grpo', 'sum'\]"):
+        names = r"\['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo', 'sum'\]"
+        with pytest.raises(ValueError, match=r"model.loss_type must be one of " + names):
             token_weights(MASK, "ppo", 5)
     finally:
         del LOSSES["sum"]

@@ -1,14 +1,25 @@
-"""The policy-gradient losses, registered by name (`LOSSES`, `@loss("dapo")`; `model.loss_type` chooses one), and the
-importance weights that correct for a sampler whose log-probs differ from the trainer's.
+"""The policy-gradient losses and the sampler corrections, each registered by name (`LOSSES`, `@loss("dapo")`:
+`model.loss_type`; `CORRECTIONS`, `@correction("token_truncate")`: `model.is_mode`).
 
-Each batch of rollouts is used for exactly one update, so the PPO/GRPO ratio π_θ/π_θ_old is 1 at the point
-where the gradient is taken and its clipping never binds: the objective reduces to REINFORCE with a group
-baseline, −Σ w_t · A · log π_θ(token_t). The losses differ only in the per-token weights w, which a loss computes for
-the whole batch (so that any split into micro-batches sums to the same loss):
+A loss is two things: its per-token weights w, which say how the batch's tokens are averaged (computed for the whole
+batch, so that any split into micro-batches sums to the same loss), and its surrogate, the per-token objective o_t whose
+gradient is the policy gradient; the loss is −Σ w_t·o_t.
 
-    dapo:    token mean over the batch                            1 / (tokens in the batch)
-    grpo:    mean over sequences of the per-sequence token mean   1 / (sequences · length_i)
-    dr_grpo: a constant normalizer                                1 / (sequences · max_new_tokens)
+    dapo:    token mean over the batch                            w = 1 / (tokens in the batch)
+    grpo:    mean over sequences of the per-sequence token mean   w = 1 / (sequences · length_i)
+    dr_grpo: a constant normalizer                                w = 1 / (sequences · max_new_tokens)
+
+These three use REINFORCE's surrogate, o_t = ρ_t·A·log π_θ(token_t), with ρ the sampler correction's weight (below):
+each batch is used for exactly one update, so the PPO/GRPO ratio π_θ/π_θ_old is 1 where the gradient is taken and
+its clip never binds. Two losses take their ratio against the sampler itself, r = π_θ/π_sampler (both at the sampling
+temperature), and clip it; that ratio is the correction, so the sampler correction does not apply to them. With one
+update per batch and a sampler equal to the trainer r is 1 and they reduce to grpo and dapo; they differ once the
+samples are stale (`model.max_staleness` > 0) or the sampler's kernels differ:
+
+    gspo:  (Zheng et al., 2025) the sequence's length-normalized ratio s_i = exp(mean_t log r_t), clipped as PPO
+           clips, o_t = min(s_i·A_i, clip(s_i, 1 − ε, 1 + ε_high)·A_i); grpo's weights (a mean over sequences)
+    cispo: (MiniMax-M1, 2025) each token's ratio, clipped from above and held constant,
+           o_t = sg(min(r_t, ε_high))·A·log π_θ(token_t); dapo's weights (TRL's convention: ε_high is the cap itself)
 
 When the batch is sharded over processes, `total_tokens` / `total_sequences` are the counts of the global batch, so
 that the processes' summed gradients equal the gradient of the global loss.
@@ -21,31 +32,94 @@ weight.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 # (completion_mask (N, C), max_new_tokens, total_tokens, total_sequences) → per-token weights (N, C)
 TokenWeights = Callable[[torch.Tensor, int, float, int], torch.Tensor]
-LOSSES: dict[str, TokenWeights] = {}
+# (logprobs l (m, w) differentiable, sampler_logprobs (m, w), mask (m, w), advantages (m,), Clip)
+#   → (the per-token objective o (m, w), 0 on padding; where the clip binds (m, w), 0/1)
+Surrogate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "Clip"],
+                     tuple[torch.Tensor, torch.Tensor]]
 
 
-def loss(name: str) -> Callable[[TokenWeights], TokenWeights]:
-    """Registers a loss's per-token weights under `name` (`model.loss_type: <name>`)."""
+@dataclass(frozen=True)
+class Clip:
+    """The clip range of the losses with a ratio of their own (TRL's `epsilon`, `epsilon_high`). gspo clips its
+    sequence ratio to [1 − epsilon, 1 + high]; cispo caps its token ratio at `high` itself. None: the loss's own
+    default (gspo: epsilon; cispo: 5.0)."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+
+
+@dataclass(frozen=True)
+class Loss:
+    weights: TokenWeights
+    surrogate: Surrogate
+    own_ratio: bool  # the surrogate's ratio is π_θ/π_sampler: the sampler correction does not apply
+
+
+def reinforce(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+              clip: Clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_t = A·log π_θ(token_t): the policy gradient of a batch used once (dapo, grpo, dr_grpo)."""
+    mask = mask.to(logprobs.dtype)
+    return advantages[:, None] * logprobs * mask, torch.zeros_like(mask)
+
+
+def gspo(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+         clip: Clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO's sequence-level clipped objective, on every token of its sequence (grpo's weights then average it over
+    the sequences): s = exp(Σ_t (l_t − l_sampler,t) / length), o = min(s·A, clip(s, 1 − ε, 1 + ε_high)·A). Its gradient
+    is s·A·mean_t ∇l_t where the clip does not bind, 0 where it does."""
+    mask = mask.to(logprobs.dtype)
+    high = clip.epsilon if clip.epsilon_high is None else clip.epsilon_high
+    log_ratio = ((logprobs - sampler_logprobs) * mask).sum(1) / mask.sum(1).clamp(min=1)  # (m,)
+    ratio = log_ratio.exp()
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - clip.epsilon, 1 + high) * advantages
+    objective = torch.minimum(unclipped, clipped)  # (m,)
+    binds = (clipped < unclipped).to(mask.dtype)  # the clipped branch is taken and differs: no gradient
+    return objective[:, None] * mask, binds[:, None] * mask
+
+
+def cispo(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+          clip: Clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: REINFORCE with each token weighted by its ratio to the sampler, capped and not differentiated —
+    o_t = sg(min(r_t, cap))·A·l_t, cap = ε_high (5.0 unless set). The cap bounds a token's weight, but unlike PPO's
+    clip it never drops a token's gradient."""
+    mask = mask.to(logprobs.dtype)
+    cap = 5.0 if clip.epsilon_high is None else clip.epsilon_high
+    ratio = ((logprobs.detach() - sampler_logprobs) * mask).exp()  # (m, w)
+    objective = ratio.clamp(max=cap) * advantages[:, None] * logprobs * mask
+    binds = ((ratio > cap) & (advantages[:, None] != 0)).to(mask.dtype) * mask
+    return objective, binds
+
+
+LOSSES: dict[str, Loss] = {}
+
+
+def loss(name: str, surrogate: Surrogate = reinforce, own_ratio: bool = False
+         ) -> Callable[[TokenWeights], TokenWeights]:
+    """Registers a loss under `name` (`model.loss_type: <name>`): the decorated per-token weights and a surrogate
+    (REINFORCE's unless given)."""
 
     def register(fn: TokenWeights) -> TokenWeights:
-        LOSSES[name] = fn
+        LOSSES[name] = Loss(fn, surrogate, own_ratio)
         return fn
 
     return register
 
 
 @loss("dapo")
+@loss("cispo", surrogate=cispo, own_ratio=True)
 def _dapo(mask: torch.Tensor, max_new_tokens: int, tokens: float, sequences: int) -> torch.Tensor:
     return mask / max(float(tokens), 1.0)
 
 
 @loss("grpo")
+@loss("gspo", surrogate=gspo, own_ratio=True)
 def _grpo(mask: torch.Tensor, max_new_tokens: int, tokens: float, sequences: int) -> torch.Tensor:
     return mask / (mask.sum(1, keepdim=True).clamp(min=1) * sequences)
 
@@ -58,6 +132,12 @@ def _dr_grpo(mask: torch.Tensor, max_new_tokens: int, tokens: float, sequences: 
 LossType = Literal[tuple(LOSSES)]  # the registered names, for the config's check of model.loss_type
 
 
+def get_loss(loss_type: str) -> Loss:
+    if loss_type not in LOSSES:
+        raise ValueError(f"model.loss_type must be one of {sorted(LOSSES)}, got {loss_type!r}")
+    return LOSSES[loss_type]
+
+
 def token_weights(
     completion_mask: torch.Tensor,
     loss_type: str,
@@ -66,46 +146,130 @@ def token_weights(
     total_sequences: int | None = None,
 ) -> torch.Tensor:
     """Per-token weights (N, C) of the whole batch under the loss `loss_type` (one of `LOSSES`)."""
-    if loss_type not in LOSSES:
-        raise ValueError(f"model.loss_type must be one of {sorted(LOSSES)}, got {loss_type!r}")
+    weights = get_loss(loss_type).weights
     mask = completion_mask.float()
     tokens = mask.sum() if total_tokens is None else total_tokens
     sequences = mask.shape[0] if total_sequences is None else total_sequences
-    return LOSSES[loss_type](mask, max_new_tokens, tokens, sequences)
+    return weights(mask, max_new_tokens, tokens, sequences)
+
+
+# ---- sampler corrections ------------------------------------------------------------------------------------------
+
+# (log-ratio Δ = log π_θ − log π_sampler (m, w), mask (m, w), cap) → (weight ρ (m, w), past the cap (m, w) 0/1)
+Correction = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+CORRECTIONS: dict[str, Correction] = {}
+
+
+def correction(name: str) -> Callable[[Correction], Correction]:
+    """Registers a sampler correction under `name` (`model.is_mode: <name>`)."""
+
+    def register(fn: Correction) -> Correction:
+        CORRECTIONS[name] = fn
+        return fn
+
+    return register
+
+
+def _sequence_ratio(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's sequence-level ratio, the product of the token ratios exp(Σ_t Δ_t), on every token of the sequence."""
+    return (delta * mask).sum(1, keepdim=True).exp().expand_as(delta)
+
+
+@correction("token_truncate")
+def _token_truncate(delta: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = delta.exp()
+    return ratio.clamp(max=cap), (ratio > cap).to(mask.dtype)
+
+
+@correction("token_mask")
+def _token_mask(delta: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = delta.exp()
+    past = ratio > cap
+    return ratio.masked_fill(past, 0.0), past.to(mask.dtype)
+
+
+@correction("sequence_truncate")
+def _sequence_truncate(delta: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = _sequence_ratio(delta, mask)
+    return ratio.clamp(max=cap), (ratio > cap).to(mask.dtype)
+
+
+@correction("sequence_mask")
+def _sequence_mask(delta: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ratio = _sequence_ratio(delta, mask)
+    past = ratio > cap
+    return ratio.masked_fill(past, 0.0), past.to(mask.dtype)
+
+
+CorrectionMode = Literal[tuple(CORRECTIONS)]  # for the config's check of model.is_mode
+
+
+def check_correction(mode: str) -> None:
+    if mode not in CORRECTIONS:
+        raise ValueError(f"model.is_mode must be one of {sorted(CORRECTIONS)}, got {mode!r}")
 
 
 def importance_weights(
-    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None
+    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None,
+    mode: str = "token_truncate",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling between the sampler (the rollout engine) and the trainer's policy.
+    """The weight ρ of each token that corrects for the sampler (the rollout engine) and the trainer's policy
+    differing: the completions were drawn from the sampler, and ρ re-weights them towards π_θ.
 
-    With Δ = log π_θ − log π_sampler per token (both at the sampling temperature), each token's loss is weighted by
-    w = min(exp Δ, cap): the completions were drawn from the sampler, and w re-weights them towards π_θ; the cap
-    bounds the variance that a few tokens with tiny sampler probability would otherwise add. `cap=None` gives w = 1
-    (no correction: `model.is_cap: null`), the mismatch still measured.
+    With Δ = log π_θ − log π_sampler per token (both at the sampling temperature), `mode` (TRL's
+    `vllm_importance_sampling_mode`) says whose ratio and what happens past the cap:
+
+        token_truncate:    ρ_t = min(exp Δ_t, cap)              token_mask:    ρ_t = exp Δ_t, or 0 past the cap
+        sequence_truncate: ρ_t = min(exp Σ_s Δ_s, cap)          sequence_mask: ρ_t = exp Σ_s Δ_s, or 0 past the cap
+
+    (a sequence's ratio on each of its tokens, the whole sequence dropped when masked). The cap bounds the variance a
+    few tokens with tiny sampler probability would otherwise add. `cap=None` gives ρ = 1 (no correction:
+    `model.is_cap: null`), the mismatch still measured.
 
     Args: logprobs, sampler_logprobs, mask: (m, w) — the trainer's (detached), the sampler's, 1 on real tokens.
-    Returns: w (m, w), 0 on padding; and the sums over real tokens of (|Δ|, exp Δ − 1 − Δ — the "k3" estimate of
-    KL(π_sampler ‖ π_θ) —, tokens clipped by the cap, tokens), for logging.
+    Returns: ρ (m, w), 0 on padding; and, over real tokens, the sums (|Δ|, exp Δ − 1 − Δ — the "k3" estimate of
+    KL(π_sampler ‖ π_θ) —, tokens past the cap, tokens, Σ ρ) and the extremes (min ρ, max ρ), for logging.
     """
+    check_correction(mode)
     mask = mask.to(logprobs.dtype)
     delta = (logprobs - sampler_logprobs) * mask  # (m, w)
-    ratio = delta.exp()
-    weight = torch.ones_like(ratio) if cap is None else ratio.clamp(max=cap)  # None: the correction off
-    clipped = (ratio > cap).to(mask.dtype) if cap is not None else torch.zeros_like(mask)
+    if cap is None:  # the correction off
+        weight, past = torch.ones_like(delta), torch.zeros_like(mask)
+    else:
+        weight, past = CORRECTIONS[mode](delta, mask, cap)
+    weight = weight * mask
+    real = mask.bool()
     stats = torch.stack([
-        delta.abs().sum(), ((ratio - 1.0 - delta) * mask).sum(), (clipped * mask).sum(), mask.sum()
+        delta.abs().sum(), ((delta.exp() - 1.0 - delta) * mask).sum(), (past * mask).sum(), mask.sum(), weight.sum(),
+        weight[real].min() if real.any() else weight.new_tensor(torch.inf),
+        weight[real].max() if real.any() else weight.new_tensor(-torch.inf),
     ])
-    return weight * mask, stats
+    return weight, stats
+
+
+def empty_mismatch(device: torch.device | str) -> torch.Tensor:
+    """The identity of `add_mismatch`: zero sums, extremes that any token replaces."""
+    return torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, torch.inf, -torch.inf], device=device)
+
+
+def add_mismatch(total: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """`importance_weights`' statistics of two sets of tokens, combined: sums add, extremes take the extreme."""
+    return torch.cat([total[:5] + stats[:5], torch.minimum(total[5:6], stats[5:6]),
+                      torch.maximum(total[6:], stats[6:])])
 
 
 def mismatch_metrics(stats: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`importance_weights`' sums (added up over micro-batches and ranks) as per-token means: how far the sampler's
-    log-probs are from the trainer's on the tokens trained on."""
-    abs_diff, k3, clipped, tokens = stats.unbind()
-    tokens = tokens.clamp(min=1)
-    return {"rollout/logprob_abs_diff": abs_diff / tokens, "rollout/sampler_kl": k3 / tokens,
-            "rollout/is_clipped_frac": clipped / tokens}
+    """`importance_weights`' statistics (combined over micro-batches and ranks) as per-token figures: how far the
+    sampler's log-probs are from the trainer's on the tokens trained on, and the weights that corrected for it (TRL's
+    `sampling/importance_sampling_ratio/*`; NaN for a batch without tokens)."""
+    abs_diff, k3, past, tokens, weight_sum, low, high = stats.unbind()
+    count = tokens.clamp(min=1)
+    nothing = tokens == 0
+    return {"rollout/logprob_abs_diff": abs_diff / count, "rollout/sampler_kl": k3 / count,
+            "rollout/is_clipped_frac": past / count,
+            "sampling/importance_sampling_ratio/mean": weight_sum / count,
+            "sampling/importance_sampling_ratio/min": low.masked_fill(nothing, torch.nan),
+            "sampling/importance_sampling_ratio/max": high.masked_fill(nothing, torch.nan)}
 
 
 def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

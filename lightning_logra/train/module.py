@@ -21,7 +21,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_logra.algo.advantages import ScaleRewards, estimator, group_advantages
 from lightning_logra.algo.logprobs import completion_logprobs
-from lightning_logra.algo.losses import (LOSSES, LossType, importance_weights, mismatch_metrics, reference_kl,
+from lightning_logra.algo.losses import (Clip, CorrectionMode, LossType, add_mismatch, check_correction,
+                                         empty_mismatch, get_loss, importance_weights, mismatch_metrics, reference_kl,
                                          token_weights)
 from lightning_logra.algo.step_size import StepContext, StepSizeController, find_controller
 from lightning_logra.algo.update import Update
@@ -60,6 +61,13 @@ def _check_settings(hp: Any) -> None:
         raise ValueError(f"model.top_p must be in (0, 1], got {hp.top_p}")
     if hp.is_cap is not None and hp.is_cap <= 0:
         raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {hp.is_cap}")
+    check_correction(hp.is_mode)
+    for key in ("epsilon", "epsilon_high"):
+        if hp[key] is not None and not (math.isfinite(hp[key]) and hp[key] > 0):
+            raise ValueError(f"model.{key} must be a positive number, got {hp[key]}")
+    if isinstance(hp.max_staleness, bool) or not isinstance(hp.max_staleness, int) or hp.max_staleness < 0:
+        raise ValueError(f"model.max_staleness must be a whole number of steps ≥ 0, got {hp.max_staleness!r}: 0 "
+                         f"generates each step's samples with its own weights, 1 overlaps generation with the update")
     if isinstance(hp.beta, bool) or not isinstance(hp.beta, (int, float)) or not (math.isfinite(hp.beta)
                                                                                  and hp.beta >= 0):
         raise ValueError(f"model.beta must be a finite number ≥ 0, got {hp.beta!r}: set 0 for no KL penalty, or a "
@@ -73,8 +81,7 @@ def _check_settings(hp: Any) -> None:
     if hp.target_modules is not None and not hp.target_modules:
         raise ValueError("model.target_modules is empty: name the linear layers the dense baseline trains, e.g. "
                          "[q_proj, v_proj], or leave it null to train every parameter")
-    if hp.loss_type not in LOSSES:
-        raise ValueError(f"model.loss_type must be one of {sorted(LOSSES)}, got {hp.loss_type!r}")
+    get_loss(hp.loss_type)  # one of the registered losses
     estimator(hp.scale_rewards)  # one of the registered advantage estimators, or true / false
     if hp.export_every is not None and hp.export_dir is None:
         raise ValueError("model.export_every needs model.export_dir: the folder the step-NNNNNN exports go into")
@@ -123,6 +130,10 @@ class RLVRModule(LightningModule):
         export_dir: str | None = None,
         engine: RolloutEngine | None = None,
         is_cap: float | None = 2.0,
+        is_mode: CorrectionMode = "token_truncate",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        max_staleness: int = 0,
         beta: float = 0.0,
         reward_timeout_s: float | None = 600.0,
         reward_memory_gib: float | None = DEFAULT_MEMORY_GIB,
@@ -149,8 +160,9 @@ class RLVRModule(LightningModule):
                 probability (1 samples from all).
             max_new_tokens: the longest completion sampled in training.
             loss_type: the policy-gradient loss, one of `lightning_logra.algo.losses.LOSSES`: `dapo` (token-level
-                mean over the batch), `grpo` (mean per sequence, then over sequences) or `dr_grpo` (sum over tokens /
-                (sequences × max_new_tokens)).
+                mean over the batch), `grpo` (mean per sequence, then over sequences), `dr_grpo` (sum over tokens /
+                (sequences × max_new_tokens)), `gspo` (a clipped sequence-level ratio to the sampler, grpo's mean) or
+                `cispo` (capped token ratios to the sampler, dapo's mean).
             scale_rewards: what each group's mean-centered rewards are divided by (TRL's `scale_rewards`, one of
                 `lightning_logra.algo.advantages.ADVANTAGES`): `group` (true: the group's reward standard deviation,
                 GRPO), `batch` (the whole batch's), or `none` (false: nothing, Dr. GRPO).
@@ -183,9 +195,25 @@ class RLVRModule(LightningModule):
                 as one (m, C, V) tensor.
             engine: the rollout engine; None generates in this process with the policy itself. An engine with its
                 own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
-            is_cap: truncated importance sampling: each token's loss is weighted by min(π_θ/π_sampler, is_cap),
-                correcting for a sampler whose log-probs differ from the trainer's (another engine, other kernels,
-                bf16). None turns the correction off; the mismatch is logged either way.
+            is_cap: the sampler correction's cap: with the default `is_mode`, truncated importance sampling, each
+                token's loss is weighted by min(π_θ/π_sampler, is_cap), correcting for a sampler whose log-probs differ
+                from the trainer's (another engine, other kernels, bf16, a stale engine). None turns the correction
+                off; the mismatch is logged either way (`rollout/*`, `sampling/importance_sampling_ratio/*`).
+            is_mode: the correction's ratio and what happens past the cap (TRL's `vllm_importance_sampling_mode`, one
+                of `lightning_logra.algo.losses.CORRECTIONS`): `token_truncate` (the default here; TRL's is
+                `sequence_mask`), `token_mask` (a token past the cap weighs 0), `sequence_truncate`,
+                `sequence_mask` (the sequence's ratio, the product of its token ratios, on all its tokens). gspo and
+                cispo take no correction: their ratio is against the sampler already.
+            epsilon: gspo's clip range, [1 − epsilon, 1 + epsilon_high] around its sequence ratio (TRL's `epsilon`;
+                the GSPO paper's is 3e-4 with epsilon_high 4e-4).
+            epsilon_high: the upper end of gspo's clip range (None: epsilon); for cispo the cap on its token ratio
+                itself, as in TRL (None: 5.0).
+            max_staleness: 0 (the default) generates each step's samples with the weights the step trains. k > 0
+                overlaps generation with the update: the engine draws step t's samples from the weights of step
+                max(0, t − k) while the trainer computes the updates between, so that neither waits on the other.
+                Needs an engine that runs beside the trainer (VLLMEngine with its own process); with the in-process
+                engine the steps stay serial. The sampler correction (or gspo / cispo's ratio) weighs the stale
+                samples towards π_θ; `rollout/staleness` logs how stale they were (docs/overlap.md).
             beta: the weight β of a KL penalty to the starting policy (TRL's `beta`): each completion token's loss
                 gains β·kl_t, the k3 estimate exp(r_t − l_t) − (r_t − l_t) − 1 between the policy's log-prob l_t and
                 a frozen reference's r_t (`losses.reference_kl`), weighted per token as `loss_type` weighs the
@@ -370,8 +398,12 @@ class RLVRModule(LightningModule):
         total_sequences = int(self.sum_over_ranks(torch.tensor(float(len(advantages)), device=self.device)))
         weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
                                 total_sequences)  # (N, C)
+        objective, clip = get_loss(hp.loss_type), Clip(hp.epsilon, hp.epsilon_high)
+        # gspo and cispo take their ratio against the sampler themselves: no second correction on top
+        is_cap = None if objective.own_ratio else hp.is_cap
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        mismatch = torch.zeros(4, dtype=torch.float32, device=self.device)
+        mismatch = empty_mismatch(self.device)  # importance_weights' statistics
+        clipped = torch.zeros((), dtype=torch.float32, device=self.device)  # tokens where the loss's clip binds
         entropy = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ entropy, tokens: over those trained on
         kl_stats = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ k3, tokens (with model.beta > 0)
         penalized = hp.beta > 0
@@ -394,12 +426,15 @@ class RLVRModule(LightningModule):
                                                           micro.completion_ids, micro.completion_mask,
                                                           hp.temperature, hp.logprob_chunk_tokens)
             is_weight, stats = importance_weights(logprobs.detach(), micro.sampler_logprobs, micro.completion_mask,
-                                                  hp.is_cap)  # (m, w), (4,)
-            mismatch += stats
+                                                  is_cap, hp.is_mode)  # (m, w), (7,)
+            mismatch = add_mismatch(mismatch, stats)
             mask = micro.completion_mask
             entropy += torch.stack([(token_entropy * mask).sum(), mask.sum()])
             width = micro.completion_ids.shape[1]
-            micro_loss = -(weights[rows, :width] * advantages[rows, None] * is_weight * logprobs).sum()
+            # (m, w) each: the loss's per-token objective (its gradient the policy gradient), where its clip binds
+            surrogate, binds = objective.surrogate(logprobs, micro.sampler_logprobs, mask, advantages[rows], clip)
+            clipped += binds.sum().float()
+            micro_loss = -(weights[rows, :width] * is_weight * surrogate).sum()
             if penalized:
                 # (m, w), 0 on padding; differentiable through the policy's log-probs (the reference's have no graph)
                 kl = reference_kl(logprobs, ref_logprobs, mask)
@@ -411,10 +446,16 @@ class RLVRModule(LightningModule):
             loss += micro_loss.detach()
         entropy_sum, tokens = self.sum_over_ranks(entropy).unbind()
         metrics = {"train/entropy": entropy_sum / tokens}
+        if objective.own_ratio:
+            # Over every completion token of the batch (a sample left out for its zero advantage has none binding)
+            metrics["clip_ratio/region_mean"] = self.sum_over_ranks(clipped) / total_tokens.clamp(min=1)
         if penalized:
             kl_sum, kl_tokens = self.sum_over_ranks(kl_stats).unbind()
             metrics["train/kl"] = kl_sum / kl_tokens.clamp(min=1)  # 0 for a batch without completion tokens
-        return self.sum_over_ranks(loss), mismatch_metrics(self.sum_over_ranks(mismatch)), metrics
+        # Sums add over ranks; the least and largest weight are the extremes of every rank's (NaN travels as inf).
+        mismatch = torch.cat([self.sum_over_ranks(mismatch[:5]), -self.max_over_ranks(-mismatch[5:6]),
+                              self.max_over_ranks(mismatch[6:])])
+        return self.sum_over_ranks(loss), mismatch_metrics(mismatch), metrics
 
     def step_size(self, proposal: Update | None, rollout: Rollout, step: int) -> float:
         """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""

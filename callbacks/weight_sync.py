@@ -37,6 +37,7 @@ from lightning_logra.rollout.sync import whole, whole_fingerprint
 log = logging.getLogger(__name__)
 
 _LOAD_CHUNK_BYTES = 512 * 2**20  # a load gathers and sends this much at a time (or one tensor, if larger)
+_SENT_METRICS = ("sync/bytes", "sync/dense_bytes", "sync/seconds")  # NaN when nothing was sent (a skipped update)
 
 
 class RolloutWeightSync(Callback, WeightSync):
@@ -140,25 +141,37 @@ class RolloutWeightSync(Callback, WeightSync):
         return sent
 
     def sync(self, update: Update | None, sampler_diff: float) -> dict[str, float]:
+        sent = self.send(self.payload(update)) if update else dict.fromkeys(_SENT_METRICS, math.nan)
+        return {**sent, **self.after_step(bool(update), sampler_diff)}
+
+    def payload(self, update: Update, copy: bool = False) -> Update:
+        # Densely trained values the trainer holds sharded travel whole (every rank gathers them together).
+        dense = {name: whole(value) for name, value in update.dense.items()}
+        if copy:  # the others are the live parameters: a later step changes them
+            dense = {name: value.clone() if value is update.dense[name] else value for name, value in dense.items()}
+        return Update(update.low_rank, dense)
+
+    def send(self, update: Update) -> dict[str, float]:
+        start = time.perf_counter()
+        sent = self._engine.apply_update(update)
+        seconds = time.perf_counter() - start
+        dense_bytes = sum(self._bytes[n] for n in update.low_rank)
+        dense_bytes += sum(t.numel() * t.element_size() for t in update.dense.values())
+        return {"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes), "sync/seconds": seconds}
+
+    def after_step(self, sent: bool, sampler_diff: float, settle: Callable[[], None] = lambda: None
+                   ) -> dict[str, float]:
         due = self._sampler_drifting(sampler_diff)
-        # NaN when the update was skipped (nothing changed, nothing sent), and between checks.
-        sent = dense_bytes = seconds = diff = math.nan
-        if update:
-            start = time.perf_counter()
-            # Densely trained values the trainer holds sharded travel whole (every rank gathers them together).
-            update = Update(update.low_rank, {name: whole(value) for name, value in update.dense.items()})
-            sent = self._engine.apply_update(update)
-            seconds = time.perf_counter() - start
+        if sent:
             self.syncs += 1
-            dense_bytes = sum(self._bytes[n] for n in update.low_rank)
-            dense_bytes += sum(t.numel() * t.element_size() for t in update.dense.values())
             due |= self.check_every is not None and self.syncs % self.check_every == 0
+        diff = math.nan  # between checks
         if due:
             # Every rank checks (and repairs) its own engine, all at the same syncs: their count and the log-prob
             # difference behind `due` are the same on every rank.
+            settle()
             diff = self.check()
-        return {"sync/bytes": float(sent), "sync/dense_bytes": float(dense_bytes), "sync/seconds": seconds,
-                "sync/max_abs_diff": diff, "sync/restarts": float(self._engine.restarts),
+        return {"sync/max_abs_diff": diff, "sync/restarts": float(self._engine.restarts),
                 "sync/loads": float(self.loads)}
 
     def _sampler_drifting(self, diff: float) -> bool:

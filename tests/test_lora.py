@@ -50,8 +50,8 @@ def test_one_step_is_a_hand_written_peft_adamw_step(run_cli):
     module.configure_model()
     base = copy.deepcopy(module.policy)
     scored = []
-    rollouts = module.rollouts
-    module.rollouts = lambda *args: scored.append(rollouts(*args)) or scored[-1]
+    score = module.score
+    module.score = lambda batch, rollout, n: scored.append((rollout, *score(batch, rollout, n))) or scored[-1][1:]
     cli.trainer.fit(module, cli.datamodule)
     (rollout, rewards, _), = scored
     assert 0 < rewards.mean() < 1  # something to learn

@@ -38,9 +38,9 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(run_cli, tmp_path, monke
     rollouts = RLVRModule.rollouts
 
     def recording(self, batch, step):
-        rollout, *rewards = rollouts(self, batch, step)
+        rollout, *drawn = rollouts(self, batch, step)
         seen.append(rollout)
-        return rollout, *rewards
+        return rollout, *drawn
 
     monkeypatch.setattr(RLVRModule, "rollouts", recording)
     cli = run_cli("tiny_arith", "--model.log_completions_every", "1", root=tmp_path)

@@ -67,6 +67,11 @@ class RolloutEngine(ABC):
         whose memory is the trainer's)."""
         return None
 
+    def runs_alongside(self) -> bool:
+        """Whether `generate` may run on another thread while the trainer computes (overlapped rollouts): the engine
+        computes in processes of its own, and its calls touch nothing of the trainer's."""
+        return False
+
     def samples_from(self, policy) -> bool:
         """Whether the engine samples from `policy`'s own weights; if not, they must be kept in step (synced)."""
         return False

@@ -40,7 +40,25 @@ class WeightSync(ABC):
     def sync(self, update: Update | None, sampler_diff: float) -> dict[str, float]:
         """After every training step, on every rank: send `update` (None: the step was skipped) and, when due, check
         the engine for drift. `sampler_diff` is the step's mean |log π_sampler − log π_θ| per token: a sampler far
-        from the trainer asks for a check at once. Returns the step's metrics (NaN where they do not apply)."""
+        from the trainer asks for a check at once. Returns the step's metrics (NaN where they do not apply).
+        `payload`, `send` and `after_step` are its three parts, which overlapped rollouts call apart."""
+
+    @abstractmethod
+    def payload(self, update: Update, copy: bool = False) -> Update:
+        """What the engine receives of `update`, made on the trainer's thread by every rank (it may gather sharded
+        values); with `copy`, nothing in it is a live parameter, so a later step cannot change it before it is
+        sent."""
+
+    @abstractmethod
+    def send(self, update: Update) -> dict[str, float]:
+        """Send a `payload` to this rank's engine: no collective, so it can run on another thread. Returns the
+        send's metrics (`sync/bytes`, `sync/dense_bytes`, `sync/seconds`)."""
+
+    @abstractmethod
+    def after_step(self, sent: bool, sampler_diff: float, settle: Callable[[], None] = lambda: None
+                   ) -> dict[str, float]:
+        """On every rank, once the step's update was sent (`sent`) or skipped: when a check is due, call `settle`
+        (the engine must then hold the trainer's weights and be idle) and compare; returns the other metrics."""
 
 
 def find_sync(callbacks) -> WeightSync | None:

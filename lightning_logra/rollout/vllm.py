@@ -196,6 +196,10 @@ class VLLMEngine(RolloutEngine):
         """Whether this engine's worker is this trainer process, one of a tensor-parallel group of ranks."""
         return self.placement == "trainer_ranks" and self.world_size > 1
 
+    def runs_alongside(self) -> bool:
+        # In the trainer's ranks (external launcher) or its process, the engine computes on the trainer's thread
+        return self.separate_process and not self.in_trainer_ranks
+
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         if self.llm is not None:
             return

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +34,7 @@ from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import DEFAULT_MEMORY_GIB, Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
+from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
 from lightning_logra.train import resume
 from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
@@ -259,6 +262,10 @@ class RLVRModule(LightningModule):
         self.distribution: Distribution = Distribution()
         self.controller: StepSizeController | None = None
         self.weight_sync: WeightSync | None = None
+        # Generation overlapped with the update (model.max_staleness > 0), during a fit; and what a checkpoint had in
+        # flight, until the fit starts it.
+        self.pipeline: RolloutPipeline | None = None
+        self._in_flight: list[dict[str, Any]] = []
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -331,12 +338,15 @@ class RLVRModule(LightningModule):
     # ---- one RL iteration ---------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, list[Any]], batch_idx: int) -> dict[str, Any]:
-        """One RL iteration, in order: generate and score, advantages, gradients, reduce and clip, propose, the step
-        size α, apply, sync the engine, log. Returns {"loss", "update"}: the update applied (what a rollout engine
-        with weights of its own receives), or None when the step was skipped (the weights unchanged)."""
+        """One RL iteration, in order: generate (or take what was generated ahead) and score, advantages, gradients,
+        reduce and clip, propose, the step size α, apply, sync the engine, log. Returns {"loss", "update"}: the update
+        applied (what a rollout engine with weights of its own receives), or None when the step was skipped (the
+        weights unchanged)."""
         hp, step, start = self.hparams, self.global_step, time.perf_counter()
-        rollout, rewards, per_reward = self.rollouts(batch, step)  # where the step's scored samples come from
-        rollout_s = time.perf_counter() - start
+        rollout, version, wait_s = self.rollouts(batch, step)  # the step's samples, drawn with the weights of `version`
+        scored = time.perf_counter()
+        rewards, per_reward = self.score(batch, rollout, hp.num_generations)  # (N,), (N, rewards)
+        score_s = time.perf_counter() - scored
         self.unlearnable.add(rewards.view(-1, hp.num_generations), self.sum_over_ranks)
         advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards, self.sum_over_ranks)  # (N,)
         loss, mismatch, metrics = self.accumulate_gradients(rollout, advantages)
@@ -345,33 +355,71 @@ class RLVRModule(LightningModule):
         alpha = self.step_size(proposal, rollout, step)
         lr = self.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
+        update_s = time.perf_counter() - scored - score_s
         self.advance_lr_schedules(applied=update is not None)
-        synced = self.weight_sync.sync(update, float(mismatch["rollout/logprob_abs_diff"])) if self.weight_sync else {}
+        synced = self.sync_engine(update, float(mismatch["rollout/logprob_abs_diff"]), stale=version < step)
         controlled = self.controller.applied(update) if self.controller is not None else {}
-        self.log_step(rollout, rewards, per_reward, step, time.perf_counter() - start, rollout_s, {
+        self.log_step(rollout, rewards, per_reward, step, time.perf_counter() - start, {
             "train/loss": loss, "train/grad_norm": grad_norm, **metrics,
             "train/update_skipped": float(update is None),
             # The step actually taken, α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
             "train/effective_lr": alpha * lr if update is not None else math.nan,
+            # Where the step's time went: blocked on the engine, scoring, computing the update (the rest: the
+            # sync, logging); train/rollout_s is wait + score, as the trainer sees generation.
+            "train/rollout_s": wait_s + score_s, "train/wait_s": wait_s, "train/score_s": score_s,
+            "train/update_s": update_s, **self.staleness_metrics(step - version, len(rewards)),
             **mismatch, **self.mode.metrics, **self.distribution.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
-    def rollouts(self, batch: dict[str, list[Any]], step: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
-        """The step's samples: `num_generations` completions of each prompt of `batch`, and their rewards (N,) and
-        each reward function's (N, F)."""
-        rollout = self.generate(batch, self.hparams.num_generations, self.sampling, step)
-        rewards, per_reward = self.score(batch, rollout, self.hparams.num_generations)
-        return rollout, rewards, per_reward
+    def rollouts(self, batch: dict[str, list[Any]], step: int) -> tuple[Rollout, int, float]:
+        """The step's samples, `num_generations` completions of each prompt of `batch`: generated now (the serial
+        loop), or taken from what the engine generated ahead (`model.max_staleness` > 0). Returns them with the step
+        whose weights drew them and the seconds the trainer waited for them."""
+        start = time.perf_counter()
+        if self.pipeline is None:
+            rollout = self.generate(batch, self.hparams.num_generations, self.sampling, step)
+            return rollout, step, time.perf_counter() - start
+        rollout, version, wait_s = self.pipeline.take(batch, step)
+        return rollout.to(self.device), version, wait_s
+
+    def sync_engine(self, update: Update | None, sampler_diff: float, stale: bool) -> dict[str, float]:
+        """Send the applied update to an engine with weights of its own (and check it for drift when due); with
+        overlapped rollouts, queue it behind the generations already submitted. A stale batch's log-prob
+        difference measures the lag, not drift: it does not count towards a drift check."""
+        if self.weight_sync is None:
+            return {}
+        if self.pipeline is None:
+            return self.weight_sync.sync(update, sampler_diff)
+        if update:
+            self.pipeline.send(self.weight_sync.payload(update, copy=True))
+        after = self.weight_sync.after_step(bool(update), math.nan if stale else sampler_diff, self.pipeline.drain)
+        return {**self.pipeline.sent_metrics(), **after}
+
+    def staleness_metrics(self, staleness: int, samples: int) -> dict[str, torch.Tensor]:
+        """`rollout/staleness/mean` and `/max`: how many updates old the weights that drew the step's samples were,
+        over every rank's samples (a rank whose engine was restarted draws fresher ones)."""
+        if self.hparams.max_staleness == 0:
+            return {}
+        mine = torch.tensor([staleness * samples, samples], dtype=torch.float32, device=self.device)
+        total, count = self.sum_over_ranks(mine).unbind()
+        worst = self.max_over_ranks(torch.tensor([float(staleness)]))[0]
+        return {"rollout/staleness/mean": total / count, "rollout/staleness/max": worst}
 
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
-        """n completions of each prompt of `batch`. Each prompt's sampling depends only on (seed, step, its index in
-        the global batch): a resumed run, or one sharded over several processes, draws what the uninterrupted
-        single-process run would have."""
+        """n completions of each prompt of `batch`, on this process's device (`engine_call`)."""
+        return self.engine_call(batch, n, sampling, step)().to(self.device)
+
+    def engine_call(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int
+                    ) -> Callable[[], Rollout]:
+        """The engine call that samples n completions of each prompt of `batch` (the prompts tokenized now, the
+        call made by whoever calls it: the overlapped rollouts' worker). Each prompt's sampling depends only on
+        (seed, step, its index in the global batch): a resumed run, or one sharded over several processes, draws
+        what the uninterrupted single-process run would have."""
         count = len(batch["prompt"])
         seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
         # Token ids come with the batch when the data module tokenized the prompts.
         prompt_ids = batch.get("prompt_ids") or self.encode_prompts(batch["prompt"])
-        return self.engine.generate(prompt_ids, n, sampling, seeds).to(self.device)
+        return partial(self.engine.generate, prompt_ids, n, sampling, seeds)
 
     def score(self, batch: dict[str, list[Any]], rollout: Rollout, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
@@ -495,7 +543,7 @@ class RLVRModule(LightningModule):
                 scheduler.step()
 
     def log_step(self, rollout: Rollout, rewards: torch.Tensor, per_reward: torch.Tensor, step: int, step_s: float,
-                 rollout_s: float, metrics: dict[str, Any]) -> None:
+                 metrics: dict[str, Any]) -> None:
         """The step's metrics (TRL's names where TRL has them), and every `log_completions_every` steps a few
         completions as text."""
         lengths = rollout.completion_lengths.float()
@@ -513,7 +561,6 @@ class RLVRModule(LightningModule):
             "completions/terminated_ratio": terminated.mean(),  # ended with a stop token
             "completions/clipped_ratio": 1.0 - terminated.mean(),  # cut at model.max_new_tokens
             "train/tokens_per_s": lengths.sum() / step_s,
-            "train/rollout_s": rollout_s,
             "train/step_s": step_s,
             **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
             **metrics,
@@ -575,18 +622,51 @@ class RLVRModule(LightningModule):
         # (Lightning's restore_checkpoint_after_setup), the others' before. (A sanity validation attaches it first, in
         # on_validation_start, which also comes after the restore.)
         self._attach_engine()
+        self._start_pipeline()
         # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
         for change in resume.reapply(self.trainer.optimizers, schedulers, self._configured, self.mode.config_key):
             log.warning("resuming: %s; training on with this run's value", change)
 
     def on_validation_start(self) -> None:
+        if self.pipeline is not None:  # the engine is used here: it first finishes what it was given
+            self.pipeline.drain()
         self._find_weight_sync()
         self._attach_engine()
 
     def on_test_start(self) -> None:
         self._find_weight_sync()
         self._attach_engine()
+
+    def _start_pipeline(self) -> None:
+        """With model.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now on
+        (`rollout.pipeline`); with the in-process engine, which is the policy itself, the steps stay serial."""
+        k = self.hparams.max_staleness
+        if k == 0:
+            return
+        if not self.engine.runs_alongside():
+            log.warning("model.max_staleness=%d: %s cannot generate while the trainer computes (it runs in the "
+                        "trainer's process), so the steps stay serial; use VLLMEngine with separate_process: true "
+                        "to overlap them", k, type(self.engine).__name__)
+            return
+        trainer = self.trainer
+        pipeline = RolloutPipeline(
+            k, lambda batch, step: self.engine_call(batch, self.hparams.num_generations, self.sampling, step),
+            self.weight_sync.send, self.weight_sync.full_sync, iter(trainer.train_dataloader),
+            start=self.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None)
+        pipeline.restore(self._in_flight)
+        self._in_flight = []
+        # A restart on the worker cannot load the trainer's weights there (they are newer than the engine's
+        # queue expects): it fails the worker's calls, and the pipeline reloads and redraws on this thread.
+        reload = self.engine._reload
+
+        def reload_here():
+            if pipeline.on_worker():
+                raise EngineLost("the rollout engine was restarted during overlapped rollouts")
+            return reload()
+
+        self.engine.reload_after_restart(reload_here)
+        self.pipeline = pipeline
 
     def _find_weight_sync(self) -> None:
         """The run's weight sync; refused where it would sync nothing, required where an engine has weights of its
@@ -624,6 +704,16 @@ class RLVRModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens}
+        if self.pipeline is not None:
+            # The batches in flight, finished (tokens, the sampler's log-probs, the step that drew them): every
+            # rank's, which differ (each rank generates its slice of the batch); a resumed run trains on them.
+            mine = self.pipeline.state()
+            if self.trainer.world_size > 1:
+                everyone: list = [None] * self.trainer.world_size
+                torch.distributed.all_gather_object(everyone, mine)
+            else:
+                everyone = [mine]
+            checkpoint[CHECKPOINT_KEY]["in_flight"] = everyone
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any state is restored. Evaluating or exporting a checkpoint under other settings is fine (its
@@ -631,6 +721,12 @@ class RLVRModule(LightningModule):
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
             check_resumable(checkpoint, self._stamp())
             self.num_tokens = checkpoint.get(CHECKPOINT_KEY, {}).get("num_tokens", 0)
+            in_flight = checkpoint.get(CHECKPOINT_KEY, {}).get("in_flight", [])
+            if len(in_flight) == self.trainer.world_size:
+                self._in_flight = in_flight[self.global_rank]
+            elif in_flight:
+                log.warning("the checkpoint's batches in flight were generated by %d processes, this run has %d: "
+                            "they are generated again", len(in_flight), self.trainer.world_size)
         # This run's settings apply, not the checkpoint's (lightning_logra.cli): say where they differ.
         saved = checkpoint.get("hyper_parameters", {})
         for key, value in self.hparams.items():
@@ -647,6 +743,9 @@ class RLVRModule(LightningModule):
             self._export_from_every_rank(self.hparams.export_dir)
 
     def teardown(self, stage: str) -> None:
+        if self.pipeline is not None:  # generations past the run's end are not waited for
+            self.pipeline.close()
+            self.pipeline = None
         # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.
         if self.engine is not None and not self.engine.samples_from(self.policy):
             self.engine.close()

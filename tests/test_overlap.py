@@ -98,21 +98,30 @@ def test_a_checkpoint_with_batches_in_flight_resumes_bit_for_bit(uninterrupted, 
     assert _scalars(tmp_path / "resumed")["rollout/staleness/max"] == [2, 2, 2]
 
 
-def test_a_stale_engine_is_not_taken_for_a_drifting_one(run_cli, tmp_path):
-    # A drift check at any log-prob difference past 0.01 two steps in a row: the stale batches are past it (their
-    # weights are a step old), yet only the periodic checks run, and each finds the engine equal to the trainer.
+def test_tiny_arith_learns_with_overlapped_rollouts_and_a_stale_engine_is_not_taken_for_a_drifting_one(
+        run_cli, tmp_path):
+    # configs/tiny_arith_vllm.yaml as shipped (its model, task, reward), overlapped, for 120 of its 600 steps. A drift
+    # check at any log-prob difference past 0.01 two steps in a row: the stale batches are past it (their weights are
+    # a step old), yet only the periodic checks run, and each finds the engine equal to the trainer.
     data = yaml.safe_load((CONFIGS / "tiny_arith_vllm.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
-            callback["init_args"].update(check_every=3, logprob_diff_threshold=0.01, logprob_diff_steps=2)
+            callback["init_args"].update(check_every=40, logprob_diff_threshold=0.01, logprob_diff_steps=2)
     config = tmp_path / "vllm.yaml"
     config.write_text(yaml.safe_dump(data))
-    cli = run_cli(config, "--model.max_staleness", "1", steps=9, root=tmp_path)
+    cli = run_cli(config, "--model.max_staleness", "1", "--trainer.max_steps", "120",
+                  "--trainer.val_check_interval", "120", fast=False, root=tmp_path)
+    assert cli.trainer.global_step == 120
     scalars = _scalars(tmp_path)
-    assert min(scalars["rollout/logprob_abs_diff"][1:]) > 0.01
+    rewards = scalars["train/reward_mean"]
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    print(f"reward first 20 steps {first:.3f} → last 20 {last:.3f}; greedy pass@1 {scalars['val/pass@1'][-1]:.3f}")
+    assert last - first >= 0.1
+    assert scalars["rollout/staleness/max"] == [0] + [1] * 119
+    assert sum(diff > 0.01 for diff in scalars["rollout/logprob_abs_diff"]) >= 60
     checks = [diff for diff in scalars["sync/max_abs_diff"] if not math.isnan(diff)]
-    assert len(checks) == 3 and max(checks) <= 1e-5
-    assert scalars["sync/loads"][-1] == 0 and cli.trainer.global_step == 9
+    assert len(checks) == 3 and max(checks) <= 1e-4
+    assert scalars["sync/loads"][-1] == 0
 
 
 def test_the_in_process_engine_stays_serial(run_cli, tmp_path, caplog):

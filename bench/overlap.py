@@ -1,0 +1,254 @@
+"""Overlapped rollouts on add3: generation beside the update (`model.max_staleness` 1 and 2) against the serial loop.
+
+    python bench/overlap.py --seeds 3 --more-seeds 5   # 400 steps; serial and overlap1 at 5 paired seeds, the
+                                                       # others at 3: 16 runs, one at a time
+    python bench/overlap.py --quick    # every row at 6 steps, 1 seed, 64 held-out items: checks the script (CI)
+
+The vLLM engine (CPU backend) runs in its own process, its threads bound to core 1 (VLLM_CPU_OMP_THREADS_BIND); the
+trainer is bound to core 0 (taskset, one thread). Rows, each `python cli.py fit` of configs/add3.yaml (LoGRA rank 16,
+its total KL budget) with the engine added:
+
+- `serial`: the vLLM engine, max_staleness 0: generate, score, train, sync, generate again;
+- `overlap1`, `overlap2`: the same with max_staleness 1 and 2: the engine generates the next batches while the
+  trainer computes the update;
+- `inprocess`: the shipped config as it is, generating with the policy itself on both cores (two threads): what the
+  split into a trainer core and an engine core costs or saves.
+
+Paired seeds: seed s gives every row the same prompts, sampling seeds and projections. Reported per row: seconds per
+step (the median of `train/step_s` after the first 10 steps; its ratio to serial's, paired per seed), the training's
+wall time, CPU seconds of the trainer's process and of the engine's processes (`ProcessTimes`, over the training: the
+split held if the trainer's CPU time stays near its wall time and the engine's is its own core's), where a step's time
+went (`train/wait_s`, `train/score_s`, `train/update_s`), greedy pass@1 on the held-out set after the last step and
+the sampled reward over the last tenth of the steps, each with its paired difference from serial (mean ± standard
+error over seeds). Targets (issue 25): overlap1 ≥ 1.3× faster per step; pass@1 difference ≥ −0.03 at one s.e.
+JSON, table and plot under bench/out/overlap/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from lightning.pytorch import Callback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import pyplot, save_figure  # noqa: E402
+from runs import ROOT, latest_run, run_all, scalars  # noqa: E402
+
+BASE_CONFIG = ROOT / "configs" / "add3.yaml"
+ROWS = {"serial": 0, "overlap1": 1, "overlap2": 2, "inprocess": None}  # max_staleness (None: the in-process engine)
+WARMUP = 10  # steps left out of the median step time (the engine's and the reward process's first calls)
+ENGINE = {"class_path": "lightning_logra.rollout.VLLMEngine",
+          "init_args": {"dtype": "float32", "gpu_memory_utilization": 0.1, "separate_process": True}}
+
+
+class ProcessTimes(Callback):
+    """Writes, at the end of training, the wall time and the CPU seconds (user + system) the trainer's process and
+    the engine's processes spent between the first step's start and the last step's end, to `path` (JSON)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _times(self, pl_module) -> dict[str, float]:
+        import psutil
+
+        engine = pl_module.engine
+        processes = engine._engine_processes() if hasattr(engine, "_engine_processes") else []
+        own = psutil.Process().cpu_times()
+        return {"wall": time.perf_counter(), "trainer": own.user + own.system,
+                "engine": sum(sum(p.cpu_times()[:2]) for p in processes)}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = self._times(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == trainer.max_steps:  # before the last validation
+            end = self._times(pl_module)
+            Path(self.path).write_text(json.dumps({key: end[key] - self.start[key] for key in end}))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out items (default: all 2,054)")
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--more-seeds", type=int, default=None,
+                        help="seeds of serial and overlap1, the pair the targets are about (default: --seeds)")
+    parser.add_argument("--quick", action="store_true", help="6 steps, 1 seed, 64 held-out items")
+    parser.add_argument("--reuse", action="store_true", help="keep runs that already finished")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "overlap" / "overlap.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "overlap" / "overlap.png")
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "overlap" / "runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.eval_limit = 6, 1, 64
+    return args
+
+
+def run_config(run: dict, args: argparse.Namespace) -> dict:
+    """add3.yaml for `args.steps` steps at the run's seed, with the vLLM engine and its weight sync (but for
+    `inprocess`), and ProcessTimes."""
+    config = yaml.safe_load(BASE_CONFIG.read_text())
+    trainer, model, data = config["trainer"], config["model"], config["data"]["init_args"]
+    config["seed_everything"] = model["seed"] = data["seed"] = run["seed"]
+    trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
+    budget = [c for c in trainer["callbacks"] if c["class_path"].endswith("PredictedKLBudget")]
+    for callback in budget:  # the config's total over its own steps: the same per step over these
+        callback["init_args"]["total_budget"] *= args.steps / trainer["max_steps"]
+    trainer["callbacks"] = budget + [{"class_path": "overlap.ProcessTimes",
+                                      "init_args": {"path": str(times_path(run, args))}}]
+    trainer.update(max_steps=args.steps, val_check_interval=args.steps, enable_checkpointing=False,
+                   enable_progress_bar=False)
+    trainer["logger"]["init_args"].update(save_dir=str(args.runs_dir), name=run["name"])
+    if args.eval_limit is not None:
+        data["eval_limit"] = args.eval_limit
+    if run["max_staleness"] is not None:
+        model.update(engine=ENGINE, max_staleness=run["max_staleness"])
+        trainer["callbacks"].append({"class_path": "lightning_logra.callbacks.RolloutWeightSync"})
+    return config
+
+
+def times_path(run: dict, args: argparse.Namespace) -> Path:
+    return args.runs_dir / "times" / f"{run['name']}.json"
+
+
+def command(run: dict, args: argparse.Namespace) -> list[str]:
+    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(run_config(run, args)))
+    cli = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(path)]
+    if run["max_staleness"] is None:  # the in-process engine: both cores, two threads
+        return ["env", "OMP_NUM_THREADS=2", *cli]
+    return ["env", "VLLM_CPU_OMP_THREADS_BIND=1", "OMP_NUM_THREADS=1", "taskset", "-c", "0", *cli]
+
+
+def finished(run: dict, args: argparse.Namespace) -> bool:
+    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
+    if not args.reuse or not path.exists() or not times_path(run, args).exists():
+        return False
+    return yaml.safe_load(path.read_text()) == run_config(run, args)
+
+
+def measure(run: dict, args: argparse.Namespace) -> dict:
+    values = scalars(latest_run(args.runs_dir, run["name"]))
+    steps = values["train/step_s"][WARMUP:] or values["train/step_s"]
+    tenth = max(1, len(values["train/reward_mean"]) // 10)
+    times = json.loads(times_path(run, args).read_text())
+
+    def mean(key: str) -> float:
+        return statistics.fmean(values[key][WARMUP:] or values[key])
+
+    return {**run, "step_s": statistics.median(steps), "wall_s": times["wall"], "trainer_cpu_s": times["trainer"],
+            "engine_cpu_s": times["engine"], "wait_s": mean("train/wait_s"), "score_s": mean("train/score_s"),
+            "update_s": mean("train/update_s"), "pass_at_1": values["val/pass@1"][-1],
+            "reward_last": statistics.fmean(values["train/reward_mean"][-tenth:]),
+            "rewards": values["train/reward_mean"]}
+
+
+def _mean_se(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], math.nan]
+    return [statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))]
+
+
+def summarize(measured: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per row: means ± s.e. over seeds, and the paired ratios and differences to serial's run of the same seed."""
+    serial = {r["seed"]: r for r in measured.get("serial", [])}
+    summary = {}
+    for row, results in measured.items():
+        entry = {"seeds": len(results)}
+        for key in ("step_s", "wall_s", "trainer_cpu_s", "engine_cpu_s", "wait_s", "score_s", "update_s",
+                    "pass_at_1", "reward_last"):
+            entry[key] = _mean_se([r[key] for r in results])
+        paired = [(r, serial[r["seed"]]) for r in results if r["seed"] in serial]
+        if paired:
+            ratios = [s["step_s"] / r["step_s"] for r, s in paired]
+            entry["speedup_median"] = statistics.median(ratios)
+            entry["speedup"] = _mean_se(ratios)
+            entry["pass_vs_serial"] = _mean_se([r["pass_at_1"] - s["pass_at_1"] for r, s in paired])
+            entry["reward_vs_serial"] = _mean_se([r["reward_last"] - s["reward_last"] for r, s in paired])
+        summary[row] = entry
+    return summary
+
+
+def _pm(pair: list[float], digits: int = 3) -> str:
+    return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+
+
+def table(summary: dict[str, dict], args: argparse.Namespace) -> str:
+    lines = [f"add3, {args.steps} steps, mean ± s.e. over paired seeds; trainer on core 0, vLLM engine on core 1 "
+             "(inprocess: both cores)", "",
+             "| row | seeds | s/step (median) | speed-up vs serial (median of paired) | wall s | trainer CPU s | "
+             "engine CPU s | wait s | score s | update s | greedy pass@1 | vs serial | reward, last tenth | "
+             "vs serial |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row, e in summary.items():
+        speed = f"{e['speedup_median']:.2f}×" if "speedup_median" in e else "—"
+        versus = [_pm(e[k]) if k in e else "—" for k in ("pass_vs_serial", "reward_vs_serial")]
+        lines.append(f"| {row} | {e['seeds']} | {_pm(e['step_s'])} | {speed} | {_pm(e['wall_s'], 0)} "
+                     f"| {_pm(e['trainer_cpu_s'], 0)} | {_pm(e['engine_cpu_s'], 0)} | {_pm(e['wait_s'])} "
+                     f"| {_pm(e['score_s'])} | {_pm(e['update_s'])} | {_pm(e['pass_at_1'])} | {versus[0]} "
+                     f"| {_pm(e['reward_last'])} | {versus[1]} |")
+    return "\n".join(lines)
+
+
+def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argparse.Namespace) -> None:
+    plt = pyplot()
+    fig, (time_axis, reward_axis) = plt.subplots(1, 2, figsize=(14, 5.5))
+    rows = list(summary)
+    parts = ("wait_s", "score_s", "update_s")
+    bottom = [0.0] * len(rows)
+    for part in parts:
+        heights = [summary[row][part][0] for row in rows]
+        time_axis.bar(rows, heights, bottom=bottom, label=part.removesuffix("_s"))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    time_axis.plot(rows, [summary[row]["step_s"][0] for row in rows], "ko", label="step (median)")
+    time_axis.set(ylabel="seconds per step (mean after warm-up)", title="where a step goes")
+    time_axis.legend()
+    window = max(1, args.steps // 20)
+    for row, results in measured.items():
+        curve = [statistics.fmean(r["rewards"][i] for r in results) for i in range(len(results[0]["rewards"]))]
+        smooth = [statistics.fmean(curve[max(0, i - window + 1):i + 1]) for i in range(len(curve))]
+        reward_axis.plot(range(1, len(curve) + 1), smooth, label=f"{row} (pass@1 {summary[row]['pass_at_1'][0]:.3f})")
+    reward_axis.set(xlabel="step", ylabel=f"sampled reward ({window}-step moving mean)", title="learning")
+    reward_axis.legend()
+    save_figure(fig, "overlapped rollouts on add3, mean over paired seeds", args.plot)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    (args.runs_dir / "times").mkdir(exist_ok=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
+    seeds = {row: args.more_seeds if row in ("serial", "overlap1") and args.more_seeds else args.seeds
+             for row in args.rows}
+    runs = [{"row": row, "max_staleness": ROWS[row], "seed": seed, "name": f"{row}_seed{seed}"}
+            for seed in range(max(seeds.values())) for row in args.rows if seed < seeds[row]]
+    todo = [run for run in runs if not finished(run, args)]
+    # One at a time: the runs are timed, and each takes both cores
+    failed = [row for row in run_all(todo, lambda run: command(run, args), parallel=1) if "error" in row]
+    if failed:
+        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
+    measured: dict[str, list[dict]] = {}
+    for run in runs:
+        measured.setdefault(run["row"], []).append(measure(run, args))
+    summary = summarize(measured)
+    text = table(summary, args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"steps": args.steps, "summary": summary, "table": text,
+                                    "runs": {row: [{k: v for k, v in r.items() if k != "rewards"} for r in results]
+                                             for row, results in measured.items()}}, indent=1))
+    plot(measured, summary, args)
+
+
+if __name__ == "__main__":
+    main()

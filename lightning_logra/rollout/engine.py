@@ -26,10 +26,11 @@ class RolloutEngine(ABC):
     restarts = 0  # how many times the engine was restarted after its process died
     _reload: Callable[[], object] | None = None
 
-    def reload_after_restart(self, load: Callable[[], object] | None) -> None:
+    def reload_after_restart(self, load: Callable[[], object] | None) -> Callable[[], object] | None:
         """What a restarted engine calls to get the trainer's weights back (the weight sync's full load; None:
-        nothing), before it retries the call its predecessor died in."""
-        self._reload = load
+        nothing), before it retries the call its predecessor died in. Returns what it called until now."""
+        previous, self._reload = self._reload, load
+        return previous
 
     def place(self, rank: int, world_size: int, device: torch.device) -> None:
         """Called before `start` in a run of `world_size` processes: this is rank `rank`'s engine, beside its trainer

@@ -62,8 +62,8 @@ class RolloutPipeline:
         generate: (batch, step) → the engine call that draws the step's Rollout (on the CPU): made on the trainer's
             thread (it may tokenize), the call it returns runs on the worker.
         send: an update (as the engine receives it) → the sync's metrics; called on the worker thread.
-        reload: loads the trainer's weights into the engine (the sync's full load), on the trainer's thread, after
-            the engine was restarted.
+        reload: loads the trainer's weights into the engine (the sync's full load; under sharded training, which
+            needs every rank, an error saying to resume), on the trainer's thread, after the engine was restarted.
         batches: the training loader's batches from step `start` on (a second pass over it).
         start: the first step this pipeline serves (0, or the step a run resumed at).
         last_step: the run's last step (None: no limit); nothing is generated past it.

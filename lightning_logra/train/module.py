@@ -649,24 +649,21 @@ class RLVRModule(LightningModule):
                         "trainer's process), so the steps stay serial; use VLLMEngine with separate_process: true "
                         "to overlap them", k, type(self.engine).__name__)
             return
-        trainer = self.trainer
-        pipeline = RolloutPipeline(
-            k, lambda batch, step: self.engine_call(batch, self.hparams.num_generations, self.sampling, step),
-            self.weight_sync.send, self.weight_sync.full_sync, iter(trainer.train_dataloader),
-            start=self.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None)
-        pipeline.restore(self._in_flight)
-        self._in_flight = []
-        # A restart on the worker cannot load the trainer's weights there (they are newer than the engine's
-        # queue expects): it fails the worker's calls, and the pipeline reloads and redraws on this thread.
-        reload = self.engine._reload
-
+        # A restart on the worker cannot load the trainer's weights there (they are newer than what the engine's
+        # queue expects): it fails the worker's calls instead, and the pipeline reloads and redraws on this thread.
         def reload_here():
-            if pipeline.on_worker():
+            if self.pipeline is not None and self.pipeline.on_worker():
                 raise EngineLost("the rollout engine was restarted during overlapped rollouts")
             return reload()
 
-        self.engine.reload_after_restart(reload_here)
-        self.pipeline = pipeline
+        reload = self.engine.reload_after_restart(reload_here)  # the sync's full load (or its refusal, sharded)
+        trainer = self.trainer
+        self.pipeline = RolloutPipeline(
+            k, lambda batch, step: self.engine_call(batch, self.hparams.num_generations, self.sampling, step),
+            self.weight_sync.send, reload, iter(trainer.train_dataloader),
+            start=self.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None)
+        self.pipeline.restore(self._in_flight)
+        self._in_flight = []
 
     def _find_weight_sync(self) -> None:
         """The run's weight sync; refused where it would sync nothing, required where an engine has weights of its
@@ -743,7 +740,7 @@ class RLVRModule(LightningModule):
             self._export_from_every_rank(self.hparams.export_dir)
 
     def teardown(self, stage: str) -> None:
-        if self.pipeline is not None:  # generations past the run's end are not waited for
+        if self.pipeline is not None:  # what is queued is dropped; a call under way is waited for
             self.pipeline.close()
             self.pipeline = None
         # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.

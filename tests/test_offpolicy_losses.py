@@ -134,3 +134,19 @@ def test_a_step_on_a_stale_batch_follows_the_hand_written_objective(tiny_arith_m
     assert step["metrics"]["sampling/importance_sampling_ratio/min"] == 1.0
     assert step["metrics"]["sampling/importance_sampling_ratio/max"] == 1.0
     assert TEMPERATURE != 1.0  # log-probs at the sampling temperature (token_logprobs_at divides by it)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"is_mode": "sequence"}, r"model.is_mode must be one of \['sequence_mask', 'sequence_truncate', 'token_mask', "
+                              r"'token_truncate'\]"),
+    ({"loss_type": "ppo"}, r"model.loss_type must be one of \['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo'\]"),
+    ({"epsilon": 0.0}, "model.epsilon must be a positive number"),
+    ({"epsilon_high": float("nan")}, "model.epsilon_high must be a positive number"),
+    ({"max_staleness": -1}, "model.max_staleness must be a whole number of steps ≥ 0"),
+    ({"max_staleness": 1.5}, "model.max_staleness must be a whole number of steps ≥ 0"),
+])
+def test_bad_settings_are_refused_naming_the_key(tiny_arith_model, settings, message):
+    from lightning_logra.train.module import RLVRModule
+
+    with pytest.raises(ValueError, match=message):
+        RLVRModule(tiny_arith_model, **settings)

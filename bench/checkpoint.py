@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
-from memory import SHAPES, qwen2_model  # bench/memory.py, beside this script: the Qwen2.5 shapes
-from plotting import pyplot, save_figure  # bench/plotting.py
 
+from lightning_logra.sketch.config import DEFAULT_TARGETS
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.digests import HASH_THREADS, content_digests, tensor_leaves
-from lightning_logra.sketch.config import DEFAULT_TARGETS
+from memory import SHAPES, qwen2_model  # bench/memory.py, beside this script: the Qwen2.5 shapes
+from plotting import pyplot, save_figure  # bench/plotting.py
 
 
 def checkpoint_of(shape: str, rank: int) -> dict:

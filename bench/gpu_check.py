@@ -257,12 +257,12 @@ def kl_control(plan: Plan, progress: Progress) -> dict:
     Each step is timed too (synchronized): the check's seconds per checked response against the training's seconds
     per trained response give the check's share of a step at the config's own batch (prompts × generations), which
     is too large to run here; the check's fp32 passes are what a GPU runs slowest relative to bf16."""
-    from lightning_logra.callbacks.kl_budget import PredictedKLBudget
-    from lightning_logra.algo.kl import predicted_kl, step_scale
-    from lightning_logra.base.batch import Rollout
     from lightning_logra.algo.advantages import group_advantages
+    from lightning_logra.algo.kl import predicted_kl, step_scale
     from lightning_logra.algo.losses import token_weights
     from lightning_logra.algo.update import Update
+    from lightning_logra.base.batch import Rollout
+    from lightning_logra.callbacks.kl_budget import PredictedKLBudget
 
     config = yaml.safe_load((ROOT / "configs" / "qwen1_5b.yaml").read_text())
     controller = PredictedKLBudget(**kl_budget_args(config))

@@ -59,19 +59,19 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
 from lightning_logra.algo.advantages import group_advantages
 from lightning_logra.algo.kl import intended_kl, predicted_kl, realized_kl, step_scale
 from lightning_logra.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
 from lightning_logra.algo.losses import token_weights
+from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
 from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD, sketched_layers
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
 from lightning_logra.sketch.memory import saved_activation_bytes
 from lightning_logra.sketch.rounding import LOW_PRECISION
-from lightning_logra.algo.update import Update
+from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
@@ -334,8 +334,8 @@ def run_lightning_worker(args: argparse.Namespace) -> dict | None:
     from lightning.pytorch import Callback, LightningModule, Trainer
 
     from lightning_logra.callbacks.memory import MemoryProfiler
-    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
     from lightning_logra.train.strategies import SketchDDPStrategy, SketchStrategy
+    from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
 
     class Replay(LightningModule):
         """Trains `policy` on the fixed batch at every step, as `train_step` does."""

@@ -28,12 +28,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plotting import pyplot, save_figure  # noqa: E402
-from memory import SHAPES  # noqa: E402
-from runs import ROOT, cli_command, latest_run, run_all, scalars  # noqa: E402
-
 from lightning_logra.sketch import apply_low_rank_update_, make_projection  # noqa: E402
 from lightning_logra.sketch.rounding import rounding_key  # noqa: E402
+from memory import SHAPES  # noqa: E402
+from plotting import pyplot, save_figure  # noqa: E402
+from runs import ROOT, cli_command, latest_run, run_all, scalars  # noqa: E402
 
 VARIANTS = {
     "fp32": ["--trainer.precision", "32-true", "--model.dtype", "float32"],

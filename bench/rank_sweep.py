@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightning_logra.sketch import install_sketches  # noqa: E402
+from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 from memory import SHAPES, fixed_batch, policy_loss, qwen2_model  # bench/memory.py: shapes, RL batch, loss  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
 from runs import cli_command, latest_run, run_all, scalars  # bench/runs.py: CLI runs and their scalars  # noqa: E402
-
-from lightning_logra.sketch import install_sketches  # noqa: E402
-from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

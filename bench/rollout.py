@@ -57,6 +57,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
 from memory import qwen2_model  # noqa: E402 (bench/memory.py: the Qwen2.5 shapes)
 from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py)
 
@@ -141,8 +142,9 @@ def save_model(directory: Path, tiny: bool, max_positions: int, seed: int) -> No
 
 def sketch_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
     """(d, k) of every sketched matrix (bench/sync.py's targets), from the config on the meta device (no weights)."""
-    from sync import target_names  # bench/sync.py
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sync import target_names  # bench/sync.py
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
@@ -234,9 +236,8 @@ def hf_fsdp(args, job, rank, prompts, seeds) -> dict:
 
 
 def vllm_side(args, job, rank, prompts, seeds) -> dict:
-    from sync import make_payload  # bench/sync.py: one LowRankDelta per matrix, F ~ N(0, σ²) and A's seed
-
     from lightning_logra.rollout import VLLMEngine
+    from sync import make_payload  # bench/sync.py: one LowRankDelta per matrix, F ~ N(0, σ²) and A's seed
 
     tensor_parallel = args.worker == "vllm_trainer_ranks"
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=args.memory, max_model_len=job["max_model_len"],

@@ -52,14 +52,14 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from memory import qwen2_model  # noqa: E402 (bench/memory.py, beside this script: the Qwen2.5 shapes)
-from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py, beside this script)
 from safetensors import safe_open  # noqa: E402
 
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 from lightning_logra.sketch.optim import FACTOR_DTYPES  # noqa: E402 (the dtypes a factor F may travel in)
 from lightning_logra.sketch.shared import SHARED_INPUTS  # noqa: E402
 from lightning_logra.sketch.update import LowRankDelta  # noqa: E402
+from memory import qwen2_model  # noqa: E402 (bench/memory.py, beside this script: the Qwen2.5 shapes)
+from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py, beside this script)
 
 TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
 # Per shape: the engine's dtype, its share of (host) memory, its longest sequence, the default rank.

@@ -19,8 +19,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_logra.paths import model_path
-from lightning_logra.train.module import RLVRModule, check_penalty_placement
 from lightning_logra.train.modes import training_mode
+from lightning_logra.train.module import RLVRModule, check_penalty_placement
 from lightning_logra.train.strategies.base import distribution_of
 
 

@@ -19,11 +19,11 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_logra.callbacks import RunDirectory, SaveOnSignal, SketchModelSummary, StepProgressBar
-from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.checks import check_before_loading
 from lightning_logra.data.module import RLVRDataModule
-from lightning_logra.train.module import RLVRModule
 from lightning_logra.paths import config_path
+from lightning_logra.train.checkpoint import AtomicCheckpointIO
+from lightning_logra.train.module import RLVRModule
 
 
 class RLVRCLI(LightningCLI):

@@ -80,9 +80,9 @@ def _write(checkpoint: dict[str, Any], out: Path, lora_settings: dict | None, ad
     """The checkpoint's policy into the (empty) folder `out`: the base model the run trained (its config and
     tokenizer, from the path the checkpoint records) takes the checkpoint's weights, strictly, in the dtype it was
     trained in. The reward and every other setting are not needed to export."""
+    from lightning_logra.paths import model_path
     from lightning_logra.train import lora
     from lightning_logra.train.module import RLVRModule
-    from lightning_logra.paths import model_path
 
     hparams = checkpoint["hyper_parameters"]
     module = RLVRModule(model=hparams["model"], dtype=hparams.get("dtype", "float32"), reward="exact_match",

@@ -21,10 +21,10 @@ import json
 from pathlib import Path
 
 import torch
+from make_tiny_arith import encode_sft, exact_match_rate  # scripts/ (this script's folder is on sys.path)
 
 from lightning_logra.data.add3 import ADD3_DIR, MAX_NEW_TOKENS, PROMPT_LEN, Add3Prompts, split_indices
 from lightning_logra.data.arith import build_tiny_model, build_tokenizer
-from make_tiny_arith import encode_sft, exact_match_rate  # scripts/ (this script's folder is on sys.path)
 
 # Greedy exact match on the probe at which SFT stops. At lr 1e-3 the loss sits near 1.5 for some 1,200 steps (the
 # answer digits' marginal frequencies), then falls within a few hundred steps as the model finds the digit-wise sum

@@ -10,10 +10,10 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from cli import main
-from lightning_logra.data.module import ArithDataModule
-from lightning_logra.train.module import RLVRModule
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.data.module import ArithDataModule
 from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.train.module import RLVRModule
 
 KEY = "trainer.strategy.init_args.sketch"
 

@@ -17,11 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import CONFIGS, GradNormAtMost
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
-from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
-from lightning_logra.train.module import RLVRModule
-from lightning_logra.train.strategies import LoRAStrategy
 from lightning_logra.rewards import TimedReward
-from lightning_logra.train.strategies import SketchDDPStrategy, SketchStrategy
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.strategies import LoRAStrategy, SketchDDPStrategy, SketchStrategy
+from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
 
 ON_CPU = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]  # GPU configs, checked on this machine
 

@@ -9,9 +9,9 @@ fails the same way without a subset name). A revision only means something on th
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_rows
 from datasets import Dataset, DatasetDict
 
+from conftest import write_rows
 from lightning_logra.data.module import PromptDataModule
 from lightning_logra.data.prompts import DatasetSource, PromptDataset
 

@@ -8,10 +8,10 @@ import torch
 from lightning.fabric import Fabric
 
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
-from lightning_logra.train.checkpoint import AtomicCheckpointIO
-from lightning_logra.train.strategies.fabric import SketchFabricStrategy
 from lightning_logra.sketch import SketchAdam, SketchedLinear, SketchSGD
 from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.train.checkpoint import AtomicCheckpointIO
+from lightning_logra.train.strategies.fabric import SketchFabricStrategy
 
 # SGD with momentum and the sketches alone; Adam with an AdamW over everything else (embeddings, norms).
 CONFIGS = {

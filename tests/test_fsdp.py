@@ -111,8 +111,8 @@ def _merge_on_shards(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from conftest import SKETCH_TARGETS, make_tiny_qwen2
-    from lightning_logra.train.strategies.fsdp import shard_policy
     from lightning_logra.sketch import SketchAdam, install_sketches
+    from lightning_logra.train.strategies.fsdp import shard_policy
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = make_tiny_qwen2(dtype=torch.bfloat16)

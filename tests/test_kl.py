@@ -4,23 +4,23 @@ import math
 import pytest
 import torch
 
-from lightning_logra.callbacks import PredictedKLBudget
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
-from lightning_logra.algo.logprobs import completion_logits
-from lightning_logra.base.batch import Rollout
 from lightning_logra.algo.kl import (
     NextTokens,
-    next_tokens,
     intended_kl,
     low_rank_perturbation,
     mean_token_kl,
+    next_tokens,
     predicted_kl,
     realized_kl,
     step_scale,
 )
+from lightning_logra.algo.logprobs import completion_logits
+from lightning_logra.algo.update import Update
+from lightning_logra.base.batch import Rollout
+from lightning_logra.callbacks import PredictedKLBudget
 from lightning_logra.sketch import SketchSGD, apply_low_rank_update_, install_sketches
 from lightning_logra.sketch.update import LowRankDelta
-from lightning_logra.algo.update import Update
 
 
 def _responses(n=4, prompt=5, completion=6, seed=0):

@@ -22,7 +22,6 @@ from lightning_logra.callbacks.kl_budget import spread_budget
 from lightning_logra.sketch import install_sketches
 from lightning_logra.sketch.update import LowRankDelta
 
-
 # ---- a. settings ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", [0.0, -1e-3, math.nan, math.inf])

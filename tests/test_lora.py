@@ -12,16 +12,16 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from conftest import CONFIGS, SKETCH_TARGETS, odd_first_digit
-from lightning_logra.train import lora
-from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
-from lightning_logra.train.checkpoint import check_resumable
-from lightning_logra.export import export_checkpoint
-from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.advantages import group_advantages
+from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.losses import token_weights
-from lightning_logra.train.module import RLVRModule
-from lightning_logra.rollout import HFEngine, SamplingParams
 from lightning_logra.algo.update import Update
+from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
+from lightning_logra.export import export_checkpoint
+from lightning_logra.rollout import HFEngine, SamplingParams
+from lightning_logra.train import lora
+from lightning_logra.train.checkpoint import check_resumable
+from lightning_logra.train.module import RLVRModule
 from lightning_logra.train.policy import pad_token_id
 
 G = 4

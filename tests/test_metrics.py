@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from lightning_logra.base.batch import Rollout
 from lightning_logra.algo.logprobs import token_entropy
+from lightning_logra.base.batch import Rollout
 
 
 def test_token_entropy_equals_the_float64_definition():

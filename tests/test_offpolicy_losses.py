@@ -13,10 +13,25 @@ import math
 import pytest
 import torch
 
-from lightning_logra.algo.losses import (CORRECTIONS, Clip, add_mismatch, cispo, empty_mismatch, gspo,
-                                         importance_weights, mismatch_metrics)
-from test_kl_penalty import (TEMPERATURE, advantages_of, assert_same_gradients, half_learnable, make_module, one_step,
-                             token_logprobs_at)
+from lightning_logra.algo.losses import (
+    CORRECTIONS,
+    Clip,
+    add_mismatch,
+    cispo,
+    empty_mismatch,
+    gspo,
+    importance_weights,
+    mismatch_metrics,
+)
+from test_kl_penalty import (
+    TEMPERATURE,
+    advantages_of,
+    assert_same_gradients,
+    half_learnable,
+    make_module,
+    one_step,
+    token_logprobs_at,
+)
 
 # Two sequences of 3 and 2 tokens; log-ratios Δ = log π_θ − log π_sampler chosen so that each mode acts differently.
 DELTA = torch.tensor([[0.2, 1.0, -0.5], [0.3, 0.3, 0.0]], dtype=torch.float64)
@@ -77,20 +92,21 @@ def test_gspo_and_cispo_gradients_match_their_hand_derived_forms():
     clip = Clip(epsilon=0.2, epsilon_high=0.25)
     # Sequence 0: s = 1.35 > 1.25 with A > 0: clipped. 1: inside. 2: s = 0.61 < 0.8 with A < 0: clipped.
     unclipped = torch.tensor([False, True, False])
-    l = logprobs.clone().requires_grad_(True)
-    objective, binds = gspo(l, sampler, mask, advantages, clip)
+    trained = logprobs.clone().requires_grad_(True)
+    objective, binds = gspo(trained, sampler, mask, advantages, clip)
     objective.sum().backward()
     expected = torch.where(unclipped[:, None], s[:, None] * advantages[:, None], 0.0)
-    torch.testing.assert_close(l.grad, expected * mask, rtol=1e-14, atol=0)
+    torch.testing.assert_close(trained.grad, expected * mask, rtol=1e-14, atol=0)
     assert binds.sum() / mask.sum() >= 0.1 and torch.equal(binds.bool().any(1), ~unclipped)
     bounded = torch.tensor([1.25 if a > 0 else 0.8 for a in advantages.tolist()], dtype=torch.float64) * advantages
     torch.testing.assert_close(objective[:, 0], torch.where(unclipped, s * advantages, bounded), rtol=1e-15, atol=0)
 
     cap = Clip(epsilon_high=1.3)  # token ratios e^0.3, e^0.4, e^0.2 of the first sequence: two past the cap
-    l = logprobs.clone().requires_grad_(True)
-    objective, binds = cispo(l, sampler, mask, advantages, cap)
+    trained = logprobs.clone().requires_grad_(True)
+    objective, binds = cispo(trained, sampler, mask, advantages, cap)
     objective.sum().backward()
-    torch.testing.assert_close(l.grad, delta.exp().clamp(max=1.3) * advantages[:, None] * mask, rtol=1e-15, atol=0)
+    expected = delta.exp().clamp(max=1.3) * advantages[:, None] * mask
+    torch.testing.assert_close(trained.grad, expected, rtol=1e-15, atol=0)
     assert binds.sum() / mask.sum() >= 0.1 and int(binds.sum()) == 2
 
 

@@ -5,9 +5,9 @@ import logging
 
 import pytest
 
+from lightning_logra.base.waits import waiting_for
 from lightning_logra.callbacks import StepProgressBar
 from lightning_logra.data.prompts import PromptDataset
-from lightning_logra.base.waits import waiting_for
 
 
 def _fit(run_cli, root, steps: int, *extra: str):

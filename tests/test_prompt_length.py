@@ -5,16 +5,16 @@ it is unset, and prompts that tokenize to nothing."""
 import logging
 
 import pytest
-from conftest import write_rows
 from lightning.pytorch import Callback, Trainer
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import MambaConfig, MambaForCausalLM, PreTrainedTokenizerFast
 
+from conftest import write_rows
 from lightning_logra.data.arith import build_tokenizer
 from lightning_logra.data.module import PromptDataModule, TokenizedPrompts, collate_rows, limit_prompt_length
 from lightning_logra.data.prompts import PromptDataset
-from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
+from lightning_logra.train.module import RLVRModule
 
 pytestmark = pytest.mark.usefixtures("hf_cache")
 

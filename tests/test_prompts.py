@@ -7,8 +7,8 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_rows
 
+from conftest import write_rows
 from lightning_logra.data import prompts
 from lightning_logra.data.module import PromptDataModule, StepBatchSampler, collate_rows
 from lightning_logra.data.prompts import PromptDataset

@@ -17,8 +17,6 @@ from transformers import AutoTokenizer
 
 import bad_rewards
 from lightning_logra import rewards
-from lightning_logra.train.module import RLVRModule
-from lightning_logra.rewards.scoring import reward_metrics, reward_tensor
 from lightning_logra.rewards import (
     CheckPool,
     MathAnswer,
@@ -31,6 +29,8 @@ from lightning_logra.rewards import (
     resolve_reward,
     resolve_rewards,
 )
+from lightning_logra.rewards.scoring import reward_metrics, reward_tensor
+from lightning_logra.train.module import RLVRModule
 
 
 def test_exact_match_strips_whitespace_and_ignores_other_columns():

@@ -113,7 +113,7 @@ def test_sketch_sgd_in_bf16_lands_its_updates_and_says_so():
         model, handle, optimizer = _sketched(torch.bfloat16, rounding)
         intended = torch.zeros(D, K, dtype=torch.float64)
         fractions = []
-        for step in range(40):
+        for _ in range(40):
             _train(model, handle, optimizer, 1)
             delta = optimizer.last_updates["0.weight"]
             intended -= delta.factor.double() @ delta.projection().double()

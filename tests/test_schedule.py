@@ -13,11 +13,11 @@ from lightning.fabric import Fabric
 from lightning.pytorch import Callback
 
 from conftest import SKETCH_TARGETS, PoisonSketchAt, make_tiny_qwen2
-from lightning_logra.callbacks import PredictedKLBudget
-from lightning_logra.train.strategies.fabric import SketchFabricStrategy
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.callbacks import PredictedKLBudget
 from lightning_logra.sketch import SketchAdam, sketched_layers
 from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.train.strategies.fabric import SketchFabricStrategy
 
 SKETCH = "--trainer.strategy.init_args.sketch"
 

@@ -106,7 +106,7 @@ def test_x_projection_is_computed_and_saved_once_per_group():
         with CountProjections([h.projection() for h in handles.values()]) as counter:
             _loss(model, ids).backward()
         counts[share] = counter.count
-        saved[share] = saved_activation_bytes(lambda: _loss(model, ids), model.parameters())
+        saved[share] = saved_activation_bytes(lambda model=model: _loss(model, ids), model.parameters())
     assert counts == {False: LAYERS * 7, True: LAYERS * 4}  # qkv once, gate/up once, o and down alone
     # Per layer, k and v no longer save their (n, r) fp32 z, nor does up: 3 tensors of n·r·4 bytes.
     n = ids.numel()

@@ -21,7 +21,7 @@ def test_sketch_equals_dense_gradient_times_projection(dtype, shape, bias):
     d, k, r = 12, 20, 8
     dense, model, handle = _sketched(d, k, r, bias, dtype)
     expected = torch.zeros(d, r, dtype=torch.float64)
-    for micro_batch in range(3):  # micro-batches accumulate into the same sketch
+    for _ in range(3):  # micro-batches accumulate into the same sketch
         x = torch.randn(*shape, k, dtype=dtype, requires_grad=True)
         x_dense = x.detach().clone().requires_grad_(True)
         grad_y = torch.randn(*shape, d, dtype=dtype)

@@ -13,9 +13,8 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 import lightning_logra.train.module as module_file
+from lightning_logra.algo.logprobs import completion_logits, completion_logprobs
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.algo.logprobs import completion_logprobs
-from lightning_logra.algo.logprobs import completion_logits
 from lightning_logra.train.module import RLVRModule
 
 pytestmark = pytest.mark.integration  # each test checks the step of a Trainer fit (the fixture `step`)

@@ -14,9 +14,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from transformers import AutoModelForCausalLM
 
-from lightning_logra.train.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
 from lightning_logra.export import export_checkpoint
 from lightning_logra.export import main as export_main
+from lightning_logra.train.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
 from lightning_logra.train.safe_load import SafeLoadPlanner, UnsafeCheckpoint
 
 pytestmark = pytest.mark.integration  # fit / validate / test / export through the CLI on a tiny model

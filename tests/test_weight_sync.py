@@ -9,18 +9,18 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from conftest import SKETCH_TARGETS, EngineSnapshot
+from lightning_logra.algo.losses import importance_weights
+from lightning_logra.algo.update import Update
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.algo.losses import importance_weights
-from lightning_logra.train.module import RLVRModule
 from lightning_logra.rollout import HFEngine, fingerprint
-from lightning_logra.sketch.update import LowRankDelta
-from lightning_logra.algo.update import Update
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.train.strategies import SketchStrategy
-from conftest import SKETCH_TARGETS, EngineSnapshot
+from lightning_logra.sketch.update import LowRankDelta
+from lightning_logra.train.module import RLVRModule
 from lightning_logra.train.policy import pad_token_id
+from lightning_logra.train.strategies import SketchStrategy
 
 
 def _delta(d, k, r, seed):

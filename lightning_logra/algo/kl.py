@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_logra.base.batch import Rollout, positions
 from lightning_logra.algo.logprobs import completion_logits, compute_dtype, plain_head
-from lightning_logra.sketch.rounding import LOW_PRECISION
 from lightning_logra.algo.update import Update, swap_values
+from lightning_logra.base.batch import Rollout, positions
+from lightning_logra.sketch.rounding import LOW_PRECISION
 
 
 @contextmanager

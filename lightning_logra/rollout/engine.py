@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_logra.base.batch import Rollout
 from lightning_logra.algo.update import Update
+from lightning_logra.base.batch import Rollout
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout, left_pad, positions
 from lightning_logra.base.hashing import counter_uniform, mix64
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.sync import fingerprint
-from lightning_logra.algo.update import Update
 
 
 def sample_next(

@@ -32,13 +32,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout, left_pad
+from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, incompatibility
-from lightning_logra.algo.update import Update
-from lightning_logra.base.waits import waiting_for
 
 log = logging.getLogger(__name__)
 

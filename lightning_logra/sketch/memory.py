@@ -72,8 +72,8 @@ def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimize
     for optimizer in optimizers:
         if isinstance(optimizer, SketchOptimizer):
             per_layer = optimizer.state_tensors_per_layer()
-            out.sketch_optimizer_state += sum(per_layer * len(range(l.out_features)[l.rows]) * l.rank * _FP32
-                                              for l in optimizer.layers)
+            out.sketch_optimizer_state += sum(per_layer * len(range(layer.out_features)[layer.rows]) * layer.rank
+                                              * _FP32 for layer in optimizer.layers)
         else:
             for state in optimizer.state.values():
                 out.dense_optimizer_state += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
@@ -98,5 +98,6 @@ def saved_activation_bytes(forward: Callable[[], object], params: Iterable[torch
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = forward()
-    del output, kept  # the graph (and what it saved) goes with them
+    del output  # the graph (and what it saved) goes with it, and with `kept`
+    kept.clear()
     return sum(storages.values())

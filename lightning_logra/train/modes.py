@@ -29,13 +29,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_logra.algo.update import Update, apply_dense_, propose_dense
+from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch.config import CONFIG_KEY as SKETCH_KEY
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import select_targets, sketch_carriers, sketched_layers
 from lightning_logra.train import lora
 from lightning_logra.train.lora import CONFIG_KEY as LORA_KEY
 from lightning_logra.train.lora import LoRAConfig
-from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.train.strategies.base import Distribution
 
 log = logging.getLogger(__name__)

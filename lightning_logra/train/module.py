@@ -23,13 +23,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_logra.algo.advantages import ScaleRewards, estimator, group_advantages
 from lightning_logra.algo.logprobs import completion_logprobs
-from lightning_logra.algo.losses import (Clip, CorrectionMode, LossType, add_mismatch, check_correction,
-                                         empty_mismatch, get_loss, importance_weights, mismatch_metrics, reference_kl,
-                                         token_weights)
+from lightning_logra.algo.losses import (
+    Clip,
+    CorrectionMode,
+    LossType,
+    add_mismatch,
+    check_correction,
+    empty_mismatch,
+    get_loss,
+    importance_weights,
+    mismatch_metrics,
+    reference_kl,
+    token_weights,
+)
 from lightning_logra.algo.step_size import StepContext, StepSizeController, find_controller
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.hashing import prompt_seeds
+from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import DEFAULT_MEMORY_GIB, Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
@@ -40,9 +51,14 @@ from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
 from lightning_logra.train.digests import write_sums
 from lightning_logra.train.modes import TrainingMode, training_mode
-from lightning_logra.train.policy import (completions_table, encode_prompts, load_policy, load_reference, pad_token_id,
-                                         stop_token_ids)
-from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.train.policy import (
+    completions_table,
+    encode_prompts,
+    load_policy,
+    load_reference,
+    pad_token_id,
+    stop_token_ids,
+)
 from lightning_logra.train.strategies.base import Distribution, distribution_of
 
 log = logging.getLogger(__name__)

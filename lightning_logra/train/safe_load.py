@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from lightning_logra.rewards import MathAnswer, exact_match, math_answer
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.rewards import MathAnswer, exact_match, math_answer
 
 # What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may
 # pickle: the schedule and the built-in rewards; with (object, the path a checkpoint wrote before they moved).

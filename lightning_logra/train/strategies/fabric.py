@@ -20,10 +20,10 @@ import torch
 from lightning.fabric.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketched_layers
 from lightning_logra.sketch.linear import SketchedLinear
+from lightning_logra.train.checkpoint import AtomicCheckpointIO
 
 _USAGE = "model = fabric.setup(model); optimizer = fabric.setup_optimizers(*fabric.strategy.optimizers)"
 

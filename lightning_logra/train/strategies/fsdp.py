@@ -39,16 +39,19 @@ from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _is_s
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.sketch.install import sketched_layers
+from lightning_logra.sketch.update import LowRankDelta
 from lightning_logra.train.checkpoint import replace_folder, temporary_path
 from lightning_logra.train.digests import (
     SUMS,
@@ -60,9 +63,6 @@ from lightning_logra.train.digests import (
     write_sums,
 )
 from lightning_logra.train.safe_load import load_file, load_sharded
-from lightning_logra.sketch.config import SketchConfig
-from lightning_logra.sketch.install import sketched_layers
-from lightning_logra.sketch.update import LowRankDelta
 from lightning_logra.train.strategies.base import Distribution
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from lightning_logra.algo.kl import NextTokens, intended_kl, predicted_kl, reali
 from lightning_logra.algo.step_size import StepContext, StepSizeController
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
+from lightning_logra.base.settings import check_positive
 from lightning_logra.sketch.rounding import LOW_PRECISION
 
 Schedule = Literal["constant", "linear", "cosine", "exponential"]
@@ -90,8 +91,7 @@ class PredictedKLBudget(Callback, StepSizeController):
         for key, value in (("budget", budget), ("final_budget", final_budget), ("alpha_max", alpha_max),
                            ("total_budget", total_budget)):
             # NaN passes a `<= 0` check and inf turns the control off: both would reach the weights.
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"PredictedKLBudget: {key} must be a positive finite number, got {value}")
+            check_positive(f"PredictedKLBudget: {key}", value, "finite number", null="unset")
         if schedule not in ("constant", "linear", "cosine", "exponential"):
             raise ValueError(f"PredictedKLBudget: schedule must be constant/linear/cosine/exponential, "
                              f"got {schedule!r}")

@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_logra.algo.kl import mean_token_kl, next_tokens
 from lightning_logra.base.batch import Rollout
+from lightning_logra.base.settings import check_positive
 from lightning_logra.train.policy import load_reference
 
 KL_STEP = -2  # the step the measurement's prompts are seeded with: apart from training's (≥ 0) and evaluation's (-1)
@@ -41,8 +42,7 @@ class KLFromStart(Callback):
 
     def __init__(self, prompts: int = 256, samples: int = 4, chunk: int = 64) -> None:
         for key, value in (("prompts", prompts), ("samples", samples), ("chunk", chunk)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"KLFromStart: {key} must be a positive integer, got {value!r}")
+            check_positive(f"KLFromStart: {key}", value, integer=True)
         self.prompts, self.samples, self.chunk = prompts, samples, chunk
         self.reference: torch.nn.Module | None = None
         self._batch: dict[str, list[Any]] = {}  # this process's share of the prompts, gathered during validation

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_logra.base.settings import check_positive
 from lightning_logra.rollout.engine import RolloutEngine
 from lightning_logra.sketch.memory import MemoryBreakdown, memory_breakdown
 
@@ -99,8 +100,7 @@ class MemoryProfiler(Callback):
     """
 
     def __init__(self, interval_s: float = 0.005) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"MemoryProfiler: interval_s must be positive, got {interval_s}")
+        check_positive("MemoryProfiler: interval_s", interval_s, "number of seconds")
         self.interval_s = interval_s
         self.steps: list[tuple[float, float]] = []  # (average, peak) GiB of each training step of the last fit
         self.breakdown: MemoryBreakdown | None = None

@@ -31,6 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
 from lightning_logra.algo.update import Update
+from lightning_logra.base.settings import check_at_least, check_positive
 from lightning_logra.rollout import RolloutEngine, WeightSync
 from lightning_logra.rollout.sync import whole, whole_fingerprint
 
@@ -65,17 +66,11 @@ class RolloutWeightSync(Callback, WeightSync):
         logprob_diff_threshold: float | None = 0.05,
         logprob_diff_steps: int = 10,
     ) -> None:
-        if check_every is not None and check_every < 1:
-            raise ValueError(f"RolloutWeightSync: check_every must be a positive number of syncs or None, "
-                             f"got {check_every}")
-        if tolerance < 0:
-            raise ValueError(f"RolloutWeightSync: tolerance must be >= 0, got {tolerance}")
-        if logprob_diff_threshold is not None and not logprob_diff_threshold > 0:
-            raise ValueError(f"RolloutWeightSync: logprob_diff_threshold must be positive (or null), "
-                             f"got {logprob_diff_threshold}")
-        if logprob_diff_steps < 1:
-            raise ValueError(f"RolloutWeightSync: logprob_diff_steps must be a positive number of steps, "
-                             f"got {logprob_diff_steps}")
+        check_positive("RolloutWeightSync: check_every", check_every, "number of syncs", integer=True,
+                       null="no periodic check")
+        check_at_least("RolloutWeightSync: tolerance", tolerance, 0)
+        check_positive("RolloutWeightSync: logprob_diff_threshold", logprob_diff_threshold, null="no log-prob trigger")
+        check_positive("RolloutWeightSync: logprob_diff_steps", logprob_diff_steps, "number of steps", integer=True)
         self.check_every, self.tolerance, self.seed = check_every, tolerance, seed
         self.logprob_diff_threshold, self.logprob_diff_steps = logprob_diff_threshold, logprob_diff_steps
         self.steps_above_threshold = 0

@@ -21,14 +21,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lightning_logra.paths import model_path
 from lightning_logra.train.modes import training_mode
 from lightning_logra.train.module import RLVRModule, check_penalty_placement
-from lightning_logra.train.strategies.base import distribution_of
+from lightning_logra.train.strategies.base import collectives_of
 
 
 def check_before_loading(module: RLVRModule, trainer: Trainer) -> None:
     """What a fit would refuse or ignore, checked without loading anything; each error names its config key and the
     fix. Called by the CLI once its classes are built, before `fit`."""
-    check_penalty_placement(module.hparams.beta, distribution_of(trainer))
-    mode = training_mode(trainer.strategy, distribution_of(trainer), module.hparams, module.lr_schedule)
+    check_penalty_placement(module.hparams.beta, collectives_of(trainer))
+    mode = training_mode(trainer.strategy, collectives_of(trainer), module.hparams, module.lr_schedule)
     ignored = mode.ignored_module_settings()
     if not ignored:
         return  # the dense baseline: the module's settings are its own

@@ -230,7 +230,7 @@ def test_an_engine_with_its_own_weights_follows_a_controlled_lora_run(run_cli):
     ({"dropout": 1.0}, "trainer.strategy.init_args.lora.dropout must be in [0, 1)"),
     ({"lr": 0.0}, "trainer.strategy.init_args.lora.lr must be a positive learning rate"),
     ({"lr": float("nan")}, "trainer.strategy.init_args.lora.lr must be a positive learning rate"),
-    ({"weight_decay": -0.1}, "trainer.strategy.init_args.lora.weight_decay must be 0 or positive"),
+    ({"weight_decay": -0.1}, "trainer.strategy.init_args.lora.weight_decay must be a number ≥ 0"),
     ({"target_modules": []}, "trainer.strategy.init_args.lora.target_modules is empty"),
 ])
 def test_bad_settings_fail_naming_the_key(settings, message):

@@ -9,6 +9,7 @@ objective written out here by hand.
 
 import copy
 import math
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -16,12 +17,10 @@ import torch
 from lightning_logra.algo.losses import (
     CORRECTIONS,
     Clip,
-    add_mismatch,
+    Mismatch,
     cispo,
-    empty_mismatch,
     gspo,
     importance_weights,
-    mismatch_metrics,
 )
 from test_kl_penalty import (
     TEMPERATURE,
@@ -52,7 +51,7 @@ def test_each_correction_weighs_tokens_as_trl_defines_it():
     for mode, weights in expected.items():
         weight, stats = importance_weights(DELTA, sampler, MASK, cap=2.0, mode=mode)
         torch.testing.assert_close(weight, torch.tensor(weights, dtype=torch.float64), rtol=1e-15, atol=0, msg=mode)
-        metrics = mismatch_metrics(stats)
+        metrics = stats.metrics()
         assert float(metrics["rollout/is_clipped_frac"]) == past[mode] / 5, mode
         real = torch.tensor(weights)[MASK.bool()]
         assert float(metrics["sampling/importance_sampling_ratio/mean"]) == pytest.approx(float(real.mean()))
@@ -61,7 +60,7 @@ def test_each_correction_weighs_tokens_as_trl_defines_it():
     # No cap: the correction is off in every mode (weights 1), the mismatch still measured.
     for mode in expected:
         weight, stats = importance_weights(DELTA, sampler, MASK, cap=None, mode=mode)
-        assert torch.equal(weight, MASK.double()) and float(stats[0]) == pytest.approx(2.3)
+        assert torch.equal(weight, MASK.double()) and float(stats.abs_diff) == pytest.approx(2.3)
     with pytest.raises(ValueError, match=r"model.is_mode must be one of \['sequence_mask', 'sequence_truncate', "
                                          r"'token_mask', 'token_truncate'\], got 'sequence'"):
         importance_weights(DELTA, sampler, MASK, cap=2.0, mode="sequence")
@@ -70,12 +69,11 @@ def test_each_correction_weighs_tokens_as_trl_defines_it():
 def test_statistics_of_micro_batches_combine_to_those_of_the_whole_batch():
     sampler = torch.zeros_like(DELTA)
     _, whole = importance_weights(DELTA, sampler, MASK, 2.0, "token_mask")
-    total = empty_mismatch("cpu").double()
+    total = Mismatch.empty("cpu", torch.float64)
     for row in range(2):
-        total = add_mismatch(total, importance_weights(DELTA[row:row + 1], sampler[:1], MASK[row:row + 1], 2.0,
-                                                       "token_mask")[1])
-    torch.testing.assert_close(total, whole)
-    assert math.isnan(float(mismatch_metrics(empty_mismatch("cpu"))["sampling/importance_sampling_ratio/max"]))
+        total = total.add(importance_weights(DELTA[row:row + 1], sampler[:1], MASK[row:row + 1], 2.0, "token_mask")[1])
+    torch.testing.assert_close(torch.stack(astuple(total)), torch.stack(astuple(whole)))
+    assert math.isnan(float(Mismatch.empty("cpu").metrics()["sampling/importance_sampling_ratio/max"]))
 
 
 def test_gspo_and_cispo_gradients_match_their_hand_derived_forms():

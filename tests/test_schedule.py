@@ -36,7 +36,7 @@ def test_factor_warms_up_linearly_then_decays_to_the_floor():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(warmup_steps=-1), "lr_schedule.warmup_steps must be 0 or a positive number of updates, got -1"),
+    (dict(warmup_steps=-1), "lr_schedule.warmup_steps must be a number of updates ≥ 0, got -1"),
     (dict(decay="cosine"), "lr_schedule.total_steps: decay 'cosine' needs the update at which it reaches its floor"),
     (dict(warmup_steps=5, decay="linear", total_steps=5), "larger than warmup_steps=5"),
     (dict(min_lr_ratio=1.5), "lr_schedule.min_lr_ratio must be in [0, 1], got 1.5"),

@@ -37,6 +37,7 @@ from torch import nn
 from lightning_logra.algo.logprobs import completion_logits, compute_dtype, plain_head
 from lightning_logra.algo.update import Update, swap_values
 from lightning_logra.base.batch import Rollout, positions
+from lightning_logra.base.settings import check_positive
 from lightning_logra.sketch.rounding import LOW_PRECISION
 
 
@@ -237,8 +238,8 @@ def realized_kl(policy: nn.Module, responses: Rollout, before: NextTokens, tempe
 
 def step_scale(q: float, budget: float, alpha_max: float) -> float:
     """α = min(α_max, √(δ/q)): the largest step whose predicted KL α²·q stays within the budget δ."""
-    if not (math.isfinite(budget) and budget > 0) or not (math.isfinite(alpha_max) and alpha_max > 0):
-        raise ValueError(f"the KL budget and alpha_max must be positive finite numbers, got {budget}, {alpha_max}")
+    check_positive("the KL budget", budget, "finite number")
+    check_positive("alpha_max", alpha_max, "finite number")
     if not math.isfinite(q):
         return 0.0  # a proposal whose effect cannot be measured is not taken
     if q <= 0:

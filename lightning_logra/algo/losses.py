@@ -209,10 +209,54 @@ def check_correction(mode: str) -> None:
         raise ValueError(f"model.is_mode must be one of {sorted(CORRECTIONS)}, got {mode!r}")
 
 
+@dataclass(frozen=True)
+class Mismatch:
+    """How far the sampler's log-probs are from the trainer's over a set of tokens, and the weights that corrected
+    for it: sums that add over micro-batches and ranks, extremes that take the extreme. Δ = log π_θ − log π_sampler.
+    """
+
+    abs_diff: torch.Tensor  # () Σ |Δ|
+    k3: torch.Tensor  # () Σ exp Δ − 1 − Δ: the "k3" estimate of KL(π_sampler ‖ π_θ)
+    past_cap: torch.Tensor  # () tokens past the cap (truncated or masked)
+    tokens: torch.Tensor  # () real tokens
+    weight_sum: torch.Tensor  # () Σ ρ
+    low: torch.Tensor  # () the least ρ (inf: no token yet)
+    high: torch.Tensor  # () the largest ρ (−inf: no token yet)
+
+    @classmethod
+    def empty(cls, device: torch.device | str, dtype: torch.dtype = torch.float32) -> Mismatch:
+        """The identity of `add`: zero sums, extremes that any token replaces."""
+        zero = torch.zeros((), dtype=dtype, device=device)
+        return cls(zero, zero, zero, zero, zero, zero + torch.inf, zero - torch.inf)
+
+    def add(self, other: Mismatch) -> Mismatch:
+        """The statistics of both sets of tokens."""
+        return Mismatch(self.abs_diff + other.abs_diff, self.k3 + other.k3, self.past_cap + other.past_cap,
+                        self.tokens + other.tokens, self.weight_sum + other.weight_sum,
+                        torch.minimum(self.low, other.low), torch.maximum(self.high, other.high))
+
+    def reduce(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+               max_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Mismatch:
+        """Over every rank's tokens: one sum of the five sums, and the extremes by the largest of each rank's (the
+        least as the largest negation). NaN travels as inf."""
+        sums = sum_over_ranks(torch.stack([self.abs_diff, self.k3, self.past_cap, self.tokens, self.weight_sum]))
+        return Mismatch(*sums.unbind(), -max_over_ranks(-self.low), max_over_ranks(self.high))
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """Per-token figures (TRL's `sampling/importance_sampling_ratio/*`; NaN for a set without tokens)."""
+        count = self.tokens.clamp(min=1)
+        nothing = self.tokens == 0
+        return {"rollout/logprob_abs_diff": self.abs_diff / count, "rollout/sampler_kl": self.k3 / count,
+                "rollout/is_clipped_frac": self.past_cap / count,
+                "sampling/importance_sampling_ratio/mean": self.weight_sum / count,
+                "sampling/importance_sampling_ratio/min": self.low.masked_fill(nothing, torch.nan),
+                "sampling/importance_sampling_ratio/max": self.high.masked_fill(nothing, torch.nan)}
+
+
 def importance_weights(
     logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float | None,
     mode: str = "token_truncate",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Mismatch]:
     """The weight ρ of each token that corrects for the sampler (the rollout engine) and the trainer's policy
     differing: the completions were drawn from the sampler, and ρ re-weights them towards π_θ.
 
@@ -227,8 +271,7 @@ def importance_weights(
     `model.is_cap: null`), the mismatch still measured.
 
     Args: logprobs, sampler_logprobs, mask: (m, w) — the trainer's (detached), the sampler's, 1 on real tokens.
-    Returns: ρ (m, w), 0 on padding; and, over real tokens, the sums (|Δ|, exp Δ − 1 − Δ — the "k3" estimate of
-    KL(π_sampler ‖ π_θ) —, tokens past the cap, tokens, Σ ρ) and the extremes (min ρ, max ρ), for logging.
+    Returns: ρ (m, w), 0 on padding; and the `Mismatch` over the real tokens, for logging.
     """
     check_correction(mode)
     mask = mask.to(logprobs.dtype)
@@ -241,36 +284,11 @@ def importance_weights(
     padding = ~mask.bool()
     # The extremes over real tokens by masking, not indexing: no device-to-host sync per micro-batch on a GPU (a
     # micro-batch without real tokens gives inf / −inf, which any other replaces)
-    stats = torch.stack([
+    mismatch = Mismatch(
         delta.abs().sum(), ((delta.exp() - 1.0 - delta) * mask).sum(), (past * mask).sum(), mask.sum(), weight.sum(),
         weight.masked_fill(padding, torch.inf).min(), weight.masked_fill(padding, -torch.inf).max(),
-    ])
-    return weight, stats
-
-
-def empty_mismatch(device: torch.device | str) -> torch.Tensor:
-    """The identity of `add_mismatch`: zero sums, extremes that any token replaces."""
-    return torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, torch.inf, -torch.inf], device=device)
-
-
-def add_mismatch(total: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """`importance_weights`' statistics of two sets of tokens, combined: sums add, extremes take the extreme."""
-    return torch.cat([total[:5] + stats[:5], torch.minimum(total[5:6], stats[5:6]),
-                      torch.maximum(total[6:], stats[6:])])
-
-
-def mismatch_metrics(stats: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`importance_weights`' statistics (combined over micro-batches and ranks) as per-token figures: how far the
-    sampler's log-probs are from the trainer's on the tokens trained on, and the weights that corrected for it (TRL's
-    `sampling/importance_sampling_ratio/*`; NaN for a batch without tokens)."""
-    abs_diff, k3, past, tokens, weight_sum, low, high = stats.unbind()
-    count = tokens.clamp(min=1)
-    nothing = tokens == 0
-    return {"rollout/logprob_abs_diff": abs_diff / count, "rollout/sampler_kl": k3 / count,
-            "rollout/is_clipped_frac": past / count,
-            "sampling/importance_sampling_ratio/mean": weight_sum / count,
-            "sampling/importance_sampling_ratio/min": low.masked_fill(nothing, torch.nan),
-            "sampling/importance_sampling_ratio/max": high.masked_fill(nothing, torch.nan)}
+    )
+    return weight, mismatch
 
 
 def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch
 
+from lightning_logra.base.settings import check_at_least
+
 Decay = Literal["constant", "linear", "cosine"]
 
 
@@ -41,9 +43,7 @@ class LRSchedule:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"lr_schedule.warmup_steps must be 0 or a positive number of updates, got "
-                             f"{self.warmup_steps}")
+        check_at_least("lr_schedule.warmup_steps", self.warmup_steps, 0, "number of updates", integer=True)
         if self.decay not in ("constant", "linear", "cosine"):
             raise ValueError(f"lr_schedule.decay must be constant, linear or cosine, got {self.decay!r}")
         if self.decay != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):

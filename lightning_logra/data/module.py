@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_logra.base.settings import check_positive
 from lightning_logra.data.add3 import Add3Prompts
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.prompts import LOCAL_FORMATS, DatasetSource, PromptDataset
@@ -147,11 +148,10 @@ class RLVRDataModule(LightningDataModule):
         """batch_size: prompts per optimizer step over all processes (each rank takes an equal share).
         max_prompt_length, overlong_prompts: see `PromptDataModule`."""
         super().__init__()
-        if batch_size < 1 or eval_batch_size < 1:
-            raise ValueError("data.batch_size and data.eval_batch_size must be positive")
-        if max_prompt_length is not None and max_prompt_length < 1:
-            raise ValueError(f"data.max_prompt_length must be a positive number of tokens (or null: what the model's "
-                             f"context leaves), got {max_prompt_length}")
+        check_positive("data.batch_size", batch_size, "number of prompts", integer=True)
+        check_positive("data.eval_batch_size", eval_batch_size, "number of prompts", integer=True)
+        check_positive("data.max_prompt_length", max_prompt_length, "number of tokens", integer=True,
+                       null="what the model's context leaves")
         if overlong_prompts not in ("drop", "truncate"):
             raise ValueError(f"data.overlong_prompts must be 'drop' or 'truncate', got {overlong_prompts!r}")
         self.batch_size, self.eval_batch_size, self.seed = batch_size, eval_batch_size, seed

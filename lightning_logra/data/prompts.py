@@ -19,6 +19,7 @@ from typing import Any, Literal
 import pyarrow as pa
 from torch.utils.data import Dataset
 
+from lightning_logra.base.settings import check_positive
 from lightning_logra.base.waits import waiting_for
 
 log = logging.getLogger(__name__)
@@ -241,8 +242,7 @@ class PromptDataset(Dataset):
             raise ValueError(f"unknown preset {preset!r}; known presets: {sorted(PRESETS)}")
         if template is not None and "{prompt}" not in template:
             raise ValueError(f"template {template!r} has no '{{prompt}}' placeholder for the prompt text")
-        if limit is not None and limit < 1:
-            raise ValueError(f"limit must be a positive number of rows (or null: all of them), got {limit}")
+        check_positive("limit", limit, "number of rows", integer=True, null="all of them")
         preset_prompt_key, preset_answer_key = PRESETS[preset] if preset is not None else ("prompt", "answer")
         self.prompt_key = prompt_key or preset_prompt_key
         self.answer_key = answer_key or preset_answer_key

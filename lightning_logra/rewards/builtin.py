@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Literal
 
+from lightning_logra.base.settings import check_positive
 from lightning_logra.rewards.processes import DEFAULT_MEMORY_GIB, CheckPool, check_memory_gib
 
 RewardFn = Callable[..., list[float | None]]
@@ -158,12 +159,8 @@ class MathAnswer:
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, workers: int = DEFAULT_WORKERS,
                  memory_gib: float | None = DEFAULT_MEMORY_GIB) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"model.reward: MathAnswer's timeout_s must be a positive number of seconds, "
-                             f"got {timeout_s}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"model.reward: MathAnswer's workers must be a positive number of processes, "
-                             f"got {workers!r}")
+        check_positive("model.reward: MathAnswer's timeout_s", timeout_s, "number of seconds")
+        check_positive("model.reward: MathAnswer's workers", workers, "number of processes", integer=True)
         check_memory_gib(memory_gib, "model.reward: MathAnswer's memory_gib")
         self.timeout_s, self.workers, self.memory_gib = timeout_s, workers, memory_gib
 

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+from lightning_logra.base.settings import check_positive
+
 logger = logging.getLogger(__name__)
 
 # The address space a reward or verifier process may map beyond what it holds once started (`_limit_address_space`):
@@ -34,9 +36,7 @@ _START_TIMEOUT_S = 120.0
 
 def check_memory_gib(memory_gib: float | None, key: str) -> None:
     """Refuses a memory limit that is not a positive, finite number of GiB (or None: no limit), naming its key."""
-    if memory_gib is not None and (isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float))
-                                   or not 0 < memory_gib < math.inf):
-        raise ValueError(f"{key} must be a positive number of GiB (or null: no limit), got {memory_gib!r}")
+    check_positive(key, memory_gib, "number of GiB", null="no limit")
 
 
 def _limit_address_space(memory_gib: float | None) -> None:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout, left_pad
+from lightning_logra.base.settings import check_at_least, check_positive, is_number
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
@@ -123,13 +124,11 @@ class VLLMEngine(RolloutEngine):
         placement: str = "processes",
         engine_kwargs: dict | None = None,
     ) -> None:
-        if not 0 < gpu_memory_utilization <= 1:
+        if not (is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if tensor_parallel_size < 1:
-            raise ValueError(f"engine.tensor_parallel_size must be positive, got {tensor_parallel_size}")
-        if max_restarts < 0 or load_chunk_mib < 1:
-            raise ValueError(f"engine.max_restarts must be >= 0 and engine.load_chunk_mib >= 1, got {max_restarts} "
-                             f"and {load_chunk_mib}")
+        check_positive("engine.tensor_parallel_size", tensor_parallel_size, integer=True)
+        check_at_least("engine.max_restarts", max_restarts, 0, integer=True)
+        check_positive("engine.load_chunk_mib", load_chunk_mib, "number of MiB", integer=True)
         self.options = dict(
             dtype=dtype,
             max_model_len=max_model_len,
@@ -142,9 +141,7 @@ class VLLMEngine(RolloutEngine):
         )
         if full_load not in FULL_LOADS:
             raise ValueError(f"engine.full_load must be one of {', '.join(FULL_LOADS)}, got {full_load!r}")
-        if call_timeout_s is not None and not call_timeout_s > 0:
-            raise ValueError(f"engine.call_timeout_s must be a positive number of seconds (or null: no deadline), "
-                             f"got {call_timeout_s}")
+        check_positive("engine.call_timeout_s", call_timeout_s, "number of seconds", null="no deadline")
         if placement not in PLACEMENTS:
             raise ValueError(f"engine.placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         self.placement = placement

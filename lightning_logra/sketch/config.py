@@ -4,7 +4,6 @@ strategies and plain-PyTorch users: install the sketches, freeze the rest, build
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.base.settings import check_at_least, check_positive
 from lightning_logra.sketch.install import install_sketches, select_targets, sketch_carriers
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.optim import SketchAdam, SketchOptimizer, SketchOptimizerFactory
@@ -72,19 +72,16 @@ class SketchConfig:
     def __post_init__(self) -> None:
         # Checked when a config is parsed, before anything is built; the checks that need the model's shapes are
         # in check_targets.
-        if self.rank < 1:
-            raise ValueError(f"{CONFIG_KEY}.rank must be a positive integer (the rank r of each d×r sketch, smaller "
-                             f"than in_features of every target), got {self.rank}")
+        check_positive(f"{CONFIG_KEY}.rank", self.rank, "integer (the rank r of each d×r sketch, smaller than "
+                       "in_features of every target)", integer=True)
         if not isinstance(self.share_projection, bool):
             raise ValueError(f"{CONFIG_KEY}.share_projection must be true or false (one projection per input instead "
                              f"of one per matrix), got {self.share_projection!r}")
         if not self.target_modules:
             raise ValueError(f"{CONFIG_KEY}.target_modules is empty: name the linear layers to sketch, e.g. "
                              "[q_proj, v_proj]")
-        if not (math.isfinite(self.rest_lr) and self.rest_lr > 0):
-            raise ValueError(f"{CONFIG_KEY}.rest_lr must be a positive learning rate, got {self.rest_lr}")
-        if not self.rest_weight_decay >= 0:
-            raise ValueError(f"{CONFIG_KEY}.rest_weight_decay must be 0 or positive, got {self.rest_weight_decay}")
+        check_positive(f"{CONFIG_KEY}.rest_lr", self.rest_lr, "learning rate")
+        check_at_least(f"{CONFIG_KEY}.rest_weight_decay", self.rest_weight_decay, 0)
 
     def check_targets(self, model: nn.Module) -> None:
         """Refuse, naming the key, what install() would refuse: a pattern that selects nothing or something other

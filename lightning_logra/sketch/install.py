@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from lightning_logra.base.settings import check_positive
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.projection import DISTRIBUTIONS
 from lightning_logra.sketch.shared import find_groups
@@ -41,8 +42,7 @@ def install_sketches(
         raise ValueError("target_modules is empty: name the linear layers to sketch, e.g. ['q_proj', 'v_proj']")
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-    if rank < 1:
-        raise ValueError(f"rank must be a positive integer, got {rank}")
+    check_positive("rank", rank, integer=True)
     selected = select_targets(model, target_modules, rank)
     groups = find_groups(selected) if share_projection else {}
     handles: dict[str, SketchedLinear] = {}

@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 
 from lightning_logra.base.hashing import counter_uniform
+from lightning_logra.base.settings import check_positive
 from lightning_logra.sketch.linear import SketchedLinear
 from lightning_logra.sketch.rounding import LOW_PRECISION, check_rounding, rounding_key
 from lightning_logra.sketch.update import LowRankDelta, apply_low_rank_update_
@@ -77,10 +78,8 @@ class SketchOptimizer(torch.optim.Optimizer):
         layers = list(layers.values()) if isinstance(layers, Mapping) else list(layers)
         if not layers:
             raise ValueError(f"{type(self).__name__}: no sketched layers given (install_sketches first)")
-        if refresh_every is not None and refresh_every < 1:
-            raise ValueError(f"refresh_every must be a positive number of updates or None, got {refresh_every}")
-        if defaults["lr"] <= 0:
-            raise ValueError(f"lr must be positive, got {defaults['lr']}")
+        check_positive("refresh_every", refresh_every, "number of updates", integer=True, null="a fixed projection")
+        check_positive("lr", defaults["lr"], "learning rate")
         check_rounding(rounding)
         if factor_dtype not in FACTOR_DTYPES:
             raise ValueError(f"factor_dtype must be one of {list(FACTOR_DTYPES)}, got {factor_dtype!r}")
@@ -390,8 +389,7 @@ class SketchAdam(SketchOptimizer):
         """
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if eps <= 0:
-            raise ValueError(f"eps must be positive, got {eps}")
+        check_positive("eps", eps)
         super().__init__(layers, dict(lr=lr, betas=tuple(betas), eps=eps), refresh_every, rounding, factor_dtype)
 
     def _direction(self, sketch, state, group):

@@ -15,6 +15,7 @@ import math
 import torch
 
 from lightning_logra.base.hashing import matrix_seed, shr, splitmix64
+from lightning_logra.base.settings import check_positive
 
 DISTRIBUTIONS = ("rademacher", "gaussian")
 
@@ -32,8 +33,8 @@ def make_projection(
     rademacher: entries ±1/√r with equal probability; gaussian: entries N(0, 1/r).
     `device` only says where to compute (default CPU); the values do not depend on it for Rademacher.
     """
-    if rank < 1 or in_features < 1:
-        raise ValueError(f"make_projection: rank ({rank}) and in_features ({in_features}) must be positive")
+    check_positive("make_projection: rank", rank, integer=True)
+    check_positive("make_projection: in_features", in_features, integer=True)
     count = rank * in_features
     if distribution == "rademacher":
         bits = splitmix64(seed, count, device)

@@ -18,7 +18,6 @@ with an explicit P instead of a seeded projection): 2r·(d + k) numbers per matr
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.base.settings import check_at_least, check_positive, is_number
 from lightning_logra.sketch.config import DEFAULT_TARGETS
 from lightning_logra.sketch.install import select_targets
 from lightning_logra.sketch.update import LowRankDelta
@@ -68,18 +68,13 @@ class LoRAConfig:
         if not self.target_modules:
             raise ValueError(f"{CONFIG_KEY}.target_modules is empty: name the linear layers to adapt, e.g. "
                              "[q_proj, v_proj]")
-        if self.rank < 1:
-            raise ValueError(f"{CONFIG_KEY}.rank must be a positive integer (the rank r of each adapter, smaller "
-                             f"than in_features of every target), got {self.rank}")
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"{CONFIG_KEY}.alpha must be a positive number (the adapters are scaled by "
-                             f"alpha / rank), got {self.alpha}")
-        if not 0 <= self.dropout < 1:
+        check_positive(f"{CONFIG_KEY}.rank", self.rank, "integer (the rank r of each adapter, smaller than "
+                       "in_features of every target)", integer=True)
+        check_positive(f"{CONFIG_KEY}.alpha", self.alpha, "number (the adapters are scaled by alpha / rank)")
+        if not (is_number(self.dropout) and 0 <= self.dropout < 1):
             raise ValueError(f"{CONFIG_KEY}.dropout must be in [0, 1), got {self.dropout}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"{CONFIG_KEY}.lr must be a positive learning rate, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"{CONFIG_KEY}.weight_decay must be 0 or positive, got {self.weight_decay}")
+        check_positive(f"{CONFIG_KEY}.lr", self.lr, "learning rate")
+        check_at_least(f"{CONFIG_KEY}.weight_decay", self.weight_decay, 0)
 
     def record(self) -> dict[str, Any]:
         """The settings the adapters' state is only valid under (a checkpoint records them; a resume compares)."""

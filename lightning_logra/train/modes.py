@@ -13,7 +13,7 @@ After the step's backward passes, whatever the mode:
 Every step makes exactly one step of the first optimizer through Lightning (which counts `global_step`), applied or
 skipped. A mode also builds its optimizers, says what a checkpoint records of it and which settings a resume compares
 (`stamp`, `config_key`), what it logs (`hparams`, `metrics`), and what a full load of an engine sends
-(`engine_tensors`). The distribution of all of this over processes is the strategy's (`strategies.Distribution`).
+(`engine_tensors`). The distribution of all of this over processes is the strategy's (`strategies.Collectives`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,19 +37,28 @@ from lightning_logra.sketch.install import select_targets, sketch_carriers, sket
 from lightning_logra.train import lora
 from lightning_logra.train.lora import CONFIG_KEY as LORA_KEY
 from lightning_logra.train.lora import LoRAConfig
-from lightning_logra.train.strategies.base import Distribution
+from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
 
 Optimizers = tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LRScheduler]]
 
 
+@dataclass(frozen=True)
+class Stepped:
+    """An optimizer and what steps it: Lightning's wrapper for a run's first optimizer (its steps are the ones
+    Lightning counts as `global_step`), the optimizer's own `step` for the others."""
+
+    optimizer: torch.optim.Optimizer
+    step: Callable[..., Any]
+
+
 class TrainingMode(ABC):
     record: str  # how a checkpoint says its state was trained
     description = "the dense baseline"  # how errors name the kind of run
 
-    def __init__(self, distribution: Distribution) -> None:
-        self.distribution = distribution
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
         self.metrics: dict[str, float] = {}  # the last step's, beyond the module's own
         self._lightning_optimizers: Callable[[], Any] | None = None
         self._policy: nn.Module | None = None
@@ -100,20 +110,23 @@ class TrainingMode(ABC):
 
     # ---- the step -------------------------------------------------------------------------------------------------
 
-    def _optimizers(self) -> tuple[list[torch.optim.Optimizer], list[Callable[..., Any]]]:
-        """(the optimizers, their step functions): the first through Lightning, the others their own."""
+    def _optimizers(self) -> list[Stepped]:
+        """Every optimizer of the run with what steps it, the first through Lightning."""
         wrapped = self._lightning_optimizers()
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
-        inner = [optimizer.optimizer for optimizer in wrapped]
-        return inner, [wrapped[0].step] + [optimizer.step for optimizer in inner[1:]]
+        return [Stepped(w.optimizer, w.step if i == 0 else w.optimizer.step) for i, w in enumerate(wrapped)]
+
+    def learning_rates(self) -> dict[str, float]:
+        """`train/lr`: the learning rate the step's update is proposed with (its first optimizer's)."""
+        return {"train/lr": self._optimizers()[0].optimizer.param_groups[0]["lr"]}
 
     def reduce_and_clip(self, max_grad_norm: float | None) -> torch.Tensor:
         """Sum the gradients over the ranks (once per step), then clip them all together to `max_grad_norm`;
         returns the norm before clipping (not finite: nothing is clipped, and the step will be skipped)."""
-        inner, _ = self._optimizers()
-        params = [p for optimizer in inner for group in optimizer.param_groups for p in group["params"]]
-        self.distribution.sum_gradients(params)
-        return clip_gradients(params, max_grad_norm, self.distribution)
+        params = [p for stepped in self._optimizers() for group in stepped.optimizer.param_groups
+                  for p in group["params"]]
+        self.collectives.sum_gradients(params)
+        return clip_gradients(params, max_grad_norm, self.collectives)
 
     def _begin(self, grad_norm: torch.Tensor, measured: bool) -> bool:
         """Whether the step can be taken (its gradient norm is finite); a step a controller measures holds its dense
@@ -122,31 +135,30 @@ class TrainingMode(ABC):
         self._held = measured and self._finite
         return self._finite
 
-    def _propose_dense(self, optimizers: list[tuple[torch.optim.Optimizer, Callable[..., Any]]]) -> dict[str, Any]:
+    def _propose_dense(self, optimizers: list[Stepped]) -> dict[str, Any]:
         """Take the dense optimizers' steps as proposals (held back until α is chosen): {name: value at α = 1}."""
         self._proposed = {}
-        for optimizer, step in optimizers:
-            self._proposed.update(propose_dense(optimizer, step))
+        for stepped in optimizers:
+            self._proposed.update(propose_dense(stepped.optimizer, stepped.step))
         names = {p: name for name, p in self._policy.named_parameters()}
         return {names[p]: value for p, value in self._proposed.items()}
 
-    def _apply_dense(self, optimizers: list[tuple[torch.optim.Optimizer, Callable[..., Any]]], alpha: float,
-                     taken: bool) -> None:
+    def _apply_dense(self, optimizers: list[Stepped], alpha: float, taken: bool) -> None:
         """α of the held proposal; or, when none was held (no step-size controller), the optimizers' own steps."""
         if self._held:
             if taken:
                 apply_dense_(self._proposed, alpha)
         else:
-            for optimizer, step in optimizers:
+            for stepped in optimizers:
                 if not taken:
-                    optimizer.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW
-                step()
+                    stepped.optimizer.zero_grad(set_to_none=True)  # parameters without .grad are left alone by AdamW
+                stepped.step()
         self._proposed = {}
 
-    def _dense_values(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+    def _dense_values(self, optimizers: list[Stepped]) -> dict[str, torch.Tensor]:
         """{name: new value} of every parameter the dense optimizers train: what an engine receives of them."""
         names = {p: name for name, p in self._policy.named_parameters()}
-        return {names[p]: p.detach() for optimizer in optimizers for group in optimizer.param_groups
+        return {names[p]: p.detach() for stepped in optimizers for group in stepped.optimizer.param_groups
                 for p in group["params"]}
 
     @abstractmethod
@@ -167,18 +179,17 @@ class _DenseSteps(TrainingMode):
     def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
         if not self._begin(grad_norm, measured):
             return None
-        inner, steps = self._optimizers()
-        return Update(dense=self._propose_dense(list(zip(inner, steps)))) if self._held else Update()
+        return Update(dense=self._propose_dense(self._optimizers())) if self._held else Update()
 
     def apply(self, alpha: float) -> Update | None:
-        inner, steps = self._optimizers()
+        optimizers = self._optimizers()
         taken = self._finite and math.isfinite(alpha) and alpha >= 0
         if self._finite and not taken:
             log.warning("step size α=%s: the update is skipped", alpha)
-        self._apply_dense(list(zip(inner, steps)), alpha, taken)
-        for optimizer in inner:
-            optimizer.zero_grad(set_to_none=True)
-        return Update(dense=self._dense_values(inner)) if taken else None
+        self._apply_dense(optimizers, alpha, taken)
+        for stepped in optimizers:
+            stepped.optimizer.zero_grad(set_to_none=True)
+        return Update(dense=self._dense_values(optimizers)) if taken else None
 
 
 class DenseMode(_DenseSteps):
@@ -186,8 +197,8 @@ class DenseMode(_DenseSteps):
 
     record = "densely"
 
-    def __init__(self, distribution: Distribution, hparams: Any, lr_schedule: LRSchedule) -> None:
-        super().__init__(distribution)
+    def __init__(self, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule) -> None:
+        super().__init__(collectives)
         self.lr, self.weight_decay, self.target_modules = hparams.lr, hparams.weight_decay, hparams.target_modules
         self.lr_schedule = lr_schedule
 
@@ -221,8 +232,8 @@ class LoRAMode(_DenseSteps):
     record = lora.TRAINING
     description = "the LoRA strategy"
 
-    def __init__(self, distribution: Distribution, config: LoRAConfig) -> None:
-        super().__init__(distribution)
+    def __init__(self, collectives: Collectives, config: LoRAConfig) -> None:
+        super().__init__(collectives)
         self.config = config
         self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the adapters at the step's start
 
@@ -274,8 +285,8 @@ class SketchMode(TrainingMode):
     record = "with sketches"
     description = "a sketch strategy"
 
-    def __init__(self, distribution: Distribution, config: SketchConfig) -> None:
-        super().__init__(distribution)
+    def __init__(self, collectives: Collectives, config: SketchConfig) -> None:
+        super().__init__(collectives)
         self.config = config
         self.handles: dict = {}  # the sketched layers, by name
 
@@ -298,6 +309,22 @@ class SketchMode(TrainingMode):
     def hparams(self) -> dict[str, Any]:
         return self.config.hparams()
 
+    @property
+    def sketch_optimizer(self) -> Stepped:
+        """The sketch optimizer (SketchSGD, SketchAdam, ...): the run's first, stepped through Lightning."""
+        return self._optimizers()[0]
+
+    @property
+    def dense_optimizers(self) -> list[Stepped]:
+        """The AdamW of `train_rest` / `train_bias`, when either is set (else none)."""
+        return self._optimizers()[1:]
+
+    def learning_rates(self) -> dict[str, float]:
+        rates = {"train/lr": self.sketch_optimizer.optimizer.param_groups[0]["lr"]}
+        for stepped in self.dense_optimizers:
+            rates["train/rest_lr"] = stepped.optimizer.param_groups[0]["lr"]
+        return rates
+
     def config_key(self, index: int, key: str) -> str:
         if index == 0:
             return f"{SKETCH_KEY}.optimizer.init_args.{key}"
@@ -307,42 +334,42 @@ class SketchMode(TrainingMode):
     def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
         if not self._begin(grad_norm, measured):
             return None
-        inner, steps = self._optimizers()
-        dense = self._propose_dense(list(zip(inner[1:], steps[1:]))) if self._held else {}
-        sketch = inner[0]
+        dense = self._propose_dense(self.dense_optimizers) if self._held else {}
+        sketch = self.sketch_optimizer.optimizer
         if not sketch.propose():  # (a sketch that is not finite: it dropped the step itself)
             self._finite = False
             return None
         if not measured:
             return Update()
         # Under FSDP each rank holds its rows of F: the controller is given the whole of it.
-        return Update(self.distribution.whole_factors(sketch.proposal()), dense)
+        return Update(self.collectives.whole_factors(sketch.proposal()), dense)
 
     def apply(self, alpha: float) -> Update | None:
-        inner, steps = self._optimizers()
-        sketch, step = inner[0], steps[0]
+        sketch, dense = self.sketch_optimizer, self.dense_optimizers
         # The step Lightning counts: α of the pending proposal, or the step dropped (the optimizer refuses a
         # non-finite α or factor itself, and a proposal it already dropped applies nothing).
-        step(alpha=alpha, skip=not self._finite)
+        sketch.step(alpha=alpha, skip=not self._finite)
+        sketch = sketch.optimizer
         taken = bool(sketch.last_updates)
         # How much of the intended change reached the weights (≈ 1; far below with bf16 rounding to nearest at RL
         # learning rates). NaN on a skipped step.
         self.metrics = {"update/landed_fraction": sketch.landed_fraction if taken else math.nan}
-        self._apply_dense(list(zip(inner[1:], steps[1:])), alpha, taken)
-        for optimizer in inner:
-            optimizer.zero_grad(set_to_none=True)
+        self._apply_dense(dense, alpha, taken)
+        sketch.zero_grad(set_to_none=True)
+        for stepped in dense:
+            stepped.optimizer.zero_grad(set_to_none=True)
         if not taken:
             return None
-        return Update(self.distribution.whole_factors(sketch.last_updates), self._dense_values(inner[1:]))
+        return Update(self.collectives.whole_factors(sketch.last_updates), self._dense_values(dense))
 
 
-def clip_gradients(params: list[torch.Tensor], max_norm: float | None, distribution: Distribution) -> torch.Tensor:
+def clip_gradients(params: list[torch.Tensor], max_norm: float | None, collectives: Collectives) -> torch.Tensor:
     """Scale the gradients of `params` together so that their total norm is at most `max_norm` (None: leave them);
     returns the norm before. Sketches count as gradients (E‖G·Aᵀ‖² = ‖G‖²), so the limit means what it means for
-    dense ones; the distribution takes the norm over all ranks' parts (FSDP: shards). A norm that is not finite
+    dense ones; the collectives take the norm over all ranks' parts (FSDP: shards). A norm that is not finite
     clips nothing (the step will be skipped)."""
     with_grad = [p for p in params if p.grad is not None]
-    norm = distribution.gradient_norm(with_grad)
+    norm = collectives.gradient_norm(with_grad)
     if not torch.isfinite(norm):
         log.warning("non-finite gradient norm: the whole update is skipped")
     elif max_norm is not None:
@@ -364,12 +391,12 @@ _DENSE_ONLY = {
 }
 
 
-def training_mode(strategy: Any, distribution: Distribution, hparams: Any, lr_schedule: LRSchedule) -> TrainingMode:
+def training_mode(strategy: Any, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule) -> TrainingMode:
     """The run's training mode, by the settings its strategy carries: a `SketchConfig` trains with sketches, a
     `LoRAConfig` with adapters, none (Lightning's own strategies) densely with the module's AdamW."""
     config = getattr(strategy, "config", None)
     if isinstance(config, SketchConfig):
-        return SketchMode(distribution, config)
+        return SketchMode(collectives, config)
     if isinstance(config, LoRAConfig):
-        return LoRAMode(distribution, config)
-    return DenseMode(distribution, hparams, lr_schedule)
+        return LoRAMode(collectives, config)
+    return DenseMode(collectives, hparams, lr_schedule)

@@ -27,12 +27,9 @@ from lightning_logra.algo.losses import (
     Clip,
     CorrectionMode,
     LossType,
-    add_mismatch,
     check_correction,
-    empty_mismatch,
     get_loss,
     importance_weights,
-    mismatch_metrics,
     reference_kl,
     token_weights,
 )
@@ -41,12 +38,14 @@ from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.hashing import prompt_seeds
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.base.settings import check_at_least, check_positive, is_number
 from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import DEFAULT_MEMORY_GIB, Reward, RewardFn, RewardName, resolve_rewards
 from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
 from lightning_logra.train import resume
+from lightning_logra.train.backward_stats import BackwardStats
 from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
 from lightning_logra.train.digests import write_sums
@@ -59,7 +58,7 @@ from lightning_logra.train.policy import (
     pad_token_id,
     stop_token_ids,
 )
-from lightning_logra.train.strategies.base import Distribution, distribution_of
+from lightning_logra.train.strategies.base import Collectives, collectives_of
 
 log = logging.getLogger(__name__)
 
@@ -68,35 +67,26 @@ EVAL_STEP = -1  # the step an evaluation's prompts are seeded with: apart from e
 
 def _check_settings(hp: Any) -> None:
     """The module's settings, checked before any weights are loaded; each error names its key."""
-    for key in ("num_generations", "max_new_tokens", "micro_batch_size", "log_completions_every", "export_every",
-                "logprob_chunk_tokens"):
-        if hp[key] is not None and hp[key] < 1:
-            raise ValueError(f"model.{key} must be a positive integer, got {hp[key]}")
+    for key in ("num_generations", "max_new_tokens", "micro_batch_size", "logprob_chunk_tokens"):
+        check_positive(f"model.{key}", hp[key], integer=True)
+    for key in ("log_completions_every", "export_every"):
+        check_positive(f"model.{key}", hp[key], "number of steps", integer=True, null="never")
     if hp.num_generations < 2:
         raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
-    if hp.temperature <= 0:
-        raise ValueError(f"model.temperature must be positive for sampling, got {hp.temperature}")
-    if not 0 < hp.top_p <= 1:
+    check_positive("model.temperature", hp.temperature, why="sampling divides the logits by it")
+    if not (is_number(hp.top_p) and 0 < hp.top_p <= 1):
         raise ValueError(f"model.top_p must be in (0, 1], got {hp.top_p}")
-    if hp.is_cap is not None and hp.is_cap <= 0:
-        raise ValueError(f"model.is_cap must be positive (or null to turn the correction off), got {hp.is_cap}")
+    check_positive("model.is_cap", hp.is_cap, null="the correction off")
     check_correction(hp.is_mode)
     for key in ("epsilon", "epsilon_high"):
-        if hp[key] is not None and not (math.isfinite(hp[key]) and hp[key] > 0):
-            raise ValueError(f"model.{key} must be a positive number, got {hp[key]}")
-    if isinstance(hp.max_staleness, bool) or not isinstance(hp.max_staleness, int) or hp.max_staleness < 0:
-        raise ValueError(f"model.max_staleness must be a whole number of steps ≥ 0, got {hp.max_staleness!r}: 0 "
-                         f"generates each step's samples with its own weights, 1 overlaps generation with the update")
-    if isinstance(hp.beta, bool) or not isinstance(hp.beta, (int, float)) or not (math.isfinite(hp.beta)
-                                                                                 and hp.beta >= 0):
-        raise ValueError(f"model.beta must be a finite number ≥ 0, got {hp.beta!r}: set 0 for no KL penalty, or a "
-                         f"small weight such as 0.04")
-    if hp.reward_timeout_s is not None and not hp.reward_timeout_s > 0:
-        raise ValueError(f"model.reward_timeout_s must be a positive number of seconds (or null: no deadline), "
-                         f"got {hp.reward_timeout_s}")
-    if hp.max_unlearnable_steps is not None and hp.max_unlearnable_steps < 1:
-        raise ValueError(f"model.max_unlearnable_steps must be a positive number of steps (or null: never stop), "
-                         f"got {hp.max_unlearnable_steps}")
+        check_positive(f"model.{key}", hp[key], null="the loss's own default" if key == "epsilon_high" else None)
+    check_at_least("model.max_staleness", hp.max_staleness, 0, "whole number of steps", integer=True,
+                   why="0 generates each step's samples with its own weights, 1 overlaps generation with the update")
+    check_at_least("model.beta", hp.beta, 0, "finite number",
+                   why="set 0 for no KL penalty, or a small weight such as 0.04")
+    check_positive("model.reward_timeout_s", hp.reward_timeout_s, "number of seconds", null="no deadline")
+    check_positive("model.max_unlearnable_steps", hp.max_unlearnable_steps, "number of steps", integer=True,
+                   null="never stop")
     if hp.target_modules is not None and not hp.target_modules:
         raise ValueError("model.target_modules is empty: name the linear layers the dense baseline trains, e.g. "
                          "[q_proj, v_proj], or leave it null to train every parameter")
@@ -110,10 +100,10 @@ def _check_settings(hp: Any) -> None:
                                 f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")
 
 
-def check_penalty_placement(beta: float, distribution: Distribution) -> None:
+def check_penalty_placement(beta: float, collectives: Collectives) -> None:
     """The KL penalty's reference is a whole copy of the weights in every process: refused where the weights are
     sharded (it would undo what sharding saves)."""
-    if beta > 0 and distribution.shards_weights:
+    if beta > 0 and collectives.shards_weights:
         raise ValueError(
             f"model.beta={beta}: the KL penalty's reference model would be a whole, unsharded copy of the weights on "
             "every rank under SketchFSDPStrategy; train with SketchDDPStrategy, or set model.beta 0")
@@ -275,7 +265,7 @@ class RLVRModule(LightningModule):
         # The run's components, found when it is set up: how it trains, over how many processes, who chooses α and
         # who keeps an engine with weights of its own in step (None: α = 1; the in-process engine).
         self.mode: TrainingMode | None = None
-        self.distribution: Distribution = Distribution()
+        self.collectives: Collectives = Collectives()
         self.controller: StepSizeController | None = None
         self.weight_sync: WeightSync | None = None
         # Generation overlapped with the update (model.max_staleness > 0), during a fit; and what a checkpoint had in
@@ -291,12 +281,12 @@ class RLVRModule(LightningModule):
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting:  # before any weights are loaded (the CLI checks it before the processes start, too)
-            check_penalty_placement(hp.beta, distribution_of(trainer))
+            check_penalty_placement(hp.beta, collectives_of(trainer))
         if self.policy is None:
             self.policy, self.tokenizer = load_policy(hp.model, hp.dtype, hp.gradient_checkpointing)
         # Without a Trainer (a module built to export or evaluate by hand) the policy is set up as the dense baseline.
         if trainer is not None:
-            self.distribution = distribution_of(trainer)
+            self.collectives = collectives_of(trainer)
         if hp.beta > 0 and fitting and self.reference is None:
             # Straight onto the strategy's device and into the dtype the policy's weights will have: the strategy's
             # set-up, which comes after this hook, moves and converts only registered submodules. And not one of
@@ -305,12 +295,12 @@ class RLVRModule(LightningModule):
             # Lightning's model.train() at fit start; object.__setattr__ keeps it a plain attribute.
             reference = load_reference(hp.model, self.weights_dtype(), trainer.strategy.root_device)
             object.__setattr__(self, "reference", reference)
-        self.mode = training_mode(trainer and trainer.strategy, self.distribution, hp, self.lr_schedule)
+        self.mode = training_mode(trainer and trainer.strategy, self.collectives, hp, self.lr_schedule)
         self.mode.install(self.policy, fitting=fitting)
         self.mode.bind(self.optimizers)
         if self.engine is None:
             self.engine = HFEngine(self.policy, self.stop_token_ids(), pad_token_id(self.tokenizer),
-                                   all_finished=self.distribution.all_finished)
+                                   all_finished=self.collectives.all_finished)
         if not self.engine.samples_from(self.policy):
             if self._trainer is not None and self.trainer.world_size > 1:
                 # One engine per rank, beside that rank's trainer: every rank applies the same update (under FSDP to
@@ -369,7 +359,7 @@ class RLVRModule(LightningModule):
         grad_norm = self.mode.reduce_and_clip(hp.max_grad_norm)
         proposal = self.mode.propose(grad_norm, measured=self.controller is not None)  # None: skipped
         alpha = self.step_size(proposal, rollout, step)
-        lr = self.learning_rates()["train/lr"]  # this step's η, before the schedule advances
+        lr = self.mode.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
         update_s = time.perf_counter() - scored - score_s
         self.advance_lr_schedules(applied=update is not None)
@@ -384,7 +374,7 @@ class RLVRModule(LightningModule):
             # sync, logging); train/rollout_s is wait + score, as the trainer sees generation.
             "train/rollout_s": wait_s + score_s, "train/wait_s": wait_s, "train/score_s": score_s,
             "train/update_s": update_s, **self.staleness_metrics(step - version, len(rewards)),
-            **mismatch, **self.mode.metrics, **self.distribution.reduction_metrics(), **synced, **controlled})
+            **mismatch, **self.mode.metrics, **self.collectives.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
     def rollouts(self, batch: dict[str, list[Any]], step: int) -> tuple[Rollout, int, float]:
@@ -453,73 +443,68 @@ class RLVRModule(LightningModule):
                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The gradient of the batch's policy-gradient loss (with model.beta > 0, plus the KL penalty), micro-batch by
         micro-batch, into the parameters' .grad (a sketched layer's: its d×r sketch). Returns the global batch's
-        loss, the sampler/trainer log-prob mismatch (`losses.mismatch_metrics`), and `train/entropy`, the policy's
-        mean token entropy on the tokens trained on (NaN: none), with, when beta > 0, `train/kl`: the mean per-token
-        k3 estimate of KL(π_θ ‖ π_0) (`losses.reference_kl`) over the batch's completion tokens."""
+        loss, the sampler/trainer log-prob mismatch (`Mismatch.metrics`), and `train/entropy`, the policy's mean
+        token entropy on the tokens trained on (NaN: none), with, when beta > 0, `train/kl`: the mean per-token k3
+        estimate of KL(π_θ ‖ π_0) (`losses.reference_kl`) over the batch's completion tokens."""
         hp = self.hparams
         # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
         total_tokens = self.sum_over_ranks(rollout.completion_mask.sum().float())
         total_sequences = int(self.sum_over_ranks(torch.tensor(float(len(advantages)), device=self.device)))
         weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
                                 total_sequences)  # (N, C)
-        objective, clip = get_loss(hp.loss_type), Clip(hp.epsilon, hp.epsilon_high)
-        # gspo and cispo take their ratio against the sampler themselves: no second correction on top
-        is_cap = None if objective.own_ratio else hp.is_cap
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        mismatch = empty_mismatch(self.device)  # importance_weights' statistics
-        clipped = torch.zeros((), dtype=torch.float32, device=self.device)  # tokens where the loss's clip binds
-        entropy = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ entropy, tokens: over those trained on
-        kl_stats = torch.zeros(2, dtype=torch.float32, device=self.device)  # Σ k3, tokens (with model.beta > 0)
-        penalized = hp.beta > 0
         # A sample with zero advantage contributes exactly zero policy gradient: leave it out of the backward passes —
         # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them,
         # or a KL penalty acts, whose gradient β·Σ w·∂kl/∂θ every sample carries whatever its advantage.
-        every_row = self.distribution.lockstep or penalized
+        every_row = self.collectives.lockstep or hp.beta > 0
         active = torch.arange(len(advantages), device=self.device) if every_row else advantages.nonzero().squeeze(-1)
+        stats = BackwardStats.zeros(self.device)
         for rows in active.split(hp.micro_batch_size) if active.numel() else ():
-            micro = rollout.select(rows)  # (m, w): right padding trimmed
-            if penalized:
-                # The reference's log-probs first: its forward pass's transients are gone before the policy's, whose
-                # activations are kept for the backward pass, are built. Same tokens, temperature and chunking.
-                with torch.no_grad():
-                    ref_logprobs, _ = completion_logprobs(self.reference, micro.prompt_ids, micro.prompt_mask,
-                                                          micro.completion_ids, micro.completion_mask,
-                                                          hp.temperature, hp.logprob_chunk_tokens)  # (m, w)
-            # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
-            logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
-                                                          micro.completion_ids, micro.completion_mask,
-                                                          hp.temperature, hp.logprob_chunk_tokens)
-            is_weight, stats = importance_weights(logprobs.detach(), micro.sampler_logprobs, micro.completion_mask,
-                                                  is_cap, hp.is_mode)  # (m, w), (7,)
-            mismatch = add_mismatch(mismatch, stats)
-            mask = micro.completion_mask
-            entropy += torch.stack([(token_entropy * mask).sum(), mask.sum()])
-            width = micro.completion_ids.shape[1]
-            # (m, w) each: the loss's per-token objective (its gradient the policy gradient), where its clip binds
-            surrogate, binds = objective.surrogate(logprobs, micro.sampler_logprobs, mask, advantages[rows], clip)
-            clipped += binds.sum().float()
-            micro_loss = -(weights[rows, :width] * is_weight * surrogate).sum()
-            if penalized:
-                # (m, w), 0 on padding; differentiable through the policy's log-probs (the reference's have no graph)
-                kl = reference_kl(logprobs, ref_logprobs, mask)
-                # The same per-token weights as the policy-gradient term, but neither the advantage nor the importance
-                # weight: the penalty is a distance to the reference, not a reward (TRL adds it the same way).
-                micro_loss = micro_loss + hp.beta * (weights[rows, :width] * kl).sum()
-                kl_stats += torch.stack([kl.detach().sum(), mask.sum()])
-            self.manual_backward(micro_loss * self.distribution.loss_scale)
-            loss += micro_loss.detach()
-        entropy_sum, tokens = self.sum_over_ranks(entropy).unbind()
-        metrics = {"train/entropy": entropy_sum / tokens}
-        if objective.own_ratio:
+            stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows]))
+        stats = stats.reduce(self.sum_over_ranks, self.max_over_ranks)
+        metrics = {"train/entropy": stats.entropy / stats.tokens}
+        if get_loss(hp.loss_type).own_ratio:
             # Over every completion token of the batch (a sample left out for its zero advantage has none binding)
-            metrics["clip_ratio/region_mean"] = self.sum_over_ranks(clipped) / total_tokens.clamp(min=1)
-        if penalized:
-            kl_sum, kl_tokens = self.sum_over_ranks(kl_stats).unbind()
-            metrics["train/kl"] = kl_sum / kl_tokens.clamp(min=1)  # 0 for a batch without completion tokens
-        # Sums add over ranks; the least and largest weight are the extremes of every rank's (NaN travels as inf).
-        mismatch = torch.cat([self.sum_over_ranks(mismatch[:5]), -self.max_over_ranks(-mismatch[5:6]),
-                              self.max_over_ranks(mismatch[6:])])
-        return self.sum_over_ranks(loss), mismatch_metrics(mismatch), metrics
+            metrics["clip_ratio/region_mean"] = stats.clipped / total_tokens.clamp(min=1)
+        if hp.beta > 0:
+            metrics["train/kl"] = stats.kl / stats.tokens.clamp(min=1)  # 0 for a batch without completion tokens
+        return stats.loss, stats.mismatch.metrics(), metrics
+
+    def forward_backward(self, micro: Rollout, weights: torch.Tensor, advantages: torch.Tensor) -> BackwardStats:
+        """One micro-batch's forward and backward pass: its loss's gradient added into the parameters' .grad.
+        `micro`: m rows, right padding trimmed to width w; `weights` (m, C): the loss's per-token weights of those
+        rows in the global batch; `advantages` (m,)."""
+        hp = self.hparams
+        objective, clip = get_loss(hp.loss_type), Clip(hp.epsilon, hp.epsilon_high)
+        # gspo and cispo take their ratio against the sampler themselves: no second correction on top
+        is_cap = None if objective.own_ratio else hp.is_cap
+        mask, width = micro.completion_mask, micro.completion_ids.shape[1]  # (m, w)
+        if hp.beta > 0:
+            # The reference's log-probs first: its forward pass's transients are gone before the policy's, whose
+            # activations are kept for the backward pass, are built. Same tokens, temperature and chunking.
+            with torch.no_grad():
+                ref_logprobs, _ = completion_logprobs(self.reference, micro.prompt_ids, micro.prompt_mask,
+                                                      micro.completion_ids, mask, hp.temperature,
+                                                      hp.logprob_chunk_tokens)  # (m, w)
+        # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
+        logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
+                                                      micro.completion_ids, mask, hp.temperature,
+                                                      hp.logprob_chunk_tokens)
+        is_weight, mismatch = importance_weights(logprobs.detach(), micro.sampler_logprobs, mask, is_cap,
+                                                 hp.is_mode)  # (m, w)
+        # (m, w) each: the loss's per-token objective (its gradient the policy gradient), where its clip binds
+        surrogate, binds = objective.surrogate(logprobs, micro.sampler_logprobs, mask, advantages, clip)
+        loss = -(weights[:, :width] * is_weight * surrogate).sum()
+        kl_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        if hp.beta > 0:
+            # (m, w), 0 on padding; differentiable through the policy's log-probs (the reference's have no graph)
+            kl = reference_kl(logprobs, ref_logprobs, mask)
+            # The same per-token weights as the policy-gradient term, but neither the advantage nor the importance
+            # weight: the penalty is a distance to the reference, not a reward (TRL adds it the same way).
+            loss = loss + hp.beta * (weights[:, :width] * kl).sum()
+            kl_sum = kl.detach().sum()
+        self.manual_backward(loss * self.collectives.loss_scale)
+        return BackwardStats(loss.detach(), binds.sum().float(), (token_entropy * mask).sum(), mask.sum(), kl_sum,
+                             mismatch)
 
     def step_size(self, proposal: Update | None, rollout: Rollout, step: int) -> float:
         """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""
@@ -541,18 +526,11 @@ class RLVRModule(LightningModule):
             return values
         return self.trainer.strategy.reduce(values, reduce_op="max")
 
-    def learning_rates(self) -> dict[str, float]:
-        """`train/lr` (the sketch optimizer's, or the dense AdamW's) and `train/rest_lr` (the AdamW of
-        `sketch.train_rest`), as this step's update is proposed with them."""
-        optimizers = self.optimizers()
-        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        return {key: optimizer.param_groups[0]["lr"] for key, optimizer in zip(("train/lr", "train/rest_lr"),
-                                                                               optimizers)}
-
     def advance_lr_schedules(self, applied: bool) -> None:
-        """Log this step's learning rates, then advance the schedules — after an applied update only: a skipped one
+        """Log this step's learning rates (`train/lr`: the sketch optimizer's or the dense AdamW's; `train/rest_lr`:
+        the AdamW of `sketch.train_rest`), then advance the schedules — after an applied update only: a skipped one
         changed no weight, so it spends none of the warm-up or decay."""
-        self.log_dict(self.learning_rates())
+        self.log_dict(self.mode.learning_rates())
         schedulers = self.lr_schedulers()
         if applied and schedulers is not None:
             for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
@@ -616,7 +594,7 @@ class RLVRModule(LightningModule):
 
     def _export_from_every_rank(self, path: str | Path) -> None:
         """Called on every rank: a sharded policy is gathered first (a collective), and rank 0 writes the folder."""
-        state_dict = self.distribution.whole_policy_state()
+        state_dict = self.collectives.whole_policy_state()
         if self.trainer.is_global_zero:
             self.export(path, state_dict)
 

@@ -1,9 +1,9 @@
-"""What a strategy gives a training step: only distribution. The training mode (`lightning_logra.train.modes`)
-decides what is reduced, clipped, proposed and applied, and asks the run's `Distribution` for the collectives.
+"""What a strategy gives a training step: only its collectives. The training mode (`lightning_logra.train.modes`)
+decides what is reduced, clipped, proposed and applied, and asks the run's `Collectives` to do it over the ranks.
 
-The project's strategies (one device, DDP, FSDP2, LoRA's one device) are `Distribution`s themselves; a run on one of
-Lightning's own strategies (the dense baseline, or dense DDP through Lightning's wrapper) gets `LightningDistribution`
-(`distribution_of`).
+The project's strategies (one device, DDP, FSDP2, LoRA's one device) are `Collectives` themselves; a run on one of
+Lightning's own strategies (the dense baseline, or dense DDP through Lightning's wrapper) gets `LightningCollectives`
+(`collectives_of`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_logra.sketch.update import LowRankDelta
 
 
-class Distribution:
+class Collectives:
     """One process holding everything: what every method does unless a strategy distributes it."""
 
     # Whether each rank holds only shards of the weights (FSDP): a rollout engine with weights of its own cannot
@@ -57,7 +57,7 @@ class Distribution:
         return bool(finished.all())
 
 
-class LightningDistribution(Distribution):
+class LightningCollectives(Collectives):
     """A run on one of Lightning's own strategies: one device, or DDP's wrapper, which averages the gradients over
     the ranks inside every backward pass (a collective: every rank runs as many). The module normalizes its loss by
     the global batch's counts, so the loss is scaled by the world size to make that average the sum."""
@@ -78,7 +78,7 @@ class LightningDistribution(Distribution):
         return float(self.trainer.world_size) if self.wrapped else 1.0
 
 
-def distribution_of(trainer) -> Distribution:
-    """The run's `Distribution`: its strategy's, or Lightning's own wrapped."""
+def collectives_of(trainer) -> Collectives:
+    """The run's `Collectives`: its strategy's, or Lightning's own wrapped."""
     strategy = trainer.strategy
-    return strategy if isinstance(strategy, Distribution) else LightningDistribution(trainer)
+    return strategy if isinstance(strategy, Collectives) else LightningCollectives(trainer)

@@ -17,10 +17,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketch_carriers, sketched_layers
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
-from lightning_logra.train.strategies.base import Distribution
+from lightning_logra.train.strategies.base import Collectives
 
 
-class SketchDDPStrategy(Distribution, DDPStrategy):
+class SketchDDPStrategy(Collectives, DDPStrategy):
     strategy_name = "logra_sketch_ddp"
 
     def __init__(self, sketch: SketchConfig = SketchConfig(), process_group_backend: str | None = None,

@@ -63,7 +63,7 @@ from lightning_logra.train.digests import (
     write_sums,
 )
 from lightning_logra.train.safe_load import load_file, load_sharded
-from lightning_logra.train.strategies.base import Distribution
+from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def shard_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
             raise RuntimeError(f"{name}: FSDP gave rank {rank} {local} rows, expected rows {layer.rows}")
 
 
-class SketchFSDPStrategy(Distribution, ModelParallelStrategy):
+class SketchFSDPStrategy(Collectives, ModelParallelStrategy):
     """Sketch training with the weights sharded by FSDP2 over all processes (pure data parallelism: one mesh
     dimension). Per rank: 1/world of the weights, of the sketch optimizer's state and of any dense optimizer's state;
     each rank still accumulates the whole d×r sketch of its own samples before the reduction."""

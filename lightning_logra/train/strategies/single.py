@@ -9,10 +9,10 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.lora import LoRAConfig
-from lightning_logra.train.strategies.base import Distribution
+from lightning_logra.train.strategies.base import Collectives
 
 
-class _OneDevice(Distribution, SingleDeviceStrategy):
+class _OneDevice(Collectives, SingleDeviceStrategy):
     def __init__(self, device: str | None) -> None:
         super().__init__(checkpoint_io=AtomicCheckpointIO())
         # As in Lightning's parallel strategies: the Trainer's accelerator connector fills an empty `parallel_devices`

@@ -1,9 +1,17 @@
 """Shared fixtures: tiny models built from a config (no downloads exist here), the command line on a config
-(`run_cli`), callbacks that subprocess runs load by name (`conftest.X`), and prompt files."""
+(`run_cli`), callbacks that subprocess runs load by name (`conftest.X`), and prompt files; and the tiers.
+
+The tiers, by folder: tests/unit/ takes seconds per test, with no Trainer run (fit, validate, test), no command line
+in a process of its own and no vLLM engine (a guard fails a unit test that starts one, naming where it belongs;
+processes that are the unit under test, such as reward workers, are fine). Everything under tests/integration/
+carries the `integration` marker; those under integration/learning/ (a learning run each) and those marked `long`
+are the long tier (`make test-long`), the rest run in `make test`. (The only conftest.py: tests import shared
+helpers from it by name, which a second conftest module would shadow.)"""
 
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +23,12 @@ import torch
 from lightning.pytorch import Callback
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.sketch import sketched_layers
 from lightning_logra.train.policy import pad_token_id
 
 ROOT = Path(__file__).parents[1]
+UNIT, INTEGRATION = ROOT / "tests" / "unit", ROOT / "tests" / "integration"
 CONFIGS = ROOT / "configs"
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -251,3 +261,63 @@ class StepMarks(Callback):
     def on_exception(self, trainer, pl_module, exception):
         if isinstance(exception, SystemExit):
             (Path(trainer.default_root_dir) / f"exit.rank{trainer.global_rank}").write_text(str(exception.code))
+
+
+class RaiseSignal(Callback):
+    """Raises SIGUSR1 in this process once: in the sanity check, or at the start of the validation or the training
+    step that comes after `step` steps."""
+
+    def __init__(self, when: str, step: int = 0) -> None:
+        self.when, self.step, self.sent = when, step, False
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._raise(trainer, "sanity check" if trainer.sanity_checking else "validation")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._raise(trainer, "step")
+
+    def _raise(self, trainer, now: str) -> None:
+        if self.sent or now != self.when or trainer.global_step != self.step:
+            return
+        handler = signal.getsignal(signal.SIGUSR1)
+        assert isinstance(getattr(handler, "__self__", None), SaveOnSignal)  # else the signal would end pytest
+        self.sent = True
+        signal.raise_signal(signal.SIGUSR1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+            if INTEGRATION / "learning" in item.path.parents:
+                item.add_marker(pytest.mark.long)
+
+
+# What starts a training run or an engine in another process: the command line, a launcher, the benchmarks.
+_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "bench/")
+
+
+def _refuse(what: str):
+    raise AssertionError(f"a unit test may not {what}: move it to tests/integration/")
+
+
+@pytest.fixture(autouse=True)
+def unit_tier(request, monkeypatch):
+    """The unit tier's guard (above): a Trainer run, an engine start or a run in a process of its own fails."""
+    if UNIT not in request.path.parents:
+        return
+    from lightning.pytorch import Trainer
+
+    from lightning_logra.rollout.vllm import VLLMEngine
+
+    monkeypatch.setattr(Trainer, "_run", lambda *args, **kwargs: _refuse("run a Trainer"))
+    monkeypatch.setattr(VLLMEngine, "start", lambda *args, **kwargs: _refuse("start a vLLM engine"))
+    popen = subprocess.Popen.__init__
+
+    def start_process(self, args, *rest, **kwargs):
+        command = args if isinstance(args, str) else " ".join(map(str, args))
+        if any(run in command for run in _RUNS):
+            _refuse(f"start a run in a process of its own ({command[:80]})")
+        popen(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", start_process)

@@ -1,0 +1,65 @@
+"""bench/frontier.py --quick end to end: every row of the reward–KL frontier trains through the CLI on add3, each run
+measures its distance from the starting policy at every evaluation, and the rows set from measured values (the total
+budgets, the best constant-δ row) take them from this invocation's runs."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "frontier.py"
+ROWS = ["pair_lora", "dense", "dense_lr0.0003", "lora", "lora_rank1", "logra_delta0.1", "logra_delta0.3",
+        "logra_delta1", "logra_lr0.0003", "logra_lr0.001", "logra_lr0.003", "logra_total", "pair_logra_total",
+        "dense_beta"]
+
+
+def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
+    out, plot, runs_dir = tmp_path / "frontier.json", tmp_path / "frontier.png", tmp_path / "runs"
+    args = [sys.executable, str(SCRIPT), "--quick", "--plot", str(plot), "--runs-dir", str(runs_dir)]
+    result = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert list(report["summary"]) == ROWS
+    runs = {row: results[0] for row, results in report["runs"].items()}
+    for row, run in runs.items():
+        # the start, then a measurement every 2 of the 4 steps: all of them taken, the first at π_0 itself
+        assert len(run["kl_curve"]) == len(run["pass_curve"]) == 3, row
+        assert run["kl_curve"][0] == 0.0 and run["pass_curve"][0] == report["start_pass_at_1"], row
+        assert run["kl_curve"][-1] > 0, row  # every row moved, and its distance was measured
+        assert 0 <= run["pass_at_1"] <= 1, row
+    # the rows set from this invocation's measurements
+    assert runs["pair_logra_total"]["total"] == pytest.approx(statistics.fmean(
+        r["kl_sum"] for r in report["runs"]["pair_lora"]))
+    best = max((row for row in ROWS if row.startswith("logra_delta")),
+               key=lambda row: report["summary"][row]["pass_at_1"][0])
+    assert runs["logra_total"]["total"] == pytest.approx(report["summary"][best]["kl_sum"][0])
+    assert runs["dense_beta"]["beta"] == 0.04
+    # how much of the gradient a sketch sees: about √(r/(r+k)) (docs/results.md), so more at rank 64 than at 16
+    cosines = report["sketch_cosines"]
+    assert 0.25 < cosines["16"] < 0.4 and cosines["16"] < cosines["64"] < 0.7
+    assert "| LoGRA r16, total budget |" in result.stdout and plot.stat().st_size > 0
+
+    # --reuse: nothing changed, nothing trained, the same report
+    again = subprocess.run([*args, "--reuse", "--out", str(tmp_path / "again.json")], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "training" not in again.stderr
+    assert json.loads((tmp_path / "again.json").read_text())["summary"] == report["summary"]
+
+
+def test_dense_frontier_is_the_best_reached_within_a_distance():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from frontier import frontier_at
+
+    # one run whose KL overshoots early (0.3 at pass 0.4) before settling, and one that creeps out steadily
+    overshoot = ([0.0, 0.3, 0.2, 0.25], [0.2, 0.4, 0.5, 0.7])
+    steady = ([0.0, 0.1, 0.2], [0.2, 0.3, 0.6])
+    assert frontier_at([steady], 0.15) == (pytest.approx(0.45), False)  # along the segment
+    # at 0.25 the overshooting run's first crossing (0 → 0.3) reads 0.367, its last point 0.7: the best counts
+    assert frontier_at([overshoot, steady], 0.25) == (pytest.approx(0.7), False)
+    assert frontier_at([overshoot, steady], 0.2) == (pytest.approx(0.6), False)  # steady's point at 0.2 beats 0.5
+    assert frontier_at([overshoot, steady], 0.5) == (0.7, True)  # beyond every curve: the best point, marked

@@ -1,0 +1,127 @@
+"""bench/gpu_check.py: its CPU dry run goes through every stage and reports each; a stage that raises is recorded
+with its error while the next still runs, and the report on disk is whole after every write."""
+
+import json
+import os
+import subprocess
+import sys
+from unittest.mock import ANY
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script: bench/memory.py is importable
+    import gpu_check
+
+    return gpu_check
+
+
+def test_a_stage_that_raises_is_recorded_and_the_next_still_runs(gpu_check, tmp_path):
+    out = tmp_path / "report.json"
+    report, plan = {"stages": {}}, gpu_check.Plan.dry()
+    on_disk_mid_stage = []
+
+    def fails_after_a_partial_result(plan, progress):
+        progress({"rows": [1]})
+        on_disk_mid_stage.append(json.loads(out.read_text()))
+        raise ValueError("out of memory, say")
+
+    gpu_check.run_stage("first", fails_after_a_partial_result, plan, report, out)
+    gpu_check.run_stage("second", lambda plan, progress: {"value": 2}, plan, report, out)
+    plan.fail_stage = "third"
+    gpu_check.run_stage("third", lambda plan, progress: {"value": 3}, plan, report, out)
+
+    # what a run cut short during the first stage would have left
+    assert on_disk_mid_stage == [{"stages": {"first": {"status": "running", "result": {"rows": [1]}, "seconds": ANY}}}]
+    stages = json.loads(out.read_text())["stages"]
+    assert list(stages) == ["first", "second", "third"]
+    assert stages["first"]["status"] == "error"
+    assert stages["first"]["error"] == "ValueError: out of memory, say"
+    assert "raise ValueError" in stages["first"]["traceback"]
+    assert stages["first"]["result"] == {"rows": [1]}  # the partial result stays beside the error
+    assert stages["second"] == {"status": "ok", "result": {"value": 2}, "seconds": ANY}
+    assert stages["third"]["status"] == "error" and "injected" in stages["third"]["error"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["report.json"]  # no temporary file left behind
+    table = gpu_check.markdown({"stages": stages})
+    assert "| first | error |" in table and "| second | ok |" in table
+
+
+def test_a_stage_that_cannot_run_here_is_recorded_as_skipped_with_its_reason(gpu_check, tmp_path):
+    report = {"stages": {}}
+
+    def needs_two_gpus(plan, progress):
+        raise gpu_check.StageSkipped("needs 2 GPUs; 1 visible")
+
+    gpu_check.run_stage("vllm_colocated", needs_two_gpus, gpu_check.Plan.dry(), report, tmp_path / "report.json")
+    assert report["stages"]["vllm_colocated"] == {"status": "skipped", "reason": "needs 2 GPUs; 1 visible",
+                                                  "seconds": ANY}
+    assert "| vllm_colocated | skipped | 0 | needs 2 GPUs; 1 visible |" in gpu_check.markdown(report)
+
+
+def test_the_dry_run_reports_every_stage(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    # This checkout's package, whichever one the interpreter has installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    stages = report["stages"]
+    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load",
+                            "vllm_colocated"]
+    for name, entry in stages.items():
+        assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
+        assert f"| {name} | ok |" in run.stdout
+
+    assert stages["environment"]["result"]["torch"]
+    tests = stages["cuda_tests"]["result"]
+    assert tests["exit_code"] == 0 and tests["error"] == tests["failed"] == 0
+    names = [case["test"] for case in tests["tests"]]
+    assert "tests.test_memory_profiler::test_a_gpu_step_reads_the_cuda_allocator" in names
+    assert tests["passed"] + tests["skipped"] == len(names)
+
+    rows = stages["memory_table"]["result"]["rows"]
+    assert [(row["shape"], row["method"]) for row in rows] == [("tiny", "dense_adamw"), ("tiny", "lora"),
+                                                               ("tiny", "logra_adam")]
+    for row in rows:
+        assert 0 < row["avg_gib"] <= row["peak_gib"] and row["step_s"] > 0, row
+
+    kl = stages["kl_control"]["result"]
+    assert len(kl["steps"]) == 3 and kl["budget"]["budget"] == 2e-4 and kl["subset"] == 2  # qwen1_5b.yaml's
+    for step in kl["steps"]:
+        assert step["grad_norm"] > 0 and 0 < step["alpha"] <= kl["budget"]["alpha_max"]
+        assert step["acting"] == (step["alpha"] < kl["budget"]["alpha_max"])
+    assert kl["acting_rate"] == sum(step["acting"] for step in kl["steps"]) / 3
+    share = kl["kl_share"]  # qwen1_5b.yaml's batch: 32 prompts × 8 generations
+    assert share["config_batch"] == 256 and share["kl_s_per_response"] > 0 and share["train_s_per_response"] > 0
+    assert share["share"] == pytest.approx(2 * share["kl_s_per_response"] / (
+        2 * share["kl_s_per_response"] + 256 * share["train_s_per_response"]))
+
+    arith = stages["tiny_arith"]["result"]
+    assert arith["steps"] == 3 and len(arith["rewards"]) == 3
+    assert all(0 <= reward <= 1 for reward in arith["rewards"])
+    assert arith["reward_first"] == arith["rewards"][0] and arith["reward_last"] == arith["rewards"][-1]
+    assert arith["kl_acting_rate"] is not None and arith["peak_gib"] > 0
+
+    # The full load by handles (shared memory on the CPU, CUDA IPC on a GPU) and by bytes: the receiver's copies
+    # equal the sender's after every load, and the handles are a few hundred bytes per tensor.
+    load = stages["full_load"]["result"]
+    rows = {row["path"]: row for row in load["rows"]}
+    assert list(rows) == ["bytes", "shared"] and load["shape"] == "tiny"
+    assert rows["bytes"]["bytes_sent"] >= load["tensor_bytes"] > 0
+    assert rows["shared"]["bytes_sent"] < 512 * load["tensors"]
+    for row in rows.values():
+        assert row["max_abs_diff"] == 0.0 and len(row["seconds_all"]) == 2 and row["seconds"] > 0
+
+    # FSDP on 2 CPU processes with one 2-way tensor-parallel vLLM engine in the trainer's ranks (no sleep mode on
+    # the CPU): every sync's exact comparison found the engine equal to the trainer, nothing loaded.
+    colocated = stages["vllm_colocated"]["result"]
+    assert colocated["steps"] == 3 and colocated["sleep"] is False
+    assert colocated["max_abs_diff"] == 0.0 and colocated["loads"] == 0 and colocated["logprob_abs_diff"] < 1e-5
+    assert colocated["step_s"] > colocated["rollout_s"] > 0 and colocated["sync_bytes"] > 0

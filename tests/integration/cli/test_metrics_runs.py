@@ -1,0 +1,62 @@
+"""The metrics a TRL user looks for, each checked against what it must equal: token entropy, completion lengths and
+how they ended, tokens seen, the step actually taken (α·η), and completions logged as text."""
+
+import glob
+import math
+
+import pytest
+import torch
+
+
+def test_a_run_logs_trl_metrics_that_mean_what_they_say(run_cli, tmp_path, monkeypatch):
+    from lightning_logra.train.module import RLVRModule
+
+    seen = []  # every training step's rollout, as the module scored it
+    rollouts = RLVRModule.rollouts
+
+    def recording(self, batch, step):
+        rollout, *drawn = rollouts(self, batch, step)
+        seen.append(rollout)
+        return rollout, *drawn
+
+    monkeypatch.setattr(RLVRModule, "rollouts", recording)
+    cli = run_cli("tiny_arith", "--model.log_completions_every", "1", root=tmp_path)
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    last = seen[-1]
+    lengths = last.completion_lengths.float()
+    assert metrics["completions/mean_length"] == pytest.approx(float(lengths.mean()))
+    assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (lengths.min(), lengths.max())
+    stop = cli.model.stop_token_ids()
+    assert metrics["completions/terminated_ratio"] == pytest.approx(float(last.terminated(stop).float().mean()))
+    assert metrics["completions/clipped_ratio"] == pytest.approx(1.0 - metrics["completions/terminated_ratio"])
+    tokens = sum(int(r.prompt_mask.sum() + r.completion_mask.sum()) for r in seen)
+    assert metrics["train/num_tokens"] == tokens == cli.model.num_tokens
+    # η from the sketch optimizer, and the step taken at α of it
+    assert metrics["train/lr"] == pytest.approx(cli.trainer.optimizers[0].param_groups[0]["lr"]) == 1e-3
+    assert metrics["train/effective_lr"] == pytest.approx(metrics["kl/alpha"] * metrics["train/lr"])
+    assert 0 < metrics["train/entropy"] <= math.log(cli.model.policy.config.vocab_size)
+    # completions as text in TensorBoard, one table per step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0],
+                              size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("completions/text_summary")
+    assert [t.step for t in texts] == [0, 1]
+    table = texts[-1].tensor_proto.string_val[0].decode()
+    assert table.startswith("| prompt | completion | reward |") and table.count("\n") == 2 + 8 - 1
+    # the checkpoint keeps the count of tokens seen
+    checkpoint = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0]
+    assert torch.load(checkpoint, weights_only=False)["lightning_logra"]["num_tokens"] == tokens
+
+
+def test_the_sketch_settings_are_logged_as_hyperparameters(run_cli, tmp_path):
+    from lightning.pytorch.core.saving import load_hparams_from_yaml
+
+    run_cli("tiny_arith", "--trainer.strategy.init_args.sketch.rank", "8", steps=1, root=tmp_path)
+    hparams = load_hparams_from_yaml(glob.glob(str(tmp_path / "**" / "hparams.yaml"), recursive=True)[0])
+    assert (hparams["sketch/rank"], hparams["sketch/optimizer"], hparams["sketch/optimizer/lr"]) == (8, "SketchAdam",
+                                                                                                  1e-3)
+    assert hparams["sketch/target_modules"] == str(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"])
+    assert hparams["num_generations"] == 8  # the module's own stay

@@ -1,0 +1,145 @@
+"""Checkpoints from elsewhere: loading one never runs code planted in it, a damaged one is refused naming what is
+damaged, and an export never merges into (or silently skips) what is already at --out."""
+
+import glob
+import io
+import os
+import pickle
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from transformers import AutoModelForCausalLM
+
+from lightning_logra.export import export_checkpoint
+from lightning_logra.export import main as export_main
+from lightning_logra.train.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
+from lightning_logra.train.safe_load import SafeLoadPlanner, UnsafeCheckpoint
+
+
+class Payload:
+    """What an attacker plants: unpickling it runs a shell command (here, one that creates `marker`)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _train(run_cli, root: Path, config: str = "tiny_arith", *extra: str) -> str:
+    run_cli(config, *extra, steps=1, root=root)
+    return glob.glob(str(root / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
+
+
+def _every_load(run_cli, ckpt: str, root: Path, config: str = "tiny_arith", *extra: str) -> None:
+    """fit, validate and test from `ckpt`, and its export: each must refuse it."""
+    for command in ("fit", "validate", "test"):
+        with pytest.raises(UnsafeCheckpoint, match="refused to load"):
+            run_cli(config, *extra, "--ckpt_path", ckpt, command=command, root=root / command)
+    with pytest.raises(UnsafeCheckpoint, match="refused to load"):
+        export_main(["--ckpt_path", ckpt, "--out", str(root / "exported")])
+
+
+def test_code_planted_in_a_checkpoint_file_never_runs(run_cli, tmp_path):
+    # `export` unpickled with weights_only=False: the payload ran (a file created), then a KeyError.
+    checkpoint = torch.load(_train(run_cli, tmp_path / "a"), weights_only=False)
+    marker = tmp_path / "pwned"
+    checkpoint["hyper_parameters"]["note"] = Payload(marker)
+    evil = tmp_path / "evil.ckpt"
+    torch.save(checkpoint, evil)
+    torch.load(evil, weights_only=False)  # the payload works: loading the file the unsafe way runs it
+    assert marker.exists()
+    marker.unlink()
+    _every_load(run_cli, str(evil), tmp_path)
+    assert not marker.exists()
+
+
+def test_code_planted_in_a_sharded_checkpoint_never_runs(run_cli, tmp_path):
+    # torch.distributed.checkpoint reads `.metadata` with plain pickle (and non-tensor entries with
+    # weights_only=False): `fit --ckpt_path FOLDER` and `export` both ran a payload placed there.
+    one = ["--trainer.devices", "1"]
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", *one))
+    assert folder.is_dir() and (folder / ".metadata").is_file()
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    write_sums(folder, digests_of(folder, folder_files(folder)))  # the planter fixes the sums too
+    _every_load(run_cli, str(folder), tmp_path, "tiny_arith_fsdp", *one)
+    assert not marker.exists()
+    # a non-tensor entry of the shards (the optimizers' step counts, ...) is read without running code too
+    payload = io.BytesIO()
+    torch.save({"step": Payload(marker)}, payload)
+    payload.seek(0)
+    entry = MetadataIndex("optimizer_0.state.0.step")
+    item = ReadItem(LoadItemType.BYTE_IO, entry, torch.Size([0]), entry, torch.Size([0]), torch.Size([0]))
+    with pytest.raises(UnsafeCheckpoint, match="posix.system"):
+        SafeLoadPlanner().load_bytes(item, payload)
+    assert not marker.exists()
+
+
+def _damage(path: Path, offset: int, size: int = 8192) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(size))
+
+
+def test_a_damaged_checkpoint_file_is_refused_naming_what_is_damaged(run_cli, tmp_path):
+    # 8 KB overwritten inside the tensor data used to load without complaint (the resumed run trained on 1e29s).
+    ckpt = Path(_train(run_cli, tmp_path / "a"))
+    _damage(ckpt, ckpt.stat().st_size // 2)
+    with pytest.raises(DamagedCheckpoint, match=rf"{ckpt} is damaged: .*state_dict/policy\.") as info:
+        run_cli("tiny_arith", "--ckpt_path", str(ckpt), root=tmp_path / "b")
+    assert "Use another checkpoint" in str(info.value)
+    with pytest.raises(DamagedCheckpoint, match="is damaged"):
+        export_main(["--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")])
+    assert not (tmp_path / "exported").exists()
+
+
+def test_a_damaged_sharded_checkpoint_or_export_is_refused_naming_the_file(run_cli, tmp_path):
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", "--trainer.devices", "1"))
+    assert (folder / SUMS).is_file()
+    exported = export_checkpoint(folder, tmp_path / "exported")  # a good folder exports, with sums of its own
+    shard = next(folder.glob("*.distcp"))
+    _damage(shard, shard.stat().st_size // 2, 1024)
+    with pytest.raises(DamagedCheckpoint, match=rf"{shard.name} \(changed\)"):
+        export_checkpoint(folder, tmp_path / "again")
+    # an export carries SHA256SUMS too, checked when a run trains from it
+    weights = exported / "model.safetensors"
+    _damage(weights, weights.stat().st_size - 4096, 1024)
+    with pytest.raises(DamagedCheckpoint, match=r"model\.safetensors \(changed\)"):
+        run_cli("tiny_arith", model=str(exported), steps=1, root=tmp_path / "b")
+
+
+def test_export_refuses_a_file_or_a_full_folder_and_replaces_one_whole_when_asked(run_cli, tmp_path):
+    ckpt = _train(run_cli, tmp_path / "a")
+    # --out naming a file printed "exported" and wrote nothing
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    with pytest.raises(FileExistsError, match="is a file"):
+        export_main(["--ckpt_path", ckpt, "--out", str(taken)])
+    assert taken.read_text() == "mine"
+    # a folder with files in it: refused; --overwrite replaces it whole (a stale index used to stay beside a new
+    # single-file model)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="not empty.*--overwrite"):
+        export_main(["--ckpt_path", ckpt, "--out", str(full)])
+    old = os.umask(0o027)
+    try:
+        export_main(["--ckpt_path", ckpt, "--out", str(full), "--overwrite"])
+    finally:
+        os.umask(old)
+    assert not (full / "model.safetensors.index.json").exists()
+    assert {"config.json", "model.safetensors", "tokenizer.json", SUMS} <= set(os.listdir(full))
+    # every file follows the umask alike (safetensors wrote model.safetensors 0600 while the rest were 0644)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in full.iterdir()} == {0o640}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    AutoModelForCausalLM.from_pretrained(full)
+    # an empty folder is fine without --overwrite
+    (tmp_path / "empty").mkdir()
+    export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "empty")])
+    assert (tmp_path / "empty" / "model.safetensors").is_file()

@@ -1,0 +1,82 @@
+"""Two CPU processes (gloo) against one process on the same global batch, through the CLI."""
+
+import glob
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import CONFIGS
+
+
+def _fit(run_cli, config: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:
+    """A tiny run in processes of its own (validating once, at its end), checked by conftest's callbacks; returns the
+    weights it exported."""
+    run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
+            "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+            "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
+            "--trainer.callbacks+=conftest.GradNormLog", steps=steps, root=root, subprocess=True)
+    return load_file(root / "export" / "model.safetensors")
+
+
+def _grad_norms(root: Path) -> list[float]:
+    """Each step's gradient norm before clipping, as conftest.GradNormLog wrote it in `_fit`."""
+    return json.loads((root / "grad_norms.json").read_text())
+
+
+def _scalars(root: Path, tag: str) -> list[float]:
+    """One scalar's values, in step order, from the TensorBoard log of a run in `root` (rank 0 writes it)."""
+    events = EventAccumulator(glob.glob(str(root / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def test_two_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
+    # With the configs' KL control (subset: 16 of the global batch's 32 responses): both runs measure q on the same
+    # responses, so they take the same α.
+    single = _fit(run_cli, "tiny_arith", tmp_path / "1")
+    double = _fit(run_cli, "tiny_arith_ddp", tmp_path / "2")
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    moved = [name for name in single if not torch.equal(single[name], start[name])]
+    assert any("q_proj" in name for name in moved)  # the runs did train
+    assert _grad_norms(tmp_path / "2") == pytest.approx(_grad_norms(tmp_path / "1"), rel=1e-5)
+    for name in single:
+        torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)
+    # each reward's mean and std are over the global batch (a mean of the ranks' stds would differ)
+    for tag in ("reward/odd_first_digit/mean", "reward/odd_first_digit/std", "train/reward_mean"):
+        one, two = _scalars(tmp_path / "1", tag), _scalars(tmp_path / "2", tag)
+        assert len(one) == 3 and two == pytest.approx(one, rel=1e-6), tag
+    # q over the same responses (the weights agree to 1e-5 relative; a subset drawn per rank moved α by 10%)
+    for tag in ("kl/q", "kl/alpha", "kl/realized"):
+        one, two = _scalars(tmp_path / "1", tag), _scalars(tmp_path / "2", tag)
+        assert len(one) == 3 and two == pytest.approx(one, rel=1e-5), tag
+
+
+def _dense_on_two_processes(path: Path) -> str:
+    # tiny_arith_dense_all.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside
+    # every backward; the data module shards each step's prompts itself.
+    data = yaml.safe_load((CONFIGS / "tiny_arith_dense_all.yaml").read_text())
+    data["trainer"].update(devices=2, use_distributed_sampler=False, strategy={
+        "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"process_group_backend": "gloo"}})
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
+    # Each rank's loss is normalized by the global batch's counts, so the ranks' gradients must be summed; the DDP
+    # wrapper averages them, and the module multiplies its loss by the world size to undo that. AdamW is invariant to
+    # the gradients' scale and the config clips their norm (above 2 here) to 1, so the weights alone would not notice a
+    # missing factor: the gradient norms before clipping are compared too.
+    single = _fit(run_cli, "tiny_arith_dense_all", tmp_path / "1")
+    double = _fit(run_cli, _dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tmp_path / "2")
+    norms = _grad_norms(tmp_path / "1")
+    assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped
+    assert _grad_norms(tmp_path / "2") == pytest.approx(norms, rel=1e-5)
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    assert all(not torch.equal(single[name], start[name]) for name in single)  # AdamW moved every weight
+    for name in single:
+        torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)

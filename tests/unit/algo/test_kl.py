@@ -1,0 +1,297 @@
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import SKETCH_TARGETS, make_tiny_qwen2
+from lightning_logra.algo.kl import (
+    NextTokens,
+    intended_kl,
+    low_rank_perturbation,
+    mean_token_kl,
+    next_tokens,
+    predicted_kl,
+    realized_kl,
+    step_scale,
+)
+from lightning_logra.algo.logprobs import completion_logits
+from lightning_logra.algo.update import Update
+from lightning_logra.base.batch import Rollout
+from lightning_logra.callbacks import PredictedKLBudget
+from lightning_logra.sketch import SketchSGD, apply_low_rank_update_, install_sketches
+from lightning_logra.sketch.update import LowRankDelta
+
+
+def _responses(n=4, prompt=5, completion=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, completion, dtype=torch.long)
+    mask[0, 4:] = 0  # one shorter completion
+    return Rollout(torch.randint(0, 97, (n, prompt), generator=g), torch.ones(n, prompt, dtype=torch.long),
+                   torch.randint(0, 97, (n, completion), generator=g), mask, torch.zeros(n, completion))
+
+
+def _random_proposal(handles, scale, dtype=torch.float32, seed=1):
+    """An update at α = 1 with F = η·U for η = 0.5 and random U."""
+    g = torch.Generator().manual_seed(seed)
+    return Update({f"{name}.weight": LowRankDelta(0.5 * torch.randn(h.out_features, h.rank, generator=g).to(dtype)
+                                                  * scale, h.seed, h.distribution, h.in_features)
+                   for name, h in handles.items()})
+
+
+def _merge_into(model, proposal, alpha=1.0):
+    for name, delta in proposal.low_rank.items():
+        apply_low_rank_update_(model.get_parameter(name), alpha * delta.factor, delta.projection().to(delta.factor))
+
+
+def test_low_rank_evaluation_equals_a_weight_copy_in_float64():
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.1, torch.float64)
+    responses = _responses()
+    copied = copy.deepcopy(model)
+    _merge_into(copied, proposal)
+    args = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
+    with torch.no_grad(), low_rank_perturbation(model, proposal):
+        perturbed = completion_logits(model, *args)  # float64 logits of θ + Δ, weights untouched
+    with torch.no_grad():
+        merged = completion_logits(copied, *args)
+        original = completion_logits(model, *args)  # hooks are gone again
+    assert perturbed.dtype == torch.float64
+    torch.testing.assert_close(perturbed, merged, rtol=0, atol=1e-12)
+    assert not torch.allclose(perturbed, original, atol=1e-3)
+
+
+def test_a_whole_proposal_sketched_and_dense_equals_a_weight_copy():
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.1, torch.float64)
+    norm = model.model.norm.weight
+    proposal.dense["model.norm.weight"] = norm.detach() + torch.randn_like(norm) * 0.1  # the value at α = 1
+    responses = _responses()
+    for alpha in (1.0, 0.3):
+        copied = copy.deepcopy(model)
+        _merge_into(copied, proposal, alpha)
+        with torch.no_grad():
+            copied.model.norm.weight.lerp_(proposal.dense["model.norm.weight"], alpha)
+        current = next_tokens(model, responses)
+        exact = realized_kl(copied, responses, current)
+        if alpha == 1.0:
+            q, _ = predicted_kl(model, proposal, responses)
+            assert float(q) == pytest.approx(float(exact), rel=1e-9)
+        else:
+            assert float(intended_kl(model, proposal, responses, current, alpha)) == pytest.approx(float(exact),
+                                                                                                   rel=1e-9)
+    # the dense part counts: without it the prediction differs
+    sketched_only = predicted_kl(model, Update(proposal.low_rank), responses)[0]
+    assert abs(float(sketched_only) - float(q)) > 1e-3 * float(q)
+    assert torch.equal(model.model.norm.weight, norm)  # weights untouched
+
+
+def test_kl_is_quadratic_in_the_step_for_small_steps():
+    model = make_tiny_qwen2()
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.02)
+    responses = _responses()
+    with torch.no_grad():
+        base = next_tokens(model, responses)
+        kls = []
+        for alpha in (0.1, 0.2):
+            with low_rank_perturbation(model, proposal, alpha):
+                kls.append(mean_token_kl(base, next_tokens(model, responses),
+                                         responses.completion_mask).item())
+    assert kls[1] / kls[0] == pytest.approx(4.0, rel=0.05)
+
+
+def test_realized_kl_agrees_with_the_prediction_for_a_small_step():
+    model = make_tiny_qwen2()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=8)
+    # η small enough that the proposal at α = 1 is itself a small step: q is measured in the quadratic regime.
+    # (At η = 1 on this random model, q = 0.027 lies far outside it and α = √(δ/q) then overshoots δ 15-fold.)
+    optimizer = SketchSGD(handles, lr=0.01)
+    responses = _responses()
+    ids = torch.cat([responses.prompt_ids, responses.completion_ids], 1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert optimizer.propose()
+    q, before = predicted_kl(model, Update(optimizer.proposal()), responses)
+    budget = 1e-4
+    alpha = step_scale(float(q), budget, alpha_max=10.0)
+    assert alpha**2 * float(q) == pytest.approx(budget)  # the budget binds: α < α_max
+    optimizer.apply(alpha)
+    realized = float(realized_kl(model, responses, before))
+    assert realized == pytest.approx(budget, rel=0.10)
+
+
+def test_step_scale_rule():
+    delta = 2e-4
+    assert step_scale(4 * delta, delta, alpha_max=1.0) == pytest.approx(0.5)
+    assert step_scale(delta / 100, delta, alpha_max=3.0) == 3.0  # √100 = 10, capped at α_max
+    assert step_scale(0.0, delta, alpha_max=2.0) == 2.0
+    assert step_scale(float("nan"), delta, alpha_max=2.0) == 0.0
+    for q in torch.logspace(-8, 2, 50).tolist():
+        alpha = step_scale(q, delta, alpha_max=5.0)
+        assert alpha**2 * q <= delta * (1 + 1e-12)
+    with pytest.raises(ValueError, match="budget"):
+        step_scale(1.0, 0.0, 1.0)
+    for budget, alpha_max in ((math.nan, 1.0), (math.inf, 1.0), (1e-3, math.nan), (1e-3, math.inf)):
+        with pytest.raises(ValueError, match="positive finite"):
+            step_scale(0.0, budget, alpha_max)  # q ≤ 0 would otherwise return α_max itself
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "exponential"])
+def test_schedules_run_from_budget_to_final_budget(schedule):
+    control = PredictedKLBudget(2e-4, 2e-5, schedule, anneal_steps=100)
+    assert control.budget_at(0) == pytest.approx(2e-4)
+    assert control.budget_at(100) == pytest.approx(2e-5)
+    assert control.budget_at(250) == pytest.approx(2e-5)
+    values = [control.budget_at(s) for s in range(101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    middle = {"linear": 1.1e-4, "cosine": 1.1e-4, "exponential": math.sqrt(2e-4 * 2e-5)}[schedule]
+    assert control.budget_at(50) == pytest.approx(middle)
+    assert PredictedKLBudget(3e-4).budget_at(77) == 3e-4
+
+
+@pytest.mark.parametrize("key", ["budget", "final_budget", "alpha_max"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_non_positive_or_non_finite_settings_name_the_key(key, value):
+    # NaN slipped through a `<= 0` check and made every weight NaN; inf turned the control off.
+    kwargs = {"budget": 2e-4, "final_budget": 2e-5, "schedule": "linear", "anneal_steps": 10, key: value}
+    with pytest.raises(ValueError, match=f"PredictedKLBudget: {key} must be a positive finite number"):
+        PredictedKLBudget(**kwargs)
+
+
+def test_bad_budget_settings_fail_fast():
+    with pytest.raises(ValueError, match="anneal_steps"):
+        PredictedKLBudget(2e-4, 2e-5, "linear")
+    with pytest.raises(ValueError, match="subset"):
+        PredictedKLBudget(subset=1.5)
+
+
+@pytest.mark.parametrize("subset", [16, 0.25, 1.0, 40, 2])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_subset_is_drawn_from_the_global_batch_whatever_the_number_of_processes(subset, world_size):
+    # Each rank used to draw `subset` of its own rows: 1 and 2 processes measured q on different responses and took
+    # different steps (α 0.174 against 0.196 with subset 16). The ranks' rows together must be one process's.
+    from lightning_logra.base.batch import Rollout
+
+    total, width = 32, 3
+    ids = torch.arange(total)[:, None].repeat(1, width)  # each row's tokens say which global row it is
+    ones = torch.ones(total, width, dtype=torch.long)
+    whole = Rollout(ids, ones, ids, ones, torch.zeros(total, width))
+    control = PredictedKLBudget(subset=subset, seed=3)
+    one = control._select(whole, step=7, rank=0, world_size=1)
+    drawn = one.completion_ids[:, 0].tolist()
+    size = subset if isinstance(subset, int) else round(subset * total)
+    assert len(drawn) == min(size, total) and drawn == sorted(set(drawn))
+    assert drawn != list(range(len(drawn))) or size >= total  # a draw, not the first rows
+    n = total // world_size
+    counted = []
+    for rank in range(world_size):
+        rows = slice(rank * n, (rank + 1) * n)
+        part = control._select(Rollout(ids[rows], ones[rows], ids[rows], ones[rows], torch.zeros(n, width)),
+                                step=7, rank=rank, world_size=world_size)
+        counts = part.completion_mask.sum(1)
+        # a rank none of whose rows were drawn runs the passes on one row whose tokens count zero
+        assert (counts == width).all() or (len(counts) == 1 and counts.item() == 0)
+        counted += part.completion_ids[counts > 0, 0].tolist()
+    assert counted == drawn
+
+
+def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
+    # At η = 1e-6 a bf16 forward pass cannot hold the perturbation (8 significant bits); the estimate must be the
+    # one an fp32 evaluation of the same bf16 weights gives (it read 14× too high when evaluated in bf16).
+    model = make_tiny_qwen2(dtype=torch.bfloat16)
+    reference = copy.deepcopy(model).float()  # the same (bf16-valued) weights, held in fp32
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    install_sketches(reference, SKETCH_TARGETS, rank=4)  # the same seeds: the proposal fits both
+    proposal = _random_proposal(handles, 2e-6)  # η·U·A entries of about 1e-6, as at lr 1e-6
+    responses = _responses()
+    q, current = predicted_kl(model, proposal, responses)
+    q_ref, current_ref = predicted_kl(reference, proposal, responses)
+    assert current.hidden.dtype == torch.float32 and float(q_ref) > 0
+    # The regime where it matters: the same two passes in bf16 read several times more (bf16 rounding, not the step).
+    ids = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
+    with torch.no_grad():
+        before = completion_logits(model, *ids).float()  # (n, C, V)
+        with low_rank_perturbation(model, proposal):
+            after = completion_logits(model, *ids).float()
+    vocab = before.shape[-1]
+    in_bf16 = mean_token_kl(NextTokens(logits=before.reshape(-1, vocab)), NextTokens(logits=after.reshape(-1, vocab)),
+                            responses.completion_mask)
+    assert float(in_bf16) > 3 * float(q_ref)
+    assert float(q) == pytest.approx(float(q_ref), rel=1e-3)
+    torch.testing.assert_close(current.hidden, current_ref.hidden, rtol=0, atol=1e-5)
+    # the parameters are bf16 again afterwards, and nothing else was left behind
+    assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "sketch_param" not in n)
+    assert not any(hasattr(m, "_float32_saved") for m in model.modules())
+
+
+def test_intended_kl_is_the_exact_kl_of_the_scaled_step():
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.01, torch.float64)
+    responses = _responses()
+    q, current = predicted_kl(model, proposal, responses)
+    copied = copy.deepcopy(model)
+    _merge_into(copied, proposal, 0.3)
+    exact = realized_kl(copied, responses, current)
+    assert float(intended_kl(model, proposal, responses, current, 0.3)) == pytest.approx(float(exact), rel=1e-9)
+    assert float(exact) == pytest.approx(0.09 * float(q), rel=0.05)  # ≈ α²·q
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_the_kl_in_chunks_equals_the_kl_of_full_log_softmax_tensors(chunk):
+    # float64: the chunked sum over the completion tokens is the masked mean of Σ_v p (log p − log q) over
+    # (n, C, V) tensors built whole, for any chunk size; and a head that is not plain takes the full-logits path.
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.1, torch.float64)
+    responses = _responses()
+    args = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
+    with torch.no_grad():
+        logp = torch.log_softmax(completion_logits(model, *args) / 0.7, -1)
+        with low_rank_perturbation(model, proposal):
+            logq = torch.log_softmax(completion_logits(model, *args) / 0.7, -1)
+    mask = responses.completion_mask.double()
+    expected = ((logp.exp() * (logp - logq)).sum(-1) * mask).sum() / mask.sum()
+    before = next_tokens(model, responses)
+    with torch.no_grad(), low_rank_perturbation(model, proposal):
+        after = next_tokens(model, responses)
+    assert before.logits is None and before.hidden.shape == (4 * 6, 64)  # hidden states, no (n, C, V) tensor
+    got = mean_token_kl(before, after, responses.completion_mask, 0.7, chunk_tokens=chunk)
+    assert float(got) == pytest.approx(float(expected), rel=1e-10)
+    model.config.final_logit_softcapping = 30.0  # not a plain head (Qwen2 ignores it; the check does not)
+    full = next_tokens(model, responses)
+    assert full.hidden is None and full.logits.shape == (4 * 6, 97)
+    assert float(mean_token_kl(full, after, responses.completion_mask, 0.7, chunk)) == pytest.approx(float(expected),
+                                                                                                      rel=1e-10)
+
+
+def test_the_kl_check_never_copies_the_embedding_or_the_head_to_fp32_whole():
+    # A bf16 model with a large vocabulary (5,000 × 64 tied table): the fp32 forward looks up bf16 rows and casts
+    # them, and the head is cast 100 rows at a time, so no fp32 tensor near V × h exists (at the 7B shape each copy
+    # would be 2 GiB, the check's largest tensor). The KL equals the one computed through a whole fp32 head.
+    model = make_tiny_qwen2(dtype=torch.bfloat16)
+    model.resize_token_embeddings(5000)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal, responses = _random_proposal(handles, 0.1), _responses()
+    sizes = []
+
+    class Float32Sizes(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    sizes.append(t.numel())
+            return out
+
+    with Float32Sizes(), torch.no_grad():
+        before = next_tokens(model, responses)
+        with low_rank_perturbation(model, proposal):
+            after = next_tokens(model, responses)
+        blocked = mean_token_kl(before, after, responses.completion_mask, chunk_tokens=2, vocab_block=100)
+    assert max(sizes) <= 2 * 5000 < 5000 * 64  # a chunk of 2 tokens × V; a block of the head is 100 × 64
+    whole = mean_token_kl(before, after, responses.completion_mask, chunk_tokens=2, vocab_block=5000)
+    assert float(blocked) > 0 and float(blocked) == pytest.approx(float(whole), rel=1e-5)

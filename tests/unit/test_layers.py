@@ -1,0 +1,154 @@
+"""The architecture, kept: the layers only point down (base ← sketch ← algo; the math never imports the engines nor
+Lightning), the package's root holds only the face, the training mode is chosen in one place, and every dotted path
+a config, the README, docs/ or bench/ names imports, the old paths of modules that moved included."""
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "lightning_logra"
+
+# What each layer may import from the project, besides itself (the callbacks/ folder installs as
+# lightning_logra.callbacks, above them all).
+LAYERS = {
+    "base": (),
+    "sketch": ("base",),
+    "algo": ("base", "sketch"),
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_each_layer_imports_only_the_layers_below_it(layer):
+    allowed = {layer, *LAYERS[layer]}
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for module in _imported_modules(path):
+            if module.startswith("lightning_logra."):
+                assert module.split(".")[1] in allowed, f"{path.relative_to(ROOT)} imports {module}"
+
+
+MATH = ["lightning_logra.base.batch", "lightning_logra.base.hashing", "lightning_logra.sketch",
+        "lightning_logra.algo.kl", "lightning_logra.algo.losses", "lightning_logra.algo.advantages",
+        "lightning_logra.algo.logprobs", "lightning_logra.algo.update", "lightning_logra.algo.step_size"]
+
+
+@pytest.mark.parametrize("module", MATH)
+def test_math_does_not_import_the_rollout_engines_nor_lightning(module):
+    # A fresh interpreter, so that nothing imported by other tests hides an import.
+    code = (f"import sys, {module}; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('lightning_logra.rollout', 'vllm', 'lightning.')))"
+            "; print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"{module} imports {out}"
+
+
+def test_the_package_root_holds_only_the_face():
+    files = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert files == ["__init__.py", "checks.py", "cli.py", "export.py", "paths.py"]
+
+
+# The types that say what kind of training a run does. Only the mode selection may switch on them.
+MODE_TYPES = ("SketchOptimizer", "SketchConfig", "LoRAConfig", "LoRAStrategy", "SketchStrategy", "SketchDDPStrategy",
+              "SketchFSDPStrategy", "SketchTraining")
+
+
+def test_no_type_switch_on_the_training_mode_outside_its_selection():
+    offenders = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "callbacks").glob("*.py")]):
+        if path.parent.name == "sketch":
+            continue  # the sketch core checks its own types (what a configured factory builds)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "training_mode" and path.name == "modes.py":
+                continue
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"):
+                continue
+            named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            if named & set(MODE_TYPES) and not _inside(tree, node, "training_mode"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def _inside(tree: ast.AST, target: ast.AST, function: str) -> bool:
+    return any(isinstance(node, ast.FunctionDef) and node.name == function and target in ast.walk(node)
+               for node in ast.walk(tree))
+
+
+def _dotted_paths() -> set[str]:
+    """Every `lightning_logra.<...>.<Name>` written in configs/, the README, docs/ and bench/."""
+    texts = [*ROOT.glob("configs/*.yaml"), ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/*.py"),
+             *ROOT.glob("bench/*.md")]
+    found = set()
+    for path in texts:
+        found |= set(re.findall(r"\blightning_logra(?:\.[A-Za-z_]\w*)+", path.read_text()))
+    return found
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether `dotted` is a module, or an attribute of one (a class, a function), after the longest module prefix."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+def test_every_dotted_path_the_configs_readme_docs_and_bench_name_imports():
+    paths = _dotted_paths()
+    assert len(paths) > 30  # the collection found them
+    assert [path for path in sorted(paths) if not _resolves(path)] == []
+
+
+# What older configs, scripts and checkpoints name by the paths of modules that have since moved.
+OLD_PATHS = ["lightning_logra.strategy.SketchStrategy", "lightning_logra.strategy.SketchDDPStrategy",
+             "lightning_logra.fsdp.SketchFSDPStrategy", "lightning_logra.lora.LoRAStrategy",
+             "lightning_logra.lora.LoRAConfig", "lightning_logra.rewards.MathAnswer",
+             "lightning_logra.rewards.exact_match", "lightning_logra.schedule.LRSchedule",
+             "lightning_logra.control.StepSizeController", "lightning_logra.module.RLVRModule",
+             "lightning_logra.checkpoint.AtomicCheckpointIO", "lightning_logra.kl.predicted_kl",
+             "lightning_logra.update.Update", "lightning_logra.batch.Rollout", "lightning_logra.hashing.mix64",
+             "lightning_logra.fabric.SketchFabricStrategy", "lightning_logra.rollout.VLLMEngine",
+             "lightning_logra.callbacks.PredictedKLBudget", "lightning_logra.callbacks.RolloutWeightSync",
+             "lightning_logra.sketch.SketchAdam", "lightning_logra.data.module.PromptDataModule"]
+
+
+@pytest.mark.parametrize("path", OLD_PATHS)
+def test_the_old_path_of_a_moved_module_still_imports(path):
+    assert _resolves(path), path
+
+
+def test_every_package_folder_is_installed():
+    # `pip install .` (not editable) builds a wheel from this list alone: a folder missing from it is missing there.
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(path.parent.relative_to(ROOT).parts) for path in PACKAGE.rglob("*.py")}
+    on_disk |= {"lightning_logra.callbacks"}
+    assert on_disk == listed
+    for name in on_disk - {"lightning_logra.callbacks"}:
+        assert (ROOT / name.replace(".", "/") / "__init__.py").exists(), f"{name} has no __init__.py"

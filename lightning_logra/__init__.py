@@ -1,6 +1,6 @@
 """lightning-logra: RLVR on language models with full-parameter updates from low-rank gradient sketches.
 
-The package, the face at its root and the rest by what it is (the layers point down: `tests/test_layers.py`):
+The package, the face at its root and the rest by what it is (the layers point down: `tests/unit/test_layers.py`):
 
     cli, checks, export, paths   the face: the command line, what it checks before loading, exports, shipped files
     train/                       the Lightning module, training modes, strategies, checkpoints, the policy's loading

@@ -31,10 +31,11 @@ def scalars(root: Path) -> dict[str, list[float]]:
 
 def checksums(start: dict[str, torch.Tensor], end: dict[str, torch.Tensor]) -> dict[str, float]:
     """What a run did to the weights: a weighted sum of every entry's change (sensitive to where the change went)
-    and the norm of the whole change, in float64. `start` is taken in `end`'s dtypes (a bf16 run trains the model
-    files' fp32 weights rounded to bf16)."""
+    and the norm of the whole change, in float64, over the tensors of the model's files (`start`; a state dict's
+    second name for a tied head is left out). `start` is taken in `end`'s dtypes (a bf16 run trains the model files'
+    fp32 weights rounded to bf16)."""
     delta_sum = delta_sq = 0.0
-    for name in sorted(end):
+    for name in sorted(set(start) & set(end)):
         delta = end[name].double() - start[name].to(end[name].dtype).double()
         weights = torch.arange(1, delta.numel() + 1, dtype=torch.float64).view_as(delta) / delta.numel()
         delta_sum += float((delta * weights).sum())
@@ -42,14 +43,17 @@ def checksums(start: dict[str, torch.Tensor], end: dict[str, torch.Tensor]) -> d
     return {"delta_weighted_sum": delta_sum, "delta_norm": delta_sq**0.5}
 
 
+def logged_steps(root: Path, keys: tuple[str, ...] = RECORDED) -> list[dict[str, float]]:
+    """Each step's recorded metrics (those of `keys` the run logs) from the TensorBoard log under `root`."""
+    logged = scalars(root)
+    return [{key: logged[key][step] for key in keys if key in logged} for step in range(len(logged["train/loss"]))]
+
+
 def observe(root: Path, model: str | Path, export: Path, keys: tuple[str, ...] = RECORDED) -> dict:
     """The recorded numbers of a run logged under `root` that started from the model folder `model` and exported
     its weights to the folder `export`."""
-    logged = scalars(root)
-    steps = len(logged["train/loss"])
-    observed = {"steps": [{key: logged[key][step] for key in keys if key in logged} for step in range(steps)]}
     start = load_file(Path(model) / "model.safetensors")
-    return {**observed, **checksums(start, load_file(Path(export) / "model.safetensors"))}
+    return {"steps": logged_steps(root, keys), **checksums(start, load_file(Path(export) / "model.safetensors"))}
 
 
 def assert_matches(name: str, observed: dict, expected: dict) -> None:

@@ -11,6 +11,11 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
+from golden import assert_matches, observe
+
+# Three steps of 4 prompts on a random model (conftest.fast_overrides), 2 processes; recorded 2026-12-02 from main at
+# 89031cb. How to record anew, and when: tests/golden.py.
+GOLDEN = {"tiny_arith_ddp": RECORD_DDP, "dense_ddp": RECORD_DENSE_DDP}
 
 
 def _fit(run_cli, config: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:
@@ -40,6 +45,8 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_
     # responses, so they take the same α.
     single = _fit(run_cli, "tiny_arith", tmp_path / "1")
     double = _fit(run_cli, "tiny_arith_ddp", tmp_path / "2")
+    assert_matches("tiny_arith_ddp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "export"),
+                   GOLDEN["tiny_arith_ddp"])
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     moved = [name for name in single if not torch.equal(single[name], start[name])]
     assert any("q_proj" in name for name in moved)  # the runs did train
@@ -73,6 +80,8 @@ def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_ari
     # missing factor: the gradient norms before clipping are compared too.
     single = _fit(run_cli, "tiny_arith_dense_all", tmp_path / "1")
     double = _fit(run_cli, _dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tmp_path / "2")
+    assert_matches("dense_ddp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "export"),
+                   GOLDEN["dense_ddp"])
     norms = _grad_norms(tmp_path / "1")
     assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped
     assert _grad_norms(tmp_path / "2") == pytest.approx(norms, rel=1e-5)

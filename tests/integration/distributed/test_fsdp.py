@@ -12,6 +12,12 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
+from golden import assert_matches, observe
+
+# Three steps of 4 prompts on a random model (conftest.fast_overrides), sharded over 2 processes, the embedding,
+# norms and head trained densely beside the sketches; recorded 2026-12-02 from main at 89031cb. How to record anew,
+# and when: tests/golden.py.
+GOLDEN_FSDP = RECORD_FSDP
 
 
 def _config(name: str, path: Path, **checkpointing) -> str:
@@ -46,6 +52,7 @@ def _scalars(root: Path, tag: str) -> list[float]:
 def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     for name, root in (("tiny_arith.yaml", tmp_path / "1"), ("tiny_arith_fsdp.yaml", tmp_path / "2")):
         _fit(run_cli, _config(name, tmp_path / name), root, 3)
+    assert_matches("tiny_arith_fsdp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "out"), GOLDEN_FSDP)
     single, sharded = load_file(tmp_path / "1" / "out" / "model.safetensors"), load_file(tmp_path / "2" / "out" /
                                                                                         "model.safetensors")
     start = load_file(Path(tiny_arith_model) / "model.safetensors")

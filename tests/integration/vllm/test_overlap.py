@@ -16,9 +16,11 @@ import torch
 import yaml
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
+from golden import assert_matches, checksums, logged_steps
 from lightning_logra.train.checkpoint import KEY
 from lightning_logra.train.safe_load import load_sharded_whole
 
@@ -68,8 +70,15 @@ def uninterrupted(run_cli, tmp_path_factory):
     return _run(run_cli, root), root
 
 
-def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted):
+# The uninterrupted run's steps (two batches in flight, vLLM sampling); recorded 2026-12-02 from main at 89031cb. How
+# to record anew, and when: tests/golden.py.
+GOLDEN_OVERLAP = RECORD_OVERLAP
+
+
+def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_model):
     record, root = uninterrupted
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    assert_matches("overlap", {"steps": logged_steps(root), **checksums(start, record.weights)}, GOLDEN_OVERLAP)
     scalars = _scalars(root)
     assert sorted(record.steps) == list(range(STEPS))
     assert scalars["rollout/staleness/mean"] == scalars["rollout/staleness/max"] == [0, 1, 2, 2, 2, 2]

@@ -9,13 +9,16 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, SKETCH_TARGETS, EngineSnapshot
+from golden import RECORDED, assert_matches, checksums
 from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.rollout import VLLMEngine
@@ -82,11 +85,12 @@ class Record(EngineSnapshot):
 
     def __init__(self, sync: RolloutWeightSync) -> None:
         self.sync = sync
-        self.bytes, self.loads = [], []
+        self.bytes, self.loads, self.metrics = [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.bytes.append(float(trainer.callback_metrics["sync/bytes"]))
         self.loads.append(self.sync.loads)
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in RECORDED})
 
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
@@ -118,8 +122,15 @@ def undisturbed(tiny_arith_model, tmp_path_factory):
     return _run(tiny_arith_model, tmp_path_factory.mktemp("undisturbed"), disturb=False)
 
 
-def test_vllm_engine_follows_training_exactly(undisturbed):
+# The undisturbed run's steps (vLLM samples, the seed sync keeps its weights); recorded 2026-12-02 from main at
+# 89031cb. How to record anew, and when: tests/golden.py.
+GOLDEN_VLLM = RECORD_VLLM
+
+
+def test_vllm_engine_follows_training_exactly(undisturbed, tiny_arith_model):
     trainer, sync, record = undisturbed
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    assert_matches("vllm_engine", {"steps": record.metrics, **checksums(start, record.trainer_weights)}, GOLDEN_VLLM)
     assert trainer.global_step == STEPS and sync.syncs == STEPS
     # the engine, started from the model's files, equals the trainer at the start and at every check: nothing loaded
     assert record.restarts == 0 and record.loads == [0] * STEPS

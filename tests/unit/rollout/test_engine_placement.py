@@ -1,6 +1,6 @@
 """A vLLM engine placed on one rank of several (`VLLMEngine.place`), before it starts: the settings that cannot work
 fail naming the key, and the environment its processes inherit keeps the trainer's rank and rendezvous out. (The
-engines themselves, 2 ranks with one each: tests/test_ddp_vllm.py, tests/test_fsdp_vllm.py.)"""
+engines themselves, 2 ranks with one each: tests/integration/vllm/test_ddp_vllm.py, tests/integration/vllm/test_fsdp_vllm.py.)"""
 
 import os
 
@@ -93,7 +93,7 @@ def test_each_ranks_cpu_engine_gets_its_own_cores(monkeypatch):
 
 def test_under_sharded_training_each_rank_places_an_engine_of_its_own(tiny_arith_model, monkeypatch):
     # SketchFSDPStrategy: each rank's engine is placed beside it and started from the model's files (the weight sync
-    # then compares it with the trainer's shards: tests/test_fsdp_vllm.py).
+    # then compares it with the trainer's shards: tests/integration/vllm/test_fsdp_vllm.py).
     from types import SimpleNamespace
 
     from lightning.pytorch.trainer.states import TrainerFn

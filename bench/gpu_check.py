@@ -32,7 +32,8 @@ still reports what it measured, and a stage that fails is recorded with its erro
                  image has none) or with fewer than 2 GPUs; on the CPU (--dry-run) the same without sleep mode
 
 At the end the report is printed as markdown tables. `--dry-run` runs every stage on the CPU at the "tiny" shape
-with a few steps: what tests/test_gpu_check.py runs, so that the script keeps working while no GPU is at hand.
+with a few steps: what tests/integration/bench/test_gpu_check.py runs, so that the script keeps working while no
+GPU is at hand.
 """
 
 from __future__ import annotations
@@ -627,7 +628,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/out/gpu_check.json"))
     parser.add_argument("--dry-run", action="store_true", help="every stage on the CPU at the tiny shape (CI)")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, from " + ", ".join(STAGES))
-    # For tests/test_gpu_check.py: the named stage raises instead of running; the others must still run.
+    # For tests/integration/bench/test_gpu_check.py: the named stage raises instead of running; the others must still
+    # run.
     parser.add_argument("--fail-stage", choices=STAGES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.stages = args.stages.split(",")

@@ -11,9 +11,12 @@ that does act.
 from __future__ import annotations
 
 import inspect
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -70,3 +73,28 @@ def policy_skeleton(model: str) -> nn.Module | None:
     config = AutoConfig.from_pretrained(Path(config_file).parent)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def non_finite_settings(config: Any, key: str = "") -> list[str]:
+    """Every setting in a parsed config (jsonargparse Namespaces, dicts and lists, as nested as the classes' own
+    init_args) whose value is a float that is not finite, by its key (`trainer.callbacks[1].init_args.budget`)."""
+    if isinstance(config, float):
+        return [] if math.isfinite(config) else [f"{key}={config}"]
+    if isinstance(config, Namespace):
+        config = vars(config)
+    if isinstance(config, dict):
+        return [found for name, value in config.items()
+                for found in non_finite_settings(value, f"{key}.{name}" if key else str(name))]
+    if isinstance(config, (list, tuple)):
+        return [found for index, value in enumerate(config) for found in non_finite_settings(value, f"{key}[{index}]")]
+    return []
+
+
+def check_finite_settings(config: Any) -> None:
+    """Refuse NaN and infinity in any setting, whatever class it goes to, before anything is built. The command line
+    refuses `nan` itself, but a config file's `.nan` or `.inf` (YAML's spellings) reaches the classes, where a check
+    written as `x <= 0` lets NaN through: a NaN temperature trained with reward 0 and no warning."""
+    found = non_finite_settings(config)
+    if found:
+        raise ValueError(f"{', '.join(found)}: a setting must be a finite number (YAML's .nan and .inf are refused); "
+                         f"set a number, or null where the setting allows none")

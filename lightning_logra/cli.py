@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_logra.callbacks import RunDirectory, SaveOnSignal, SketchModelSummary, StepProgressBar
-from lightning_logra.checks import check_before_loading
+from lightning_logra.checks import check_before_loading, check_finite_settings
 from lightning_logra.data.module import RLVRDataModule
 from lightning_logra.paths import config_path
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
@@ -27,6 +27,9 @@ from lightning_logra.train.module import RLVRModule
 
 
 class RLVRCLI(LightningCLI):
+    def before_instantiate_classes(self) -> None:
+        check_finite_settings(self.config[self.subcommand] if self.subcommand else self.config)
+
     def after_instantiate_classes(self) -> None:
         # The config's classes are built, nothing is loaded yet: settings that would fail or be ignored once data,
         # weights and an engine are loaded fail now (`validate` / `test` install no sketches).

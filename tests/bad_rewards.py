@@ -1,6 +1,7 @@
-"""Rewards for tests/unit/rewards/test_rewards.py and tests/integration/cli/test_cli.py: functions that misbehave, named by dotted path
-("bad_rewards.…") as a config names a custom reward, classes a config builds from class_path/init_args, and a check
-for `CheckPool`'s worker processes. Only light imports, since each reward or check process imports this module."""
+"""Rewards for tests/unit/rewards/test_rewards.py and tests/integration/cli/test_cli.py: functions that misbehave,
+named by dotted path ("bad_rewards.…") as a config names a custom reward, classes a config builds from
+class_path/init_args, and a check for `CheckPool`'s worker processes. Only light imports, since each reward or check
+process imports this module."""
 
 import math
 import os

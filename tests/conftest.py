@@ -27,6 +27,12 @@ from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.sketch import sketched_layers
 from lightning_logra.train.policy import pad_token_id
 
+# vLLM's CPU backend gives its KV cache gpu_memory_utilization × the memory of the NUMA node its worker runs on, less
+# the worker's own RSS (about 0.6 GiB). The tests' small fractions (several engines share the machine) leave nothing
+# where node 0 holds 10 of the machine's 24 GiB ("Available memory on node 0 ... is less than requested"): an explicit
+# 1 GiB per engine fits on either kind of machine. Runs the tests start in processes of their own inherit it.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
 ROOT = Path(__file__).parents[1]
 UNIT, INTEGRATION = ROOT / "tests" / "unit", ROOT / "tests" / "integration"
 CONFIGS = ROOT / "configs"

@@ -1,6 +1,6 @@
-"""Callbacks for the runs of several ranks with a vLLM engine each (tests/integration/vllm/test_ddp_vllm.py, tests/integration/vllm/test_fsdp_vllm.py),
-named by dotted path on their command lines ("engine_ranks.…"): what each rank's engine sampled and holds, written
-as rank<r>.json in the run's root directory; and a SIGKILL of one rank mid-run."""
+"""Callbacks for the runs of several ranks with a vLLM engine each (tests/integration/vllm/test_ddp_vllm.py and
+test_fsdp_vllm.py), named by dotted path on their command lines ("engine_ranks.…"): what each rank's engine sampled
+and holds, written as rank<r>.json in the run's root directory; and a SIGKILL of one rank mid-run."""
 
 import json
 import os

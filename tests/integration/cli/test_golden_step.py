@@ -49,8 +49,30 @@ GOLDEN = {
         "lr": 1e-4,  # the config's (model.lr)
     },
     # Recorded 2026-12-02 from main at 89031cb (before the tiers): bf16 weights merged by stochastic rounding, and LoRA.
-    "tiny_arith_bf16": RECORD_BF16,
-    "tiny_arith_lora": RECORD_LORA,
+    "tiny_arith_bf16": {
+        "steps": [
+            {"train/reward_mean": 0.5, "train/loss": -0.17349867522716522, "train/grad_norm": 2.657141923904419,
+             "kl/q": 6.176585429784609e-06, "kl/alpha": 4.0},
+            {"train/reward_mean": 0.3125, "train/loss": -0.1854909062385559, "train/grad_norm": 1.590154767036438,
+             "kl/q": 2.4254700292658526e-06, "kl/alpha": 4.0},
+            {"train/reward_mean": 0.359375, "train/loss": -0.2055453360080719, "train/grad_norm": 2.2325010299682617,
+             "kl/q": 3.282446414232254e-06, "kl/alpha": 4.0},
+        ],
+        "delta_weighted_sum": -0.03045409929936346,
+        "delta_norm": 0.0671425432612865,
+        "lr": 5e-06,
+        "sum_tolerance": 0.001,
+    },
+    "tiny_arith_lora": {
+        "steps": [
+            {"train/reward_mean": 0.484375, "train/loss": -0.17122018337249756, "train/grad_norm": 1.239761471748352},
+            {"train/reward_mean": 0.234375, "train/loss": -0.1009584367275238, "train/grad_norm": 1.0299499034881592},
+            {"train/reward_mean": 0.109375, "train/loss": -0.04382789134979248, "train/grad_norm": 0.5021739602088928},
+        ],
+        "delta_weighted_sum": 0.6477723905062184,
+        "delta_norm": 1.3964079461239187,
+        "lr": 0.002,
+    },
 }
 
 

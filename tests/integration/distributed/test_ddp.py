@@ -15,7 +15,28 @@ from golden import assert_matches, observe
 
 # Three steps of 4 prompts on a random model (conftest.fast_overrides), 2 processes; recorded 2026-12-02 from main at
 # 89031cb. How to record anew, and when: tests/golden.py.
-GOLDEN = {"tiny_arith_ddp": RECORD_DDP, "dense_ddp": RECORD_DENSE_DDP}
+GOLDEN = {"tiny_arith_ddp": {
+    "steps": [
+        {"train/loss": -0.08644914627075195, "train/grad_norm": 1.6137561798095703, "train/reward_mean": 0.40625,
+         "kl/q": 0.02445101924240589, "kl/alpha": 0.45220619440078735},
+        {"train/loss": -0.27677813172340393, "train/grad_norm": 1.675331950187683, "train/reward_mean": 0.3125,
+         "kl/q": 0.015105295926332474, "kl/alpha": 0.5749507546424866},
+        {"train/loss": -0.28287824988365173, "train/grad_norm": 1.628535270690918, "train/reward_mean": 0.5,
+         "kl/q": 0.011249138042330742, "kl/alpha": 0.6658027172088623},
+    ],
+    "delta_weighted_sum": 0.3718968054545517,
+    "delta_norm": 0.6839833731292445,
+    "lr": 0.001,
+}, "dense_ddp": {
+    "steps": [
+        {"train/loss": -0.08644914627075195, "train/grad_norm": 2.1806833744049072, "train/reward_mean": 0.40625},
+        {"train/loss": -0.27393582463264465, "train/grad_norm": 2.4452035427093506, "train/reward_mean": 0.34375},
+        {"train/loss": -0.27596426010131836, "train/grad_norm": 2.2217319011688232, "train/reward_mean": 0.46875},
+    ],
+    "delta_weighted_sum": -0.07911464199334552,
+    "delta_norm": 0.12104972990772686,
+    "lr": 0.0001,
+}}
 
 
 def _fit(run_cli, config: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:

@@ -17,7 +17,19 @@ from golden import assert_matches, observe
 # Three steps of 4 prompts on a random model (conftest.fast_overrides), sharded over 2 processes, the embedding,
 # norms and head trained densely beside the sketches; recorded 2026-12-02 from main at 89031cb. How to record anew,
 # and when: tests/golden.py.
-GOLDEN_FSDP = RECORD_FSDP
+GOLDEN_FSDP = {
+    "steps": [
+        {"train/loss": -0.08644914627075195, "train/grad_norm": 2.1521265506744385, "train/reward_mean": 0.40625,
+         "kl/q": 0.03617938607931137, "kl/alpha": 0.37175291776657104},
+        {"train/loss": -0.2779771089553833, "train/grad_norm": 2.3325510025024414, "train/reward_mean": 0.3125,
+         "kl/q": 0.022103186696767807, "kl/alpha": 0.47530001401901245},
+        {"train/loss": -0.2823980450630188, "train/grad_norm": 2.1783030033111572, "train/reward_mean": 0.5,
+         "kl/q": 0.01648770272731781, "kl/alpha": 0.5499523878097534},
+    ],
+    "delta_weighted_sum": 0.3621693802370477,
+    "delta_norm": 0.5649992469645225,
+    "lr": 0.001,
+}
 
 
 def _config(name: str, path: Path, **checkpointing) -> str:

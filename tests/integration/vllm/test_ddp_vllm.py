@@ -23,7 +23,19 @@ STEPS = 3
 # The run's steps: each rank's engine samples its slice (rank 1's engine drifts after the first step and is repaired
 # before the next generation); recorded 2026-12-02 from main at 89031cb. How to record anew, and when:
 # tests/golden.py.
-GOLDEN_DDP_VLLM = RECORD_DDP_VLLM
+GOLDEN_DDP_VLLM = {
+    "steps": [
+        {"train/loss": -0.15071292221546173, "train/grad_norm": 1.7396124601364136, "train/reward_mean": 0.5,
+         "kl/q": 0.025575047358870506, "kl/alpha": 0.4421572685241699},
+        {"train/loss": -0.420996755361557, "train/grad_norm": 1.8483384847640991, "train/reward_mean": 0.375,
+         "kl/q": 0.01842992752790451, "kl/alpha": 0.5205152630805969},
+        {"train/loss": -0.011187812313437462, "train/grad_norm": 1.9079378843307495, "train/reward_mean": 0.5625,
+         "kl/q": 0.011714319698512554, "kl/alpha": 0.6524490714073181},
+    ],
+    "delta_weighted_sum": 0.3082531915928697,
+    "delta_norm": 0.6506641117354189,
+    "lr": 0.001,
+}
 
 
 def test_two_ranks_each_with_a_vllm_engine(run_cli, tiny_arith_model, tmp_path):

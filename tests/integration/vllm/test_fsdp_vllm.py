@@ -90,7 +90,19 @@ def test_a_sharded_bf16_run_killed_mid_way_resumes_with_its_engines_equal_to_the
 # The tensor-parallel run's steps (rank 1 shifts an entry of the engine both ranks share after the first step, so the
 # second step samples from it); recorded 2026-12-02 from main at 89031cb. How to record anew, and when:
 # tests/golden.py.
-GOLDEN_TRAINER_RANKS = RECORD_TRAINER_RANKS
+GOLDEN_TRAINER_RANKS = {
+    "steps": [
+        {"train/loss": -0.15071295201778412, "train/grad_norm": 2.2973177433013916, "train/reward_mean": 0.5,
+         "kl/q": 0.03735942021012306, "kl/alpha": 0.3658347427845001},
+        {"train/loss": -0.4204205870628357, "train/grad_norm": 2.511666774749756, "train/reward_mean": 0.375,
+         "kl/q": 0.029976651072502136, "kl/alpha": 0.40813490748405457},
+        {"train/loss": -0.013803662732243538, "train/grad_norm": 2.49539852142334, "train/reward_mean": 0.5625,
+         "kl/q": 0.0173506997525692, "kl/alpha": 0.5361010432243347},
+    ],
+    "delta_weighted_sum": 0.23300602786678198,
+    "delta_norm": 0.5295885390615007,
+    "lr": 0.001,
+}
 
 
 def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tiny_arith_model, tmp_path):

@@ -1,6 +1,6 @@
 """A vLLM engine placed on one rank of several (`VLLMEngine.place`), before it starts: the settings that cannot work
 fail naming the key, and the environment its processes inherit keeps the trainer's rank and rendezvous out. (The
-engines themselves, 2 ranks with one each: tests/integration/vllm/test_ddp_vllm.py, tests/integration/vllm/test_fsdp_vllm.py.)"""
+engines themselves, 2 ranks with one each: tests/integration/vllm/test_ddp_vllm.py and test_fsdp_vllm.py.)"""
 
 import os
 

@@ -1,7 +1,7 @@
 """The overlapped rollouts' pipeline (`lightning_logra.rollout.pipeline`) with an engine that records what it holds:
 which weights each batch is drawn with, in what order the worker makes the calls, what a checkpoint saves of the
-batches in flight, and what happens when the engine is lost. Engine-free and fast; tests/integration/vllm/test_overlap.py runs it
-with vLLM."""
+batches in flight, and what happens when the engine is lost. Engine-free and fast;
+tests/integration/vllm/test_overlap.py runs it with vLLM."""
 
 import threading
 import time

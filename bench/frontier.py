@@ -37,20 +37,18 @@ point and marked. JSON and plot under bench/out/.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
 import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
 import rank_sweep  # bench/rank_sweep.py: cos(G, S·A), a sketch's reconstruction against the dense gradient  # noqa: E402
 from memory import fixed_batch  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, latest_run, run_all, scalars  # noqa: E402
+from runs import ROOT  # noqa: E402
 
 DENSE_LR, LORA_LR, LOGRA_LR = 1e-4, 1e-3, 1e-3  # bench/quality.py's best on add3 (docs/results.md)
 FAST_DENSE_LR = 3e-4  # dense at the next rate of quality.py's grid: its curve carries dense's frontier further out
@@ -59,6 +57,7 @@ UNCONTROLLED_KL = 1.8e-2  # LoGRA rank 16 at 1e-3, uncontrolled: realized KL per
 FRACTIONS = [0.1, 0.3, 1.0]  # the constant budgets δ, as fractions of UNCONTROLLED_KL
 BETA = 0.04  # TRL's long-standing default for its KL penalty
 ALPHA_MAX = 4.0  # as configs/add3.yaml: lets the controller enlarge steps too
+START = {"method": "dense_targets", "lr": DENSE_LR}  # the config the start's validation takes (it takes no step)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,19 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt of the KL measurement")
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out items of pass@1 (default: all 2,054)")
     parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--reuse", action="store_true",
-                        help="measure, not rerun, every run whose config is unchanged and whose log is complete")
     parser.add_argument("--quick", action="store_true", help="4 steps, 1 seed, 64 held-out items, 16 KL prompts")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "frontier.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "frontier.png")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "frontier_runs")
+    grid.add_options(parser, ROOT / "bench" / "out" / "frontier.json", ROOT / "bench" / "out" / "frontier_runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.every, args.seeds, args.more_seeds = 4, 2, 1, 1
         args.eval_limit, args.prompts = args.eval_limit or 64, 16
-    for key in ("steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel"):
-        if getattr(args, key) < 1:
-            raise SystemExit(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    grid.positive(args, "steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel")
     if args.steps % args.every:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
     args.evals = args.steps // args.every  # what quality.run_config reads
@@ -113,37 +106,6 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     if run.get("beta"):
         config["model"]["beta"] = run["beta"]
     return config
-
-
-def command(run: dict, args: argparse.Namespace) -> list[str]:
-    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    verb = "fit"
-    if run["method"] == "start":  # the shipped model's greedy pass@1, once: validate runs no training step
-        config = quality.run_config({**run, "method": "dense_targets", "lr": DENSE_LR}, args)
-        config["trainer"]["callbacks"] = []
-        verb = "validate"
-    else:
-        config = run_config(run, args)
-    path.write_text(yaml.safe_dump(config))
-    return [sys.executable, str(ROOT / "cli.py"), verb, "--config", str(path)]
-
-
-def finished(run: dict, args: argparse.Namespace) -> bool:
-    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
-    if not args.reuse or not path.exists() or not (args.runs_dir / run["name"]).exists():
-        return False
-    if run["method"] != "start" and yaml.safe_load(path.read_text()) != run_config(run, args):
-        return False
-    values = scalars(latest_run(args.runs_dir, run["name"]))
-    return len(values.get("val/pass@1", [])) == (1 if run["method"] == "start" else args.evals)
-
-
-def train(runs: list[dict], args: argparse.Namespace) -> None:
-    todo = [run for run in runs if not finished(run, args)]
-    failed = [row for row in run_all(todo, lambda run: command(run, args), args.parallel) if "error" in row]
-    if failed:
-        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
 
 
 def spec(row: str, method: str, seeds: int, **settings) -> list[dict]:
@@ -191,9 +153,9 @@ def best_controlled(measured: dict[str, list[dict]]) -> str:
 # ---- what each run measured ---------------------------------------------------------------------------------------
 
 def measure(run: dict, args: argparse.Namespace, start: float) -> dict:
-    values = scalars(latest_run(args.runs_dir, run["name"]))
+    values = grid.read(args.runs_dir, run["name"])
     rewards, kl = values["train/reward_mean"], [k for k in values.get("kl/realized", []) if math.isfinite(k)]
-    tenth = max(1, len(rewards) // 10)
+    tenth = grid.tenth(rewards)
     reward_at = [statistics.fmean(rewards[max(0, s - tenth):s]) for s in range(args.every, args.steps + 1,
                                                                                  args.every)]
     return {**run, "kl_curve": [0.0] + values["val/kl_from_start"], "pass_curve": [start] + values["val/pass@1"],
@@ -236,24 +198,13 @@ def summarize(measured: dict[str, list[dict]]) -> dict[str, dict]:
             value, past = dense_frontier(measured, r["seed"], r["kl_from_start"])
             differences.append(r["pass_at_1"] - value)
             beyond += past
-        entry = {"seeds": len(results), "vs_dense_at_kl": _mean_se(differences), "beyond_dense": beyond}
-        for key in ("pass_at_1", "kl_from_start", "reward_last", "kl_sum"):
-            entry[key] = _mean_std([r[key] for r in results])
+        entry = {"seeds": len(results), "vs_dense_at_kl": grid.mean_se(differences), "beyond_dense": beyond}
+        entry |= grid.over_seeds(results, ("pass_at_1", "kl_from_start", "reward_last", "kl_sum"))
         for key in ("lr", "delta", "total", "beta", "rank"):
             if results[0].get(key) is not None:
                 entry[key] = results[0][key]
         summary[row] = entry
     return summary
-
-
-def _mean_std(values: list[float]) -> list[float]:
-    return [statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0]
-
-
-def _mean_se(values: list[float]) -> list[float]:
-    if not values:
-        return [math.nan, math.nan]
-    return [statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0]
 
 
 LABELS = {"dense": "dense AdamW, targets", f"dense_lr{FAST_DENSE_LR:g}": f"dense AdamW, targets, {FAST_DENSE_LR:g}",
@@ -293,21 +244,15 @@ def sketch_cosines(ranks: list[int], seeds: int = 3) -> dict[int, float]:
 
 
 def table(summary: dict[str, dict], start: float, args: argparse.Namespace) -> str:
-    lines = [f"greedy pass@1 at the start: {start:.3f}", "",
-             f"| row | setting | seeds | KL(π_{args.steps} ‖ π_0) | Σ kl/realized | greedy pass@1 | "
-             "vs dense at equal KL, paired (± s.e.) | sampled reward, last tenth |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for row, e in summary.items():
         setting = ", ".join(f"{k} {e[k]:.3g}" for k in ("lr", "delta", "total", "beta") if k in e)
         mark = f" ({e['beyond_dense']} beyond dense's reach)" if e["beyond_dense"] else ""
-        lines.append(f"| {label(row, e)} | {setting} | {e['seeds']} | {_pm(e['kl_from_start'])} "
-                     f"| {_pm(e['kl_sum'])} | {_pm(e['pass_at_1'])} | {_pm(e['vs_dense_at_kl'])}{mark} "
-                     f"| {_pm(e['reward_last'])} |")
-    return "\n".join(lines)
-
-
-def _pm(pair: list[float]) -> str:
-    return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+        rows.append([label(row, e), setting, str(e["seeds"]), grid.pm(e["kl_from_start"]), grid.pm(e["kl_sum"]),
+                     grid.pm(e["pass_at_1"]), grid.pm(e["vs_dense_at_kl"]) + mark, grid.pm(e["reward_last"])])
+    header = ["row", "setting", "seeds", f"KL(π_{args.steps} ‖ π_0)", "Σ kl/realized", "greedy pass@1",
+              "vs dense at equal KL, paired (± s.e.)", "sampled reward, last tenth"]
+    return "\n".join([f"greedy pass@1 at the start: {start:.3f}", "", *grid.markdown(header, rows, left=2)])
 
 
 def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argparse.Namespace) -> None:
@@ -321,13 +266,12 @@ def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argpar
         name = label(row, summary[row])
         if ends[row] not in near:
             name += f" (off the axis: KL {ends[row]:.1f}, pass@1 {summary[row]['pass_at_1'][0]:.2f})"
-        points = len(results[0]["kl_curve"])
-        kl = [statistics.fmean(r["kl_curve"][i] for r in results) for i in range(points)]
+        kl = grid.mean_curve([r["kl_curve"] for r in results])
         style = "--" if row.startswith(("pair", "dense_beta")) else (":" if row.startswith("logra_lr") else "-")
         width = 2.5 if row in DENSE_ROWS else 1.2
         for axis, key in ((pass_axis, "pass_curve"), (reward_axis, "reward_curve")):
-            axis.plot(kl, [statistics.fmean(r[key][i] for r in results) for i in range(points)], style,
-                      color=plt.cm.tab20(index % 20), marker="o", markersize=3, linewidth=width, label=name)
+            axis.plot(kl, grid.mean_curve([r[key] for r in results]), style, color=plt.cm.tab20(index % 20),
+                      marker="o", markersize=3, linewidth=width, label=name)
     for axis, name in ((pass_axis, "greedy pass@1, held-out"), (reward_axis, "sampled reward (moving mean)")):
         axis.set(xlabel="KL(π_t ‖ π_0), per token, measured", ylabel=name, xlim=(0, 1.1 * max(near)))
     pass_axis.legend(fontsize=7)
@@ -338,26 +282,22 @@ def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argpar
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
-    start_run = dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank,
-                     distribution="rademacher", refresh_every=None)
     first = first_rows(args)
-    train([start_run, *first], args)
-    start = scalars(latest_run(args.runs_dir, "start"))["val/pass@1"][-1]
+    quality.train([quality.start_run(args), *first], args, run_config, START)
+    start = grid.read(args.runs_dir, "start")["val/pass@1"][-1]
     measured: dict[str, list[dict]] = {}
     for run in first:
         measured.setdefault(run["row"], []).append(measure(run, args, start))
     second = second_rows(args, measured)
-    train(second, args)
+    quality.train(second, args, run_config, START)
     for run in second:
         measured.setdefault(run["row"], []).append(measure(run, args, start))
     summary = summarize(measured)
     cosines = sketch_cosines([args.rank, 4 * args.rank])
     print(table(summary, start, args))
     print("cos(G, S·A) on add3's model: " + ", ".join(f"rank {r} {c:.3f}" for r, c in cosines.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"start_pass_at_1": start, "summary": summary, "runs": measured,
-                                    "sketch_cosines": cosines, "settings": settings}, indent=1) + "\n")
+    grid.write_report(args.out, {"start_pass_at_1": start, "summary": summary, "runs": measured,
+                                 "sketch_cosines": cosines, "settings": grid.arguments(args)})
     plot(measured, summary, args)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 

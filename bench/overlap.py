@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -40,8 +39,9 @@ import yaml
 from lightning.pytorch import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, latest_run, run_all, scalars  # noqa: E402
+from runs import ROOT  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
 ROWS = {"serial": 0, "overlap1": 1, "overlap2": 2, "inprocess": None}  # max_staleness (None: the in-process engine)
@@ -99,10 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--more-seeds", type=int, default=None,
                         help="seeds of serial and overlap1, the pair the targets are about (default: --seeds)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 seed, 64 held-out items")
-    parser.add_argument("--reuse", action="store_true", help="keep runs that already finished")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "overlap" / "overlap.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "overlap" / "overlap.png")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "overlap" / "runs")
+    folder = ROOT / "bench" / "out" / "overlap"
+    grid.add_options(parser, folder / "overlap.json", folder / "runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.eval_limit = 6, 1, 64
@@ -113,19 +111,14 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     """add3.yaml for `args.steps` steps at the run's seed, with the vLLM engine and its weight sync (but for
     `inprocess`), and ProcessTimes."""
     config = yaml.safe_load(BASE_CONFIG.read_text())
-    trainer, model, data = config["trainer"], config["model"], config["data"]["init_args"]
-    config["seed_everything"] = model["seed"] = data["seed"] = run["seed"]
-    trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
+    trainer, model = config["trainer"], config["model"]
     budget = [c for c in trainer["callbacks"] if c["class_path"].endswith("PredictedKLBudget")]
     for callback in budget:  # the config's total over its own steps: the same per step over these
         callback["init_args"]["total_budget"] *= args.steps / trainer["max_steps"]
     trainer["callbacks"] = budget + [{"class_path": "overlap.ProcessTimes",
                                       "init_args": {"path": str(times_path(run, args))}}]
-    trainer.update(max_steps=args.steps, val_check_interval=args.steps, enable_checkpointing=False,
-                   enable_progress_bar=False)
-    trainer["logger"]["init_args"].update(save_dir=str(args.runs_dir), name=run["name"])
-    if args.eval_limit is not None:
-        data["eval_limit"] = args.eval_limit
+    grid.as_run(config, run, args)
+    trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
     if run["max_staleness"] is not None:
         model.update(engine=ENGINE, max_staleness=run["max_staleness"])
         trainer["callbacks"] += [{"class_path": "lightning_logra.callbacks.RolloutWeightSync"},
@@ -138,10 +131,7 @@ def times_path(run: dict, args: argparse.Namespace) -> Path:
 
 
 def command(run: dict, args: argparse.Namespace) -> list[str]:
-    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(run_config(run, args)))
-    cli = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(path)]
+    cli = grid.cli(run_config(run, args), args.runs_dir, run["name"])
     if run["max_staleness"] is None:  # the in-process engine: both cores, two threads
         return ["env", "OMP_NUM_THREADS=2", *cli]
     return ["env", f"VLLM_CPU_OMP_THREADS_BIND={ENGINE_CORE}", "OMP_NUM_THREADS=1", "taskset", "-c",
@@ -149,16 +139,16 @@ def command(run: dict, args: argparse.Namespace) -> list[str]:
 
 
 def finished(run: dict, args: argparse.Namespace) -> bool:
-    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
-    if not args.reuse or not path.exists() or not times_path(run, args).exists():
+    """With --reuse: the run's config is unchanged and it wrote its times (at its last step)."""
+    if not args.reuse or not times_path(run, args).exists():
         return False
-    return yaml.safe_load(path.read_text()) == run_config(run, args)
+    return grid.finished(args.runs_dir, run["name"], run_config(run, args))
 
 
 def measure(run: dict, args: argparse.Namespace) -> dict:
-    values = scalars(latest_run(args.runs_dir, run["name"]))
+    values = grid.read(args.runs_dir, run["name"])
     steps = values["train/step_s"][WARMUP:] or values["train/step_s"]
-    tenth = max(1, len(values["train/reward_mean"]) // 10)
+    tenth = grid.tenth(values["train/reward_mean"])
     times = json.loads(times_path(run, args).read_text())
 
     def mean(key: str) -> float:
@@ -171,51 +161,39 @@ def measure(run: dict, args: argparse.Namespace) -> dict:
             "rewards": values["train/reward_mean"]}
 
 
-def _mean_se(values: list[float]) -> list[float]:
-    if len(values) < 2:
-        return [values[0], math.nan]
-    return [statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))]
-
-
 def summarize(measured: dict[str, list[dict]]) -> dict[str, dict]:
     """Per row: means ± s.e. over seeds, and the paired ratios and differences to serial's run of the same seed."""
-    serial = {r["seed"]: r for r in measured.get("serial", [])}
+    serial = measured.get("serial", [])
     summary = {}
     for row, results in measured.items():
         entry = {"seeds": len(results)}
-        for key in ("step_s", "wall_s", "trainer_cpu_s", "engine_cpu_s", "wait_s", "score_s", "update_s",
-                    "pass_at_1", "reward_last"):
-            entry[key] = _mean_se([r[key] for r in results])
-        paired = [(r, serial[r["seed"]]) for r in results if r["seed"] in serial]
+        entry |= grid.over_seeds(results, ("step_s", "wall_s", "trainer_cpu_s", "engine_cpu_s", "wait_s", "score_s",
+                                           "update_s", "pass_at_1", "reward_last"), spread=grid.mean_se)
+        paired = grid.paired(results, serial)
         if paired:
             ratios = [s["step_s"] / r["step_s"] for r, s in paired]
             entry["speedup_median"] = statistics.median(ratios)
-            entry["speedup"] = _mean_se(ratios)
-            entry["pass_vs_serial"] = _mean_se([r["pass_at_1"] - s["pass_at_1"] for r, s in paired])
-            entry["reward_vs_serial"] = _mean_se([r["reward_last"] - s["reward_last"] for r, s in paired])
+            entry["speedup"] = grid.mean_se(ratios)
+            entry["pass_vs_serial"] = grid.mean_se(grid.differences(results, serial, "pass_at_1"))
+            entry["reward_vs_serial"] = grid.mean_se(grid.differences(results, serial, "reward_last"))
         summary[row] = entry
     return summary
 
 
-def _pm(pair: list[float], digits: int = 3) -> str:
-    return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
-
-
 def table(summary: dict[str, dict], args: argparse.Namespace) -> str:
-    lines = [f"add3, {args.steps} steps, mean ± s.e. over paired seeds; trainer on core 0, vLLM engine on core 1 "
-             "(inprocess: both cores)", "",
-             "| row | seeds | s/step (median) | speed-up vs serial (median of paired) | wall s | trainer CPU s | "
-             "engine CPU s | wait s | score s | update s | greedy pass@1 | vs serial | reward, last tenth | "
-             "vs serial |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for row, e in summary.items():
         speed = f"{e['speedup_median']:.2f}×" if "speedup_median" in e else "—"
-        versus = [_pm(e[k]) if k in e else "—" for k in ("pass_vs_serial", "reward_vs_serial")]
-        lines.append(f"| {row} | {e['seeds']} | {_pm(e['step_s'])} | {speed} | {_pm(e['wall_s'], 0)} "
-                     f"| {_pm(e['trainer_cpu_s'], 0)} | {_pm(e['engine_cpu_s'], 0)} | {_pm(e['wait_s'])} "
-                     f"| {_pm(e['score_s'])} | {_pm(e['update_s'])} | {_pm(e['pass_at_1'])} | {versus[0]} "
-                     f"| {_pm(e['reward_last'])} | {versus[1]} |")
-    return "\n".join(lines)
+        versus = [grid.pm(e[k]) if k in e else "—" for k in ("pass_vs_serial", "reward_vs_serial")]
+        seconds = [grid.pm(e[k], 0) for k in ("wall_s", "trainer_cpu_s", "engine_cpu_s")]
+        parts = [grid.pm(e[k]) for k in ("wait_s", "score_s", "update_s")]
+        rows.append([row, str(e["seeds"]), grid.pm(e["step_s"]), speed, *seconds, *parts, grid.pm(e["pass_at_1"]),
+                     versus[0], grid.pm(e["reward_last"]), versus[1]])
+    header = ["row", "seeds", "s/step (median)", "speed-up vs serial (median of paired)", "wall s", "trainer CPU s",
+              "engine CPU s", "wait s", "score s", "update s", "greedy pass@1", "vs serial", "reward, last tenth",
+              "vs serial"]
+    return "\n".join([f"add3, {args.steps} steps, mean ± s.e. over paired seeds; trainer on core 0, vLLM engine on "
+                      "core 1 (inprocess: both cores)", "", *grid.markdown(header, rows)])
 
 
 def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argparse.Namespace) -> None:
@@ -233,9 +211,9 @@ def plot(measured: dict[str, list[dict]], summary: dict[str, dict], args: argpar
     time_axis.legend()
     window = max(1, args.steps // 20)
     for row, results in measured.items():
-        curve = [statistics.fmean(r["rewards"][i] for r in results) for i in range(len(results[0]["rewards"]))]
-        smooth = [statistics.fmean(curve[max(0, i - window + 1):i + 1]) for i in range(len(curve))]
-        reward_axis.plot(range(1, len(curve) + 1), smooth, label=f"{row} (pass@1 {summary[row]['pass_at_1'][0]:.3f})")
+        smooth = grid.moving_mean(grid.mean_curve([r["rewards"] for r in results]), window)
+        reward_axis.plot(range(1, len(smooth) + 1), smooth,
+                         label=f"{row} (pass@1 {summary[row]['pass_at_1'][0]:.3f})")
     reward_axis.set(xlabel="step", ylabel=f"sampled reward ({window}-step moving mean)", title="learning")
     reward_axis.legend()
     save_figure(fig, "overlapped rollouts on add3, mean over paired seeds", args.plot)
@@ -250,21 +228,17 @@ def main(argv: list[str] | None = None) -> None:
              for row in args.rows}
     runs = [{"row": row, "max_staleness": ROWS[row], "seed": seed, "name": f"{row}_seed{seed}"}
             for seed in range(max(seeds.values())) for row in args.rows if seed < seeds[row]]
-    todo = [run for run in runs if not finished(run, args)]
     # One at a time: the runs are timed, and each takes both cores
-    failed = [row for row in run_all(todo, lambda run: command(run, args), parallel=1) if "error" in row]
-    if failed:
-        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
+    grid.train(runs, lambda run: command(run, args), parallel=1, keep=lambda run: finished(run, args))
     measured: dict[str, list[dict]] = {}
     for run in runs:
         measured.setdefault(run["row"], []).append(measure(run, args))
     summary = summarize(measured)
     text = table(summary, args)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, "summary": summary, "table": text,
-                                    "runs": {row: [{k: v for k, v in r.items() if k != "rewards"} for r in results]
-                                             for row, results in measured.items()}}, indent=1))
+    grid.write_report(args.out, {"steps": args.steps, "summary": summary, "table": text,
+                                 "runs": {row: [{k: v for k, v in r.items() if k != "rewards"} for r in results]
+                                          for row, results in measured.items()}})
     plot(measured, summary, args)
 
 

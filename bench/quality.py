@@ -36,18 +36,18 @@ tenth − first tenth) per unit of KL travelled (the sum of the per-step KL). JS
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, latest_run, run_all, scalars  # bench/runs.py: CLI runs and their scalars  # noqa: E402
+from runs import ROOT  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -58,6 +58,7 @@ GRIDS = {  # learning rates swept per method (the default run); --quick takes th
     "logra": [3e-4, 1e-3, 3e-3],  # add3.yaml's 1e-3 in the middle
 }
 PAPER_LORA_LR = 2e-4
+START = {"method": "dense_all", "lr": 1e-4}  # the config the start's validation takes (it takes no step)
 LABELS = {
     "dense_all": "dense AdamW, all parameters",
     "dense_targets": "dense AdamW, target matrices only",
@@ -83,20 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kl-budget", type=float, default=None,
                         help="δ₀ of the KL-controlled LoGRA row (default: LoRA 2e-4's realized KL per step, see above)")
     parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--reuse", action="store_true",
-                        help="measure, not rerun, every run whose config is unchanged in --runs-dir and whose log "
-                             "holds all its evaluations (a rerun after an interruption or a change to some rows)")
     parser.add_argument("--quick", action="store_true",
                         help="every row, 4 steps, 1 seed, one learning rate per method, 64 held-out items")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "quality.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "quality.png")
-    parser.add_argument("--runs-dir", type=Path, default=ROOT / "bench" / "out" / "quality_runs")
+    grid.add_options(parser, ROOT / "bench" / "out" / "quality.json", ROOT / "bench" / "out" / "quality_runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.evals, args.eval_limit = 4, 1, 1, args.eval_limit or 64
-    for key in ("steps", "seeds", "evals", "rank", "rank2", "parallel"):
-        if getattr(args, key) < 1:
-            raise SystemExit(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    grid.positive(args, "steps", "seeds", "evals", "rank", "rank2", "parallel")
     if args.steps % args.evals:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --evals ({args.evals})")
     return args
@@ -106,7 +100,7 @@ def grids(args: argparse.Namespace) -> dict[str, list[float]]:
     """The learning rates swept per method; --quick: one each (LoRA's is the paper's, which the pair needs)."""
     if not args.quick:
         return GRIDS
-    return {method: [PAPER_LORA_LR] if method == "lora" else [grid[1]] for method, grid in GRIDS.items()}
+    return {method: [PAPER_LORA_LR] if method == "lora" else [lrs[1]] for method, lrs in GRIDS.items()}
 
 
 # ---- one run: a config built from add3.yaml -------------------------------------------------------------------------
@@ -124,15 +118,9 @@ def kl_callback(budget: float | None, steps: int) -> dict:
 
 def run_config(run: dict, args: argparse.Namespace) -> dict:
     """The whole config of one run: add3.yaml with the run's method, learning rate and seed."""
-    config = yaml.safe_load(BASE_CONFIG.read_text())
-    seed, steps = run["seed"], args.steps
-    trainer, model, data = config["trainer"], config["model"], config["data"]["init_args"]
-    config["seed_everything"] = model["seed"] = data["seed"] = seed
-    trainer.update(max_steps=steps, val_check_interval=steps // args.evals, enable_checkpointing=False,
-                   enable_progress_bar=False, callbacks=[kl_callback(run.get("kl_budget"), steps)])
-    trainer["logger"]["init_args"].update(save_dir=str(args.runs_dir), name=run["name"])
-    if args.eval_limit is not None:
-        data["eval_limit"] = args.eval_limit
+    config = grid.as_run(yaml.safe_load(BASE_CONFIG.read_text()), run, args, args.evals)
+    seed, trainer, model = run["seed"], config["trainer"], config["model"]
+    trainer["callbacks"] = [kl_callback(run.get("kl_budget"), args.steps)]
     method = run["method"]
     if method.startswith("dense"):
         del trainer["strategy"]
@@ -152,23 +140,32 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     return config
 
 
-def command(run: dict, args: argparse.Namespace) -> list[str]:
-    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if run["method"] == "start":  # the shipped model's greedy pass@1, once: validate runs no training step
-        config = run_config({**run, "method": "dense_all", "lr": 1e-4}, args)
-        config["trainer"]["callbacks"] = []
-        path.write_text(yaml.safe_dump(config))
-        return [sys.executable, str(ROOT / "cli.py"), "validate", "--config", str(path)]
-    path.write_text(yaml.safe_dump(run_config(run, args)))
-    return [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(path)]
+def start_run(args: argparse.Namespace) -> dict:
+    """The run that measures the shipped model's greedy pass@1 before any step (`start_config`), once per grid."""
+    return dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank, distribution="rademacher",
+                refresh_every=None)
+
+
+def start_config(run: dict, args: argparse.Namespace) -> dict:
+    """The shipped model's greedy pass@1, measured once by `validate` (which runs no training step) of a dense run's
+    config, `run`'s method and learning rate, without its callbacks."""
+    config = run_config(run, args)
+    config["trainer"]["callbacks"] = []
+    return config
+
+
+def command(run: dict, args: argparse.Namespace, build: Callable = run_config, start: dict = START) -> list[str]:
+    """`fit` of the run's config from `build`, or the start's `validate` of its config at `start` (method, lr)."""
+    if run["method"] == "start":
+        return grid.cli(start_config({**run, **start}, args), args.runs_dir, run["name"], "validate")
+    return grid.cli(build(run, args), args.runs_dir, run["name"])
 
 
 def measure(run: dict, args: argparse.Namespace) -> dict:
     """The run's curves and summaries from its TensorBoard scalars."""
-    values = scalars(latest_run(args.runs_dir, run["name"]))
+    values = grid.read(args.runs_dir, run["name"])
     rewards, kl = values["train/reward_mean"], values.get("kl/realized", [])
-    tenth = max(1, len(rewards) // 10)
+    tenth = grid.tenth(rewards)
     first, last = statistics.fmean(rewards[:tenth]), statistics.fmean(rewards[-tenth:])
     finite_kl = [k for k in kl if math.isfinite(k)]
     total_kl = sum(finite_kl)
@@ -178,27 +175,19 @@ def measure(run: dict, args: argparse.Namespace) -> dict:
             "reward_per_kl": (last - first) / total_kl if total_kl > 0 else math.nan}
 
 
-def finished(run: dict, args: argparse.Namespace) -> bool:
-    """With --reuse: the run's config in --runs-dir is the one it would get now, and its log holds every evaluation."""
-    path = args.runs_dir / "configs" / f"{run['name']}.yaml"
-    if not args.reuse or not path.exists():
-        return False
-    if run["method"] != "start" and yaml.safe_load(path.read_text()) != run_config(run, args):
-        return False
-    if not glob.glob(str(args.runs_dir / run["name"] / "version_*")):
-        return False
-    evaluations = 1 if run["method"] == "start" else args.evals  # `start` only validates
-    return len(scalars(latest_run(args.runs_dir, run["name"])).get("val/pass@1", [])) == evaluations
+def finished(run: dict, args: argparse.Namespace, build: Callable = run_config) -> bool:
+    """With --reuse: the run's config in --runs-dir is the one `build` gives it now (the start's: any), and its log
+    holds every evaluation (`start` only validates: one)."""
+    if run["method"] == "start":
+        return args.reuse and grid.finished(args.runs_dir, run["name"], None, 1)
+    return args.reuse and grid.finished(args.runs_dir, run["name"], build(run, args), args.evals)
 
 
-def train(runs: list[dict], args: argparse.Namespace) -> list[dict]:
-    """Every run (those `finished` only measured), in order; stops naming the runs that failed."""
-    todo = [run for run in runs if not finished(run, args)]
-    done = {row["name"]: row for row in run_all(todo, lambda run: command(run, args), args.parallel)}
-    failed = [row for row in done.values() if "error" in row]
-    if failed:
-        raise SystemExit("runs failed: " + "; ".join(f"{row['name']}: {row['error']}" for row in failed))
-    return [done.get(run["name"], run) for run in runs]
+def train(runs: list[dict], args: argparse.Namespace, build: Callable = run_config, start: dict = START) -> list[dict]:
+    """Every run (those `finished` only measured), in order; stops naming the runs that failed. `build` and `start`:
+    another script's configs on the same grid (frontier.py's)."""
+    return grid.train(runs, lambda run: command(run, args, build, start), args.parallel,
+                      keep=lambda run: finished(run, args, build))
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------
@@ -252,21 +241,19 @@ def kl_budget(args: argparse.Namespace, results: list[dict]) -> float:
     firsts = []
     for result in results:
         if result["row"] == "lora" and result["lr"] == PAPER_LORA_LR:
-            tenth = [k for k in result["kl"][: max(1, len(result["kl"]) // 10)] if math.isfinite(k)]
+            tenth = [k for k in result["kl"][: grid.tenth(result["kl"])] if math.isfinite(k)]
             firsts.append(statistics.fmean(tenth))
     return statistics.fmean(firsts)
 
 
 def summarize(rows: dict[str, list[dict]], start: float) -> dict[str, dict]:
     """Per row: mean and std over seeds of each measure, and pass@1's paired difference from dense on the targets."""
-    reference = {r["seed"]: r["pass_at_1"] for r in rows["dense_targets"]}
     summary = {}
     for row, results in rows.items():
         entry = {"label": label(row, results[0]), "lr": results[0]["lr"], "seeds": len(results)}
-        for key in ("pass_at_1", "reward_last", "kl_per_step", "reward_per_kl"):
-            entry[key] = _mean_std([r[key] for r in results])
-        entry["pass_gain"] = _mean_std([r["pass_at_1"] - start for r in results])
-        entry["pass_vs_dense_targets"] = _mean_std([r["pass_at_1"] - reference[r["seed"]] for r in results])
+        entry |= grid.over_seeds(results, ("pass_at_1", "reward_last", "kl_per_step", "reward_per_kl"))
+        entry["pass_gain"] = grid.mean_std([r["pass_at_1"] - start for r in results])
+        entry["pass_vs_dense_targets"] = grid.mean_std(grid.differences(results, rows["dense_targets"], "pass_at_1"))
         if results[0].get("kl_budget") is not None:
             entry["kl_budget"] = results[0]["kl_budget"]
         summary[row] = entry
@@ -281,37 +268,23 @@ def label(row: str, run: dict) -> str:
     return name
 
 
-def _mean_std(values: list[float]) -> list[float]:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return [math.nan, math.nan]
-    return [statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0]
-
-
-def _pm(pair: list[float], digits: int = 3, scientific: bool = False) -> str:
-    mean, std = pair
-    return f"{mean:.2e} ± {std:.1e}" if scientific else f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
 def tables(summary: dict[str, dict], grid_summary: list[dict], start: float, args: argparse.Namespace) -> str:
-    lines = [f"greedy pass@1 of the shipped model on the held-out split, before any step: {start:.3f}", "",
-             f"| row | lr | greedy pass@1 at {args.steps} | gain | vs dense (targets), paired | sampled reward, "
-             "last tenth | KL per step | reward gain per unit KL |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for row, entry in summary.items():
+    rows = []
+    for row, e in summary.items():
         if row == "pair_lora":
-            lines.append("| *the paper's LoRA comparison* | | | | | | | |")
-        lr = f"{entry['lr']:g}" + (f", δ₀ {entry['kl_budget']:.2e}" if "kl_budget" in entry else "")
-        lines.append(f"| {entry['label']} | {lr} | {_pm(entry['pass_at_1'])} | {_pm(entry['pass_gain'])} "
-                     f"| {_pm(entry['pass_vs_dense_targets'])} | {_pm(entry['reward_last'])} "
-                     f"| {_pm(entry['kl_per_step'], scientific=True)} | {_pm(entry['reward_per_kl'], 1)} |")
-    lines += ["", "learning-rate grid (mean ± std over seeds; * the row's choice):", "",
-              "| method | lr | greedy pass@1 | sampled reward, last tenth |", "|---|---:|---:|---:|"]
-    for entry in grid_summary:
-        mark = " *" if entry["chosen"] else ""
-        lines.append(f"| {entry['label']} | {entry['lr']:g}{mark} | {_pm(entry['pass_at_1'])} "
-                     f"| {_pm(entry['reward_last'])} |")
-    return "\n".join(lines)
+            rows.append(["*the paper's LoRA comparison*"] + [""] * 7)
+        lr = f"{e['lr']:g}" + (f", δ₀ {e['kl_budget']:.2e}" if "kl_budget" in e else "")
+        rows.append([e["label"], lr, grid.pm(e["pass_at_1"]), grid.pm(e["pass_gain"]),
+                     grid.pm(e["pass_vs_dense_targets"]), grid.pm(e["reward_last"]),
+                     grid.pm(e["kl_per_step"], scientific=True), grid.pm(e["reward_per_kl"], 1)])
+    lr_rows = [[e["label"], f"{e['lr']:g}" + (" *" if e["chosen"] else ""), grid.pm(e["pass_at_1"]),
+                grid.pm(e["reward_last"])] for e in grid_summary]
+    return "\n".join([
+        f"greedy pass@1 of the shipped model on the held-out split, before any step: {start:.3f}", "",
+        *grid.markdown(["row", "lr", f"greedy pass@1 at {args.steps}", "gain", "vs dense (targets), paired",
+                        "sampled reward, last tenth", "KL per step", "reward gain per unit KL"], rows),
+        "", "learning-rate grid (mean ± std over seeds; * the row's choice):", "",
+        *grid.markdown(["method", "lr", "greedy pass@1", "sampled reward, last tenth"], lr_rows)])
 
 
 def grid_table(results: list[dict], chosen: dict[str, float]) -> list[dict]:
@@ -321,19 +294,8 @@ def grid_table(results: list[dict], chosen: dict[str, float]) -> list[dict]:
         for lr in lrs:
             runs = [r for r in results if r["row"] == method and r["lr"] == lr]
             entries.append(dict(method=method, label=label(method, runs[0]), lr=lr, chosen=chosen[method] == lr,
-                                pass_at_1=_mean_std([r["pass_at_1"] for r in runs]),
-                                reward_last=_mean_std([r["reward_last"] for r in runs])))
+                                **grid.over_seeds(runs, ("pass_at_1", "reward_last"))))
     return entries
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def plot(rows: dict[str, list[dict]], summary: dict[str, dict], start: float, args: argparse.Namespace) -> None:
@@ -344,16 +306,13 @@ def plot(rows: dict[str, list[dict]], summary: dict[str, dict], start: float, ar
     for row, results in rows.items():
         style = "--" if row.startswith("pair") else "-"
         label_text = summary[row]["label"]
-        curves = [[start] + r["pass_curve"] for r in results]
-        steps = [i * every for i in range(len(curves[0]))]
-        mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
-        pass_axis.plot(steps, mean, style, marker="o", label=label_text)
-        rewards = [_moving_average(r["rewards"], window) for r in results]
-        reward_axis.plot(range(1, len(rewards[0]) + 1),
-                         [statistics.fmean(c[i] for c in rewards) for i in range(len(rewards[0]))], style)
-        kls = [_moving_average([k if math.isfinite(k) else 0.0 for k in r["kl"]], window) for r in results]
-        kl_axis.plot(range(1, len(kls[0]) + 1), [statistics.fmean(c[i] for c in kls) for i in range(len(kls[0]))],
-                     style)
+        passes = grid.mean_curve([[start] + r["pass_curve"] for r in results])
+        pass_axis.plot([i * every for i in range(len(passes))], passes, style, marker="o", label=label_text)
+        rewards = grid.mean_curve([grid.moving_mean(r["rewards"], window) for r in results])
+        reward_axis.plot(range(1, len(rewards) + 1), rewards, style)
+        kls = grid.mean_curve([grid.moving_mean([k if math.isfinite(k) else 0.0 for k in r["kl"]], window)
+                               for r in results])
+        kl_axis.plot(range(1, len(kls) + 1), kls, style)
     pass_axis.set(xlabel="step", ylabel="greedy pass@1, held-out split (mean over seeds)")
     reward_axis.set(xlabel="step", ylabel=f"sampled reward (moving mean of {window} steps)")
     kl_axis.set(xlabel="step", ylabel="realized KL per step", yscale="log")
@@ -364,10 +323,8 @@ def plot(rows: dict[str, list[dict]], summary: dict[str, dict], start: float, ar
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
-    start_run = dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank,
-                     distribution="rademacher", refresh_every=None)
-    first = train([start_run, *grid_runs(args)], args)
-    start = scalars(latest_run(args.runs_dir, "start"))["val/pass@1"][-1]
+    first = train([start_run(args), *grid_runs(args)], args)
+    start = grid.read(args.runs_dir, "start")["val/pass@1"][-1]
     results = [measure(row, args) for row in first if row["method"] != "start"]
     chosen = {method: best_lr(results, method) for method in GRIDS}
     budget = kl_budget(args, results)
@@ -384,10 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(rows, start)
     grid_summary = grid_table(results, chosen)
     print(tables(summary, grid_summary, start, args))
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"start_pass_at_1": start, "kl_budget": budget, "summary": summary,
-                                    "grid": grid_summary, "runs": results, "settings": settings}, indent=1) + "\n")
+    grid.write_report(args.out, {"start_pass_at_1": start, "kl_budget": budget, "summary": summary,
+                                 "grid": grid_summary, "runs": results, "settings": grid.arguments(args)})
     plot(rows, summary, start, args)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 

@@ -4,8 +4,9 @@
 The tiers, by folder: tests/unit/ takes seconds per test, with no Trainer run (fit, validate, test), no command line
 in a process of its own and no vLLM engine (a guard fails a unit test that starts one, naming where it belongs;
 processes that are the unit under test, such as reward workers, are fine). Everything under tests/integration/
-carries the `integration` marker; those under integration/learning/ (a learning run each) and those marked `long`
-are the long tier (`make test-long`), the rest run in `make test`. (The only conftest.py: tests import shared
+carries the `integration` marker; those under integration/learning/ (a learning run each) and integration/bench/ (the
+benchmarks' quick modes), and those marked `long` (the slowest fault runs), are the long tier (`make test-long`); the
+rest run in `make test`. (The only conftest.py: tests import shared
 helpers from it by name, which a second conftest module would shadow.)"""
 
 import csv
@@ -35,6 +36,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 ROOT = Path(__file__).parents[1]
 UNIT, INTEGRATION = ROOT / "tests" / "unit", ROOT / "tests" / "integration"
+LONG_FOLDERS = ("learning", "bench")  # wholly in the long tier: learning runs, the benchmarks' quick modes
 CONFIGS = ROOT / "configs"
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -295,7 +297,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.integration)
-            if INTEGRATION / "learning" in item.path.parents:
+            if any(INTEGRATION / folder in item.path.parents for folder in LONG_FOLDERS):
                 item.add_marker(pytest.mark.long)
 
 

@@ -122,6 +122,9 @@ def test_the_make_targets_run_the_set_up_then_the_readme_commands():
                              text=True)
         return [line for line in run.stdout.splitlines() if not line.startswith("make")]
 
-    assert planned("test") == ['VENV="/v" bash scripts/setup.sh', '"/v/bin/python" -m pytest tests -q ']
+    assert planned("test") == ['VENV="/v" bash scripts/setup.sh', '"/v/bin/python" -m pytest -q tests/unit ',
+                               '"/v/bin/python" -m pytest -q tests/integration -m "not long" ']
+    assert planned("test-long") == ['VENV="/v" bash scripts/setup.sh', 'OMP_NUM_THREADS=1 "/v/bin/python" -m pytest '
+                                    '-q tests/integration -m long -n 2 --dist loadfile ']
     assert planned("train") == ['VENV="/v" bash scripts/setup.sh',
                                 '"/v/bin/lightning-logra" fit --config configs/tiny_arith.yaml ']

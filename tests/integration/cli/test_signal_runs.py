@@ -127,6 +127,7 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
+@pytest.mark.long  # three runs in processes of their own, about 30 s
 def test_sigterm_saves_the_step_exits_143_and_a_resume_equals_an_uninterrupted_run(run_cli, tmp_path):
     steps = 8  # the uninterrupted run; the signalled one stops at about step 3 (asserted below)
     straight = _start(run_cli, "tiny_arith", tmp_path / "straight", steps)  # beside it: one core each
@@ -153,6 +154,7 @@ def test_sigterm_saves_the_step_exits_143_and_a_resume_equals_an_uninterrupted_r
     assert any(not torch.equal(saved[n], a["state_dict"][n]) for n in saved)  # the resumed steps changed something
 
 
+@pytest.mark.long  # a 2-process run, about 25 s
 def test_sigusr1_to_one_rank_stops_both_ranks_at_the_same_step(run_cli, tmp_path):
     run = _start(run_cli, "tiny_arith_ddp", tmp_path, 200)
     _, other = _wait_for_step(run, tmp_path, ranks=2, step=2)

@@ -15,7 +15,7 @@ from golden import assert_matches, observe
 
 # Three steps of 4 prompts on a random model (conftest.fast_overrides), 2 processes; recorded 2026-12-02 from main at
 # 89031cb. How to record anew, and when: tests/golden.py.
-GOLDEN = {"tiny_arith_ddp": {
+GOLDEN_DDP = {
     "steps": [
         {"train/loss": -0.08644914627075195, "train/grad_norm": 1.6137561798095703, "train/reward_mean": 0.40625,
          "kl/q": 0.02445101924240589, "kl/alpha": 0.45220619440078735},
@@ -27,7 +27,8 @@ GOLDEN = {"tiny_arith_ddp": {
     "delta_weighted_sum": 0.3718968054545517,
     "delta_norm": 0.6839833731292445,
     "lr": 0.001,
-}, "dense_ddp": {
+}
+GOLDEN_DENSE_DDP = {
     "steps": [
         {"train/loss": -0.08644914627075195, "train/grad_norm": 2.1806833744049072, "train/reward_mean": 0.40625},
         {"train/loss": -0.27393582463264465, "train/grad_norm": 2.4452035427093506, "train/reward_mean": 0.34375},
@@ -36,16 +37,22 @@ GOLDEN = {"tiny_arith_ddp": {
     "delta_weighted_sum": -0.07911464199334552,
     "delta_norm": 0.12104972990772686,
     "lr": 0.0001,
-}}
+}
 
 
-def _fit(run_cli, config: str, root: Path, steps: int = 3) -> dict[str, torch.Tensor]:
+def _fit(run_cli, config: str, root: Path, steps: int = 3, wait: bool = True):
     """A tiny run in processes of its own (validating once, at its end), checked by conftest's callbacks; returns the
-    weights it exported."""
-    run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
-            "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
-            "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
-            "--trainer.callbacks+=conftest.GradNormLog", steps=steps, root=root, subprocess=True)
+    weights it exported, or with `wait=False` the running process (`_finish` waits for it)."""
+    run = run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
+                  "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+                  "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
+                  "--trainer.callbacks+=conftest.GradNormLog", steps=steps, root=root, subprocess=True, wait=wait)
+    return load_file(root / "export" / "model.safetensors") if wait else run
+
+
+def _finish(run, root: Path) -> dict[str, torch.Tensor]:
+    """The weights a run `_fit` started without waiting exported, once it succeeded."""
+    assert run.wait(timeout=600) == 0, (root / "out.log").read_text()[-3000:]
     return load_file(root / "export" / "model.safetensors")
 
 
@@ -64,10 +71,13 @@ def _scalars(root: Path, tag: str) -> list[float]:
 def test_two_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     # With the configs' KL control (subset: 16 of the global batch's 32 responses): both runs measure q on the same
     # responses, so they take the same α.
-    single = _fit(run_cli, "tiny_arith", tmp_path / "1")
+    # The one-process run beside the two-process one: 3 processes of one thread each on 2 cores take less time than
+    # one run after the other, and neither's numbers depend on the other.
+    running = _fit(run_cli, "tiny_arith", tmp_path / "1", wait=False)
     double = _fit(run_cli, "tiny_arith_ddp", tmp_path / "2")
+    single = _finish(running, tmp_path / "1")
     assert_matches("tiny_arith_ddp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "export"),
-                   GOLDEN["tiny_arith_ddp"])
+                   GOLDEN_DDP)
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     moved = [name for name in single if not torch.equal(single[name], start[name])]
     assert any("q_proj" in name for name in moved)  # the runs did train
@@ -94,6 +104,7 @@ def _dense_on_two_processes(path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.long  # two more runs of 2 and 1 processes, about a minute; the fast tier has the sketch DDP run
 def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     # Each rank's loss is normalized by the global batch's counts, so the ranks' gradients must be summed; the DDP
     # wrapper averages them, and the module multiplies its loss by the world size to undo that. AdamW is invariant to
@@ -102,7 +113,7 @@ def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_ari
     single = _fit(run_cli, "tiny_arith_dense_all", tmp_path / "1")
     double = _fit(run_cli, _dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tmp_path / "2")
     assert_matches("dense_ddp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "export"),
-                   GOLDEN["dense_ddp"])
+                   GOLDEN_DENSE_DDP)
     norms = _grad_norms(tmp_path / "1")
     assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped
     assert _grad_norms(tmp_path / "2") == pytest.approx(norms, rel=1e-5)

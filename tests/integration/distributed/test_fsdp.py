@@ -47,12 +47,13 @@ def _config(name: str, path: Path, **checkpointing) -> str:
     return str(path)
 
 
-def _fit(run_cli, config: str, root: Path, steps: int, *extra: str) -> None:
+def _fit(run_cli, config: str, root: Path, steps: int, *extra: str, wait: bool = True):
     """A tiny run in processes of its own, validating once (at its end) and exporting its weights to `root/out`,
-    checked by conftest's callbacks."""
-    run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
-            "--model.export_dir", str(root / "out"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
-            "--trainer.callbacks+=conftest.GradNormLog", *extra, steps=steps, root=root, subprocess=True)
+    checked by conftest's callbacks; with `wait=False`, the running process (which must then be waited for)."""
+    return run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
+                   "--model.export_dir", str(root / "out"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+                   "--trainer.callbacks+=conftest.GradNormLog", *extra, steps=steps, root=root, subprocess=True,
+                   wait=wait)
 
 
 def _scalars(root: Path, tag: str) -> list[float]:
@@ -62,8 +63,11 @@ def _scalars(root: Path, tag: str) -> list[float]:
 
 
 def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
-    for name, root in (("tiny_arith.yaml", tmp_path / "1"), ("tiny_arith_fsdp.yaml", tmp_path / "2")):
-        _fit(run_cli, _config(name, tmp_path / name), root, 3)
+    # The one-process run beside the sharded one: 3 processes of one thread each on 2 cores take less time than one
+    # run after the other, and neither's numbers depend on the other.
+    single = _fit(run_cli, _config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 3, wait=False)
+    _fit(run_cli, _config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 3)
+    assert single.wait(timeout=600) == 0, (tmp_path / "1" / "out.log").read_text()[-3000:]
     assert_matches("tiny_arith_fsdp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "out"), GOLDEN_FSDP)
     single, sharded = load_file(tmp_path / "1" / "out" / "model.safetensors"), load_file(tmp_path / "2" / "out" /
                                                                                         "model.safetensors")
@@ -84,6 +88,7 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cl
     assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes") == [2 * 1152 * 16 * 4] * 3
 
 
+@pytest.mark.long  # three sharded runs, about a minute
 def test_a_resumed_sharded_run_equals_the_uninterrupted_one(run_cli, tmp_path):
     from lightning_logra.export import export_checkpoint
 

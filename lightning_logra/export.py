@@ -40,8 +40,12 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = Fa
     folder `out` with save_pretrained; `adapter`: a LoRA checkpoint's adapters alone, in peft's format; `overwrite`:
     replace `out` if it is a folder that is not empty (it is never merged into)."""
     ckpt_path, out = Path(ckpt_path), Path(out)
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, ckpt_path)
     checkpoint = _load(ckpt_path)
+    if "model" not in (checkpoint.get("hyper_parameters") or {}):
+        raise ValueError(f"--ckpt_path: {str(ckpt_path)!r} records no model (its hyper_parameters have no 'model'): "
+                         "it was not written by `lightning-logra fit`, which exports need to know the base model; "
+                         "export a checkpoint of a run of this project's")
     lora_settings = checkpoint.get(KEY, {}).get("lora")
     if adapter and lora_settings is None:
         raise ValueError(f"--adapter: {str(ckpt_path)!r} was not trained with LoRA adapters (there are none to "
@@ -57,12 +61,25 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = Fa
     return out
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool, ckpt_path: Path) -> None:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out: {str(out)!r} is a file; name a folder to write the model into")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"--out: the folder {str(out)!r} is not empty; name a new folder, or pass --overwrite "
-                              "to replace it and everything in it")
+    # Whatever --overwrite says: replacing a folder that holds the checkpoint, or any run's checkpoints or logs,
+    # would delete them (`--out` set to the checkpoint's own folder took the checkpoint, every version and the
+    # TensorBoard files with it).
+    if out.resolve() == ckpt_path.resolve() or out.resolve() in ckpt_path.resolve().parents:
+        raise FileExistsError(f"--out: {str(out)!r} holds the checkpoint it would export ({str(ckpt_path)!r}), "
+                              "which writing the export there would delete; name another folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out: the folder {str(out)!r} is not empty; name a new folder, or pass "
+                                  "--overwrite to replace it and everything in it")
+        kept = next((p for pattern in ("*.ckpt", "events.out.tfevents.*", "hparams.yaml")
+                     for p in out.rglob(pattern)), None)
+        if kept is not None:
+            raise FileExistsError(f"--out: {str(out)!r} holds a run's checkpoints or logs ({str(kept)!r}), which "
+                                  "--overwrite would delete with it; name another folder (an export's own folder, "
+                                  "or a new one)")
 
 
 def _load(ckpt_path: Path) -> dict[str, Any]:

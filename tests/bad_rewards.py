@@ -42,6 +42,10 @@ def broken_reward(prompts, completions, **_):
     raise KeyError("answer")
 
 
+def failed_allocation(prompts, completions, **_):
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory")
+
+
 def one_short(prompts, completions, **_):
     return [1.0] * (len(completions) - 1)
 

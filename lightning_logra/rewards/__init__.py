@@ -16,9 +16,16 @@ from lightning_logra.rewards.builtin import (
     math_answer,
 )
 from lightning_logra.rewards.processes import DEFAULT_MEMORY_GIB, CheckPool, RewardProcess, TimedReward
-from lightning_logra.rewards.resolve import Reward, get_reward, import_reward, resolve_reward, resolve_rewards
+from lightning_logra.rewards.resolve import (
+    Reward,
+    get_reward,
+    import_reward,
+    resolve_reward,
+    resolve_rewards,
+    reward_setting,
+)
 
 __all__ = ["BUILTIN", "DEFAULT_MEMORY_GIB", "DEFAULT_TIMEOUT_S", "DEFAULT_WORKERS", "CheckPool", "Completion",
            "MathAnswer", "Reward", "RewardFn", "RewardName", "RewardProcess", "TimedReward", "builtin_reward",
            "completion_text", "exact_match", "extract_final_answer", "get_reward", "import_reward", "math_answer",
-           "resolve_reward", "resolve_rewards"]
+           "resolve_reward", "resolve_rewards", "reward_setting"]

@@ -13,6 +13,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -346,7 +347,7 @@ class RewardProcess(_ChildProcess):
                     return value
                 if kind == "error":
                     raise RuntimeError(f"model.reward {self.name!r} raised in its reward process:\n{value}"
-                                       f"{self._memory_note()}")
+                                       f"{self._memory_note(value)}")
                 if kind == "memory":
                     logger.warning("model.reward %r ran out of memory on a batch of %d completions: its process may "
                                    "map model.reward_memory_gib=%s GiB beyond what it holds once started. They score "
@@ -362,16 +363,19 @@ class RewardProcess(_ChildProcess):
             self._stop()
             return [None] * len(completions)
 
-    def _memory_note(self) -> str:
+    def _memory_note(self, error: str) -> str:
         """What to know of an error that may be an allocation refused under the limit but not raised as a
         MemoryError: torch's ("can't allocate memory") is a RuntimeError, and CUDA reserves far more address space
-        than the memory it uses."""
-        if self.memory_gib is None:
+        than the memory it uses. Only for an error that speaks of memory: any other has nothing to do with it."""
+        if self.memory_gib is None or not _ALLOCATION.search(error):
             return ""
         return (f"\n(The reward process may map model.reward_memory_gib={self.memory_gib:g} GiB beyond what it holds "
                 f"once started; if the error is an allocation that failed, raise it, or set it to null for a reward "
                 f"that runs on a GPU.)")
 
+
+# How a failed allocation reads in a traceback (Python's, torch's, CUDA's, the C library's).
+_ALLOCATION = re.compile(r"alloc|memory|ENOMEM|mmap", re.IGNORECASE)
 
 # One reward process per reward (its pickled form: the same function, or a class with the same settings), memory
 # limit and training process, started on first use and shared by every module that holds it (a test session builds

@@ -32,6 +32,19 @@ def reward_name(reward: str | RewardFn) -> str:
     return f"{type(reward).__module__}.{type(reward).__qualname__}"
 
 
+def reward_setting(reward: str | RewardFn | list[str | RewardFn]) -> str | RewardFn | list[str | RewardFn]:
+    """``model.reward`` as the hyper-parameters keep it (and so every checkpoint): a function by its name, a
+    built-in's as the registry names it (``exact_match``), another's as its dotted path, which `resolve_reward`
+    resolves again; anything else as it is. A checkpoint that held the function itself would need it on the loader's
+    allow-list, and an allowed function is one a crafted checkpoint could call with arguments of its choosing."""
+    if isinstance(reward, (list, tuple)):
+        return [reward_setting(item) for item in reward]
+    if inspect.isfunction(reward) and "<locals>" not in reward.__qualname__:
+        builtin = [name for name, fn in BUILTIN.items() if fn is reward]
+        return builtin[0] if builtin else f"{reward.__module__}.{reward.__qualname__}"
+    return reward
+
+
 def get_reward(name: str) -> RewardFn:
     """The reward function a config names."""
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 KEY = "lightning_logra_sha256"  # where a single-file checkpoint keeps its digests
 SUMS = "SHA256SUMS"  # the digests of a folder's files, in sha256sum's format
@@ -138,9 +141,12 @@ def read_sums(folder: Path) -> dict[str, str] | None:
 
 def verify_sums(folder: Path, names: list[str] | None = None) -> None:
     """Check the files of `folder` (or the given ones among them) against its SHA256SUMS; a file missing, added
-    or changed raises `DamagedCheckpoint` naming it. A folder without SHA256SUMS is not checked."""
+    or changed raises `DamagedCheckpoint` naming it. A folder without SHA256SUMS is loaded unchecked, with a warning
+    (refusing it would refuse every checkpoint written before folders had one)."""
     sums = read_sums(folder)
     if sums is None:
+        log.warning("%s has no %s: nothing vouches for its files (it was written before folders had one, or by "
+                    "something else), and they are loaded without a check for damage", folder, SUMS)
         return
     present = folder_files(folder)
     missing = sorted(set(sums) - set(present))

@@ -40,7 +40,14 @@ from lightning_logra.base.hashing import prompt_seeds
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
 from lightning_logra.paths import PACKAGE_DIR, model_path
-from lightning_logra.rewards import DEFAULT_MEMORY_GIB, Reward, RewardFn, RewardName, resolve_rewards
+from lightning_logra.rewards import (
+    DEFAULT_MEMORY_GIB,
+    Reward,
+    RewardFn,
+    RewardName,
+    resolve_rewards,
+    reward_setting,
+)
 from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
@@ -250,6 +257,7 @@ class RLVRModule(LightningModule):
         # refused here, naming the key.
         self.rewards: list[Reward] = resolve_rewards(reward, reward_weights, reward_timeout_s, reward_memory_gib)
         self.save_hyperparameters(ignore=["engine"])
+        self.hparams["reward"] = reward_setting(reward)  # a function by its name: a checkpoint holds no function
         _check_settings(self.hparams)
         self.automatic_optimization = False
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)

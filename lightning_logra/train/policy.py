@@ -64,6 +64,12 @@ def encode_prompts(tokenizer: Any, prompts: list[str] | list[list[dict[str, str]
     included; a text prompt goes in as it is, or as the one user message of a chat with `chat_template`."""
     if not chat_template and all(isinstance(p, str) for p in prompts):
         return tokenizer(prompts)["input_ids"]
+    if getattr(tokenizer, "chat_template", None) is None:
+        # transformers' own error names neither the data nor the setting
+        why = "model.chat_template is set" if chat_template else "the prompts are conversations (lists of messages)"
+        raise ValueError(f"{why}, but the model's tokenizer has no chat template to format them with: give data.train "
+                         f"(and data.val) text prompts, turn model.chat_template off, or use a model whose tokenizer "
+                         f"has one (an instruct model's)")
     chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
     return [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
             for chat in chats]

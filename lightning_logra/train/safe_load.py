@@ -35,21 +35,27 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_logra.base.schedule import LRSchedule
-from lightning_logra.rewards import MathAnswer, exact_match, math_answer
+from lightning_logra.rewards import MathAnswer
 
 # What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may
-# pickle: the schedule and the built-in rewards; with (object, the path a checkpoint wrote before they moved).
+# pickle: classes that are rebuilt as data (the schedule, MathAnswer's settings), with (object, the path a
+# checkpoint wrote before they moved). Nothing that runs: an allowed function is one a crafted checkpoint could call
+# with arguments of its choosing (`math_answer` starts verifier processes). Hyper-parameters keep a reward function
+# by its name (`rewards.reward_setting`); a checkpoint written when they kept the function itself loads with its
+# name in its place, a string that nothing can call.
 SAFE_GLOBALS: list[Any] = [
-    LRSchedule, MathAnswer, exact_match, math_answer,
+    LRSchedule, MathAnswer,
     (LRSchedule, "lightning_logra.schedule.LRSchedule"),
     (MathAnswer, "lightning_logra.rewards.MathAnswer"),
-    (exact_match, "lightning_logra.rewards.exact_match"),
-    (math_answer, "lightning_logra.rewards.math_answer"),
+    *[(name, path) for name in ("exact_match", "math_answer")
+      for path in (f"lightning_logra.rewards.{name}", f"lightning_logra.rewards.builtin.{name}")],
 ]
 
-# The modules whose classes make up a torch.distributed.checkpoint `.metadata` file.
+# The modules whose classes make up a torch.distributed.checkpoint `.metadata` file, and every module it may name
+# (all imported already, with torch: naming them imports nothing new).
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                      "torch.distributed.checkpoint.planner")
+_ALLOWED_MODULES = (*_METADATA_MODULES, "torch", "torch.serialization", "pathlib")
 
 
 class UnsafeCheckpoint(ValueError):
@@ -75,6 +81,17 @@ def load_file(file: Path | str | IO[bytes], map_location: Any = "cpu", where: Pa
         raise _refusal(where or file, found.group(1) if found else "something other than plain data") from None
 
 
+def check_sharded_folder(path: Path) -> None:
+    """A sharded checkpoint folder holds its own files and nothing else: a folder or a link inside it was not written
+    by a save, is not covered by its SHA256SUMS (a link would be checked as whatever it points to, anywhere), and a
+    folder there could hold a module that an import from the checkpoint's folder would run. Refused, naming them."""
+    strays = sorted(p.name for p in Path(path).iterdir() if p.is_symlink() or not p.is_file())
+    if strays:
+        raise UnsafeCheckpoint(f"{path}: refused to load: it holds {', '.join(repr(name) for name in strays)}, a "
+                               f"folder or link that a save never writes and its SHA256SUMS does not cover. Use a "
+                               f"checkpoint from a source you trust, or remove what does not belong in it")
+
+
 def load_sharded(state: dict[str, Any], path: Path) -> None:
     """torch.distributed.checkpoint's `load` of `state` (in place) from the sharded checkpoint folder `path`."""
     with _refusals_raised(path):
@@ -85,6 +102,7 @@ def load_sharded(state: dict[str, Any], path: Path) -> None:
 def _refusals_raised(path: Path) -> Iterator[None]:
     """torch.distributed.checkpoint turns what a load raises into a CheckpointException of every rank's errors: a
     refusal is raised as itself. (A refused `.metadata` would come back as text only: it is read once first.)"""
+    check_sharded_folder(path)
     SafeReader(path).read_metadata()
     try:
         yield
@@ -116,7 +134,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if "." not in name else None
+        # By name first: the base class imports `module` to find `name`, and importing a module runs it (a folder
+        # that plants `planted/__init__.py` beside its `.metadata` would run it wherever the folder is importable).
+        if module not in _ALLOWED_MODULES or "." in name:
+            raise _refusal(self.where, f"{module}.{name}")
+        found = super().find_class(module, name)
         if module in _METADATA_MODULES and isinstance(found, type) and found.__module__ == module:
             return found
         if module == "torch" and (found is torch.Size or isinstance(found, (torch.dtype, torch.layout,

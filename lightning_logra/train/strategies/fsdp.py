@@ -54,11 +54,9 @@ from lightning_logra.sketch.install import sketched_layers
 from lightning_logra.sketch.update import LowRankDelta
 from lightning_logra.train.checkpoint import replace_folder, temporary_path
 from lightning_logra.train.digests import (
-    SUMS,
     DamagedCheckpoint,
     digests_of,
     folder_files,
-    read_sums,
     verify_sums,
     write_sums,
 )
@@ -346,9 +344,6 @@ class SketchFSDPStrategy(Collectives, ModelParallelStrategy):
         found = [p for p in self._gather(problem) if p is not None]
         if found:
             raise DamagedCheckpoint(found[0])
-        if read_sums(path) is None:
-            log.warning("%s has no %s (written before sharded checkpoints had one): it is not checked for damage",
-                        path, SUMS)
 
     def _gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (a small picklable one), on every rank."""

@@ -63,6 +63,19 @@ def test_a_conversation_goes_through_the_chat_template_whole_system_message_incl
         assert encoder(chat_template).encode_prompts(batch["prompt"]) == [expected]
 
 
+def test_a_conversation_without_a_chat_template_names_the_data_and_the_setting():
+    # transformers' error ("Cannot use chat template functions because tokenizer.chat_template is not set") named
+    # neither
+    module = encoder(chat_template=False)
+    module.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match=r"the prompts are conversations .*no chat template.*data.train"):
+        module.encode_prompts([[SYSTEM, {"role": "user", "content": "2+2?"}]])
+    module = encoder(chat_template=True)
+    module.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match=r"model.chat_template is set.*turn model.chat_template off"):
+        module.encode_prompts(["2+2?"])
+
+
 def test_text_prompts_as_they_are_or_as_one_user_message():
     assert encoder(chat_template=False).encode_prompts(["2+2?", "1"]) == [ids("2+2?"), ids("1")]
     assert encoder(chat_template=True).encode_prompts(["2+2?"]) == [ids("<|user|>", "2+2?\n", "<|assistant|>")]

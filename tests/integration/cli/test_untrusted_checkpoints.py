@@ -2,10 +2,12 @@
 damaged, and an export never merges into (or silently skips) what is already at --out."""
 
 import glob
+import inspect
 import io
 import os
 import pickle
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from lightning_logra.export import export_checkpoint
 from lightning_logra.export import main as export_main
 from lightning_logra.train.digests import SUMS, DamagedCheckpoint, digests_of, folder_files, write_sums
-from lightning_logra.train.safe_load import SafeLoadPlanner, UnsafeCheckpoint
+from lightning_logra.train.safe_load import SafeLoadPlanner, SafeReader, UnsafeCheckpoint
 
 
 class Payload:
@@ -143,3 +145,99 @@ def test_export_refuses_a_file_or_a_full_folder_and_replaces_one_whole_when_aske
     (tmp_path / "empty").mkdir()
     export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "empty")])
     assert (tmp_path / "empty" / "model.safetensors").is_file()
+    # an export over its own export is fine (the step folders of --model.export_every are one)
+    export_main(["--ckpt_path", ckpt, "--out", str(full), "--overwrite"])
+
+
+def test_export_never_replaces_the_checkpoint_it_exports_or_a_runs_files(run_cli, tmp_path):
+    # `--out` the checkpoint's own folder, or the run folder above it, with --overwrite, replaced it with the export:
+    # the checkpoint, every version and the TensorBoard files were gone.
+    ckpt = Path(_train(run_cli, tmp_path / "a"))
+    run = ckpt.parents[1]  # runs/<name>/version_N, holding checkpoints/ and the event files
+    before = sorted((tmp_path / "a").rglob("*"))
+    for out in (ckpt.parent, run, tmp_path / "a"):
+        with pytest.raises(FileExistsError, match="holds the checkpoint it would export"):
+            export_main(["--ckpt_path", str(ckpt), "--out", str(out), "--overwrite"])
+    # another run's folder (its checkpoints, its logs): refused whatever --overwrite says
+    other = Path(_train(run_cli, tmp_path / "b")).parents[1]
+    theirs = sorted(other.rglob("*"))
+    with pytest.raises(FileExistsError, match="holds a run's checkpoints or logs"):
+        export_main(["--ckpt_path", str(ckpt), "--out", str(other), "--overwrite"])
+    assert sorted((tmp_path / "a").rglob("*")) == before and sorted(other.rglob("*")) == theirs
+
+
+def test_a_module_planted_in_a_sharded_folder_is_never_imported(run_cli, tmp_path, monkeypatch):
+    # The metadata's unpickler imported the module a `.metadata` names before checking it against the allow-list:
+    # a folder holding `planted/__init__.py` ran it wherever the folder was importable (`python -m` and
+    # `python cli.py` put the working directory or the repository on sys.path).
+    one = ["--trainer.devices", "1"]
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", *one))
+    marker = tmp_path / "pwned"
+    (folder / "planted").mkdir()
+    (folder / "planted" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass X: pass\n")
+    (folder / ".metadata").write_bytes(b"cplanted\nX\n.")  # a pickle that names planted.X (protocol 0 GLOBAL)
+    write_sums(folder, digests_of(folder, folder_files(folder)))  # the planter fixes the sums too
+    monkeypatch.syspath_prepend(str(folder))
+    # The folder is refused for what it holds beyond a save's files ...
+    with pytest.raises(UnsafeCheckpoint, match="'planted', a folder or link that a save never writes"):
+        export_main(["--ckpt_path", str(folder), "--out", str(tmp_path / "exported")])
+    # ... and the unpickler refuses the name without importing it, whatever the folder holds.
+    with pytest.raises(UnsafeCheckpoint, match="planted.X"):
+        SafeReader(folder).read_metadata()
+    assert not marker.exists() and "planted" not in sys.modules
+
+
+def test_a_link_inside_a_sharded_folder_is_refused(run_cli, tmp_path):
+    one = ["--trainer.devices", "1"]
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", *one))
+    outside = tmp_path / "elsewhere.distcp"
+    shard = next(folder.glob("*.distcp"))
+    shard.rename(outside)
+    shard.symlink_to(outside)  # the same bytes, so its SHA256SUMS line still matches
+    with pytest.raises(UnsafeCheckpoint, match=f"'{shard.name}', a folder or link"):
+        export_main(["--ckpt_path", str(folder), "--out", str(tmp_path / "exported")])
+
+
+class CallsTheReward:
+    """A pickled object that, loaded, calls the built-in math_answer with arguments of its choosing (which starts
+    verifier processes and can block for as long as it asks)."""
+
+    def __reduce__(self):
+        from lightning_logra.rewards import math_answer
+
+        return math_answer, ([], ["x"] * 10_000, ["y"] * 10_000)
+
+
+def test_no_allowed_global_can_be_called_and_rewards_are_kept_by_name(run_cli, tmp_path):
+    from lightning_logra.rewards import exact_match
+    from lightning_logra.train.module import RLVRModule
+    from lightning_logra.train.safe_load import SAFE_GLOBALS, load_file
+
+    # Nothing on the allow-list runs: classes rebuilt as data, and for the functions of older checkpoints, their names.
+    assert all(inspect.isclass(item if not isinstance(item, tuple) else item[0]) or isinstance(item[0], str)
+               for item in SAFE_GLOBALS)
+    checkpoint = torch.load(_train(run_cli, tmp_path / "a"), weights_only=False)
+    checkpoint["hyper_parameters"]["note"] = CallsTheReward()
+    evil = tmp_path / "evil.ckpt"
+    torch.save(checkpoint, evil)
+    with pytest.raises((UnsafeCheckpoint, TypeError)):
+        load_file(evil)
+    # A module built in Python with reward functions keeps them by name (a built-in's as the registry names it).
+    module = RLVRModule(model=str(tmp_path), reward=[exact_match, "conftest.odd_first_digit"])
+    assert module.hparams.reward == ["exact_match", "conftest.odd_first_digit"]
+    # A checkpoint written when the hyper-parameters held the function itself loads with its name in its place.
+    saved = io.BytesIO()
+    torch.save({"hyper_parameters": {"reward": exact_match}}, saved)
+    saved.seek(0)
+    assert load_file(saved)["hyper_parameters"]["reward"] == "exact_match"
+
+
+def test_a_checkpoint_without_its_model_is_refused_naming_what_is_missing(run_cli, tmp_path):
+    # A bare KeyError: 'model' before
+    checkpoint = torch.load(_train(run_cli, tmp_path / "a"), weights_only=False)
+    del checkpoint["hyper_parameters"]["model"]
+    checkpoint.pop("lightning_logra_sha256", None)  # (its digests would name the change first)
+    bare = tmp_path / "bare.ckpt"
+    torch.save(checkpoint, bare)
+    with pytest.raises(ValueError, match="records no model .*not written by `lightning-logra fit`"):
+        export_main(["--ckpt_path", str(bare), "--out", str(tmp_path / "exported")])

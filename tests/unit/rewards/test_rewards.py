@@ -320,11 +320,15 @@ def test_a_reward_that_does_not_pickle_is_refused_at_set_up_naming_the_key(tiny_
 
 
 def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
-    # and, since an allocation refused under the memory limit need not be a MemoryError (torch's is a RuntimeError),
-    # the limit and its key
-    with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError.*"
-                                           r"model.reward_memory_gib=0.75 GiB"):
+    # An error that has nothing to do with memory says nothing of the memory limit (every error did)
+    with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.broken_reward' raised .*KeyError") as info:
         resolve_reward("bad_rewards.broken_reward", timeout_s=60.0, memory_gib=0.75)(["p"], ["c"], answer=["1"])
+    assert "reward_memory_gib" not in str(info.value)
+    # An allocation refused under the limit need not be a MemoryError (torch's is a RuntimeError): the limit and its
+    # key are named for it
+    with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.failed_allocation' raised .*allocate.*"
+                                           r"model.reward_memory_gib=0.75 GiB"):
+        resolve_reward("bad_rewards.failed_allocation", timeout_s=60.0, memory_gib=0.75)(["p"], ["c"], answer=["1"])
 
 
 def test_reward_output_is_checked_and_a_nan_drops_only_its_group():

@@ -208,3 +208,32 @@ def test_every_float_setting_of_every_config_class_refuses_nan_and_infinity(run_
         run_cli("tiny_arith", "--config", str(config), run=False)
     named = set(re.findall(r"([\w.\[\]]+)=-?(?:nan|inf)", str(info.value)))
     assert named == expected
+
+
+@pytest.mark.parametrize("config, devices, strategy", [
+    ("tiny_arith", ["--trainer.devices", "3"], "SketchDDPStrategy"),
+    ("tiny_arith", ["--trainer.devices", "-1"], "SketchDDPStrategy"),
+    ("tiny_arith", ["--trainer.num_nodes", "2"], "SketchDDPStrategy"),
+    ("tiny_arith_lora", ["--trainer.devices", "2"], "set trainer.devices 1"),
+])
+def test_more_devices_than_a_one_device_strategy_trains_on_are_refused(run_cli, config, devices, strategy):
+    # `--trainer.devices 3` with SketchStrategy trained on one device without a word.
+    with pytest.raises(ValueError, match=rf"trainer.devices=.*trains on one device.*{strategy}"):
+        run_cli(config, *devices, run=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    # an unknown key, on the command line or in a config file, names the nearest ones it could be
+    (["--model.temprature", "1.0"], "did you mean model.temperature or model.eval_temperature?"),
+    (["--config", "typo.yaml"], "does not accept option 'temprature' (did you mean model.temperature"),
+    # a seed numpy refuses: refused naming the key, not a traceback from inside Lightning
+    (["--seed_everything", "99999999999999999999"], "seed_everything=99999999999999999999: a seed must be in [0, "
+                                                    "4294967295]"),
+])
+def test_unknown_keys_and_seeds_out_of_range_fail_naming_the_fix(run_cli, tmp_path, capsys, monkeypatch, override,
+                                                                  message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typo.yaml").write_text("model:\n  temprature: 1.0\n")
+    with pytest.raises(SystemExit) as info:
+        run_cli("tiny_arith", *override, run=False)
+    assert info.value.code != 0 and message in capsys.readouterr().err

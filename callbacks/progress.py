@@ -24,8 +24,18 @@ def _step_based(trainer: Trainer) -> bool:
 class StepProgressBar(TQDMProgressBar):
     """Args: those of Lightning's `TQDMProgressBar` (refresh_rate, process_position, leave)."""
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A run resumed from a checkpoint taken inside an epoch starts no epoch: its bar is set up here too, or
+        # Lightning's own would show ("Training: 6/?").
+        super().on_train_start(trainer, pl_module)
+        self._count_steps(trainer)
+
     def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)
+        self._count_steps(trainer)
+
+    def _count_steps(self, trainer: Trainer) -> None:
+        """The bar counts optimizer steps against trainer.max_steps, from the step the run starts at."""
         if _step_based(trainer):
             bar = self.train_progress_bar
             bar.reset(total=trainer.max_steps)

@@ -614,6 +614,7 @@ class RLVRModule(LightningModule):
         self._find_weight_sync()
         # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
         self._configured = resume.configured(self.trainer.optimizers)
+        self._trained = False  # whether training began (a resume already at trainer.max_steps never does)
         # The mode's settings beside the module's own hyperparameters, so that runs differ by them in the loggers
         if self.mode.hparams():
             for logger in self.loggers:
@@ -623,6 +624,7 @@ class RLVRModule(LightningModule):
         # Only now are the weights a resumed checkpoint's under every strategy: FSDP's are restored after on_fit_start
         # (Lightning's restore_checkpoint_after_setup), the others' before. (A sanity validation attaches it first, in
         # on_validation_start, which also comes after the restore.)
+        self._trained = True
         self._attach_engine()
         self._start_pipeline()
         # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
@@ -738,6 +740,10 @@ class RLVRModule(LightningModule):
             self._export_from_every_rank(Path(self.hparams.export_dir) / f"step-{self.global_step:06d}")
 
     def on_fit_end(self) -> None:
+        max_steps = self.trainer.max_steps
+        if not self._trained and 0 <= max_steps <= self.global_step:  # Lightning ends such a fit without a word
+            log.warning("nothing to train: the checkpoint resumed from has done %d steps, and trainer.max_steps=%d; "
+                        "raise trainer.max_steps to train further", self.global_step, max_steps)
         if self.hparams.export_dir is not None:
             self._export_from_every_rank(self.hparams.export_dir)
 

@@ -24,3 +24,17 @@ def test_the_bar_counts_steps_against_max_steps_resumed_runs_included(run_cli, t
     bar = resumed.trainer.progress_bar_callback.train_progress_bar
     assert (bar.initial, bar.n, bar.total) == (2, 4, 4)  # it starts at the resumed step, and rates count this run's
     assert "step 4/4 100%" in capsys.readouterr().out
+
+
+def test_a_run_resumed_inside_an_epoch_counts_steps_and_one_with_nothing_left_says_so(run_cli, tmp_path, caplog):
+    checkpoints = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                   "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1",
+                   f"--trainer.callbacks.dirpath={tmp_path / 'steps'}"]
+    _fit(run_cli, tmp_path / "a", 3, *checkpoints)
+    inside = next((tmp_path / "steps").glob("*step=2.ckpt"))  # an epoch was under way: the resume starts none
+    bar = _fit(run_cli, tmp_path / "b", 3, "--ckpt_path", str(inside)).trainer.progress_bar_callback
+    assert (bar.train_progress_bar.initial, bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 3, 3)
+    # trainer.max_steps at or below the steps the checkpoint has done: Lightning ends the fit without a word
+    with caplog.at_level("WARNING", logger="lightning_logra.train.module"):
+        _fit(run_cli, tmp_path / "c", 2, "--ckpt_path", str(inside))
+    assert "nothing to train: the checkpoint resumed from has done 2 steps, and trainer.max_steps=2" in caplog.text

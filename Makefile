@@ -22,16 +22,17 @@ setup:
 train: setup
 	"$(VENV)/bin/lightning-logra" fit --config configs/tiny_arith.yaml $(ARGS)
 
-# One test at a time: on 2 cores, pytest-xdist's 2 workers ran the unit tier in 89 s against 80 s for one process
-# (torch already takes both cores), and integration tests start processes and engines of their own.
+# The unit tier in one process (pytest-xdist's 2 workers took 89 s against 80 s: torch already uses both cores); the
+# integration tiers in 2 worker processes of one thread each, a test file per worker at a time (the fast tier: 6 min
+# against about 9 one test at a time: its tests wait on process starts and single-threaded runs).
+XDIST = OMP_NUM_THREADS=1 $(PYTEST) -n 2 --dist loadfile
+
 test: setup
 	$(PYTEST) tests/unit $(ARGS)
-	$(PYTEST) tests/integration -m "not long" $(ARGS)
+	$(XDIST) tests/integration -m "not long" $(ARGS)
 
-# The long tier in 2 worker processes of one thread each (pytest-xdist, a file per worker at a time): its tests are
-# long runs whose processes mostly compute on one thread, and one at a time they left a core idle.
 test-long: setup
-	OMP_NUM_THREADS=1 $(PYTEST) tests/integration -m long -n 2 --dist loadfile $(ARGS)
+	$(XDIST) tests/integration -m long $(ARGS)
 
 test-all: test test-long
 

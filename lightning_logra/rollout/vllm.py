@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -58,10 +60,18 @@ class EngineStalled(TimeoutError):
     """An engine call ran past `call_timeout_s`."""
 
 
+class EngineDied(RuntimeError):
+    """A process of the engine ended while a call waited on it (vLLM's client does not notice: the call would wait
+    for `call_timeout_s`)."""
+
+
 def _dead_engine_errors() -> tuple[type[BaseException], ...]:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    return (EngineDeadError, EngineStalled)
+    return (EngineDeadError, EngineStalled, EngineDied)
+
+
+_WATCH_S = 1.0  # how often a call under way checks that the engine's processes are alive
 
 
 class VLLMEngine(RolloutEngine):
@@ -158,6 +168,7 @@ class VLLMEngine(RolloutEngine):
         self.pad_token_id = 0
         self.stop_token_ids: list[int] = []
         self.restarts = 0
+        self._watched: list = []  # the engine's processes as it started (psutil), whose end a call notices
         self._asleep = False
         self.rank, self.world_size = 0, 1
         self.device: torch.device | None = None  # the trainer's device, when `place` set it
@@ -237,6 +248,7 @@ class VLLMEngine(RolloutEngine):
                 **options,
             )
         self._asleep = False
+        self._watched = self._engine_processes() if self.separate_process else []
         self._rpc("logra_watch_trainer", os.getpid())
         missing = sorted({name for answer in self._rpc("logra_check") for name in answer})
         if missing:
@@ -325,10 +337,12 @@ class VLLMEngine(RolloutEngine):
         return None
 
     def _within_deadline(self, call: Callable[[], object]):
-        """Run `call`, giving up after `call_timeout_s`: then the engine's processes are killed and EngineStalled is
-        raised. The call runs in a thread of its own because vLLM's calls have no timeout; a thread still blocked
-        on the killed engine is left behind (a daemon, it holds nothing but its stack)."""
-        if self.call_timeout_s is None or not self.separate_process:
+        """Run `call`, watching the engine's processes while it runs: if one of them ends, the others are killed and
+        EngineDied is raised within a second or so; after `call_timeout_s` (a stopped or deadlocked engine) they are
+        killed and EngineStalled is raised. The call runs in a thread of its own because vLLM's calls have no timeout
+        and do not notice the engine's death; a thread still blocked on the killed engine is left behind (a daemon,
+        it holds nothing but its stack)."""
+        if not self.separate_process:
             return call()
         outcome = {}
 
@@ -340,7 +354,13 @@ class VLLMEngine(RolloutEngine):
 
         thread = threading.Thread(target=run, name="vllm-call", daemon=True)
         thread.start()
-        thread.join(self.call_timeout_s)
+        deadline = math.inf if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
+            if thread.is_alive() and self._engine_died():
+                log.warning("vLLM engine: one of its processes ended during a call; killing the others to restart it")
+                self._kill_processes()
+                raise EngineDied("the vLLM engine died during a call (one of its processes ended)")
         if thread.is_alive():
             log.warning("vLLM engine: a call has not returned after %.0f s (engine.call_timeout_s); killing the "
                         "engine's processes to restart it", self.call_timeout_s)
@@ -372,6 +392,19 @@ class VLLMEngine(RolloutEngine):
                 except psutil.NoSuchProcess:
                     continue
         return processes
+
+    def _engine_died(self) -> bool:
+        """Whether a process the engine started with (its core, its workers) has ended. A stopped one (SIGSTOP) has
+        not: that is what `call_timeout_s` is for."""
+        import psutil
+
+        for process in self._watched:
+            try:
+                if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+        return False
 
     def _kill_processes(self) -> None:
         import psutil

@@ -257,7 +257,7 @@ class RLVRModule(LightningModule):
         # refused here, naming the key.
         self.rewards: list[Reward] = resolve_rewards(reward, reward_weights, reward_timeout_s, reward_memory_gib)
         self.save_hyperparameters(ignore=["engine"])
-        self.hparams["reward"] = reward_setting(reward)  # a function by its name: a checkpoint holds no function
+        self.hparams["reward"] = reward_setting(self.hparams["reward"])  # a function by name: checkpoints hold none
         _check_settings(self.hparams)
         self.automatic_optimization = False
         self.sampling = SamplingParams(temperature, top_p, max_new_tokens)

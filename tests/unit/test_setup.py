@@ -122,9 +122,9 @@ def test_the_make_targets_run_the_set_up_then_the_readme_commands():
                              text=True)
         return [line for line in run.stdout.splitlines() if not line.startswith("make")]
 
+    xdist = 'OMP_NUM_THREADS=1 "/v/bin/python" -m pytest -q -n 2 --dist loadfile tests/integration'
     assert planned("test") == ['VENV="/v" bash scripts/setup.sh', '"/v/bin/python" -m pytest -q tests/unit ',
-                               '"/v/bin/python" -m pytest -q tests/integration -m "not long" ']
-    assert planned("test-long") == ['VENV="/v" bash scripts/setup.sh', 'OMP_NUM_THREADS=1 "/v/bin/python" -m pytest '
-                                    '-q tests/integration -m long -n 2 --dist loadfile ']
+                               f'{xdist} -m "not long" ']
+    assert planned("test-long") == ['VENV="/v" bash scripts/setup.sh', f"{xdist} -m long "]
     assert planned("train") == ['VENV="/v" bash scripts/setup.sh',
                                 '"/v/bin/lightning-logra" fit --config configs/tiny_arith.yaml ']

@@ -1,10 +1,15 @@
-"""The embedded default, run exactly as a user runs it: it must learn (timings go in docs/results.md, not here)."""
+"""The embedded tasks, run exactly as a user runs them: they must learn (timings go in docs/results.md, not here).
+
+bf16 weights have no learning run here: their products are emulated on a CPU without AVX-512 (this project's CI
+machine: 3.5 s a step, and 120 steps to see it learn). What would break it is checked instead by the recorded bf16
+steps (tests/integration/cli/test_golden_step.py), the unbiased rounding and its landed fraction
+(tests/unit/sketch/test_rounding.py), bench/precision.py --quick through the command line (stochastic rounding lands
+every update, rounding to nearest loses most), and the full comparison in docs/bf16.md."""
 
 import glob
 import math
 from pathlib import Path
 
-import torch
 from lightning.pytorch import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -34,14 +39,14 @@ class StopAfter(Callback):
 
 
 def test_tiny_arith_learns(run_cli, tmp_path):
-    # The shipped config, stopped after 200 of its 600 steps (its KL budget anneals over the 600, as a user's run
-    # does). Measured: reward +0.163 (first → last tenth of the 200 steps; +0.20 at 300, +0.24 at 600).
-    cli = run_cli("tiny_arith", "--trainer.val_check_interval", "200", fast=False, root=tmp_path, run=False)
-    cli.trainer.callbacks.append(StopAfter(200))
+    # The shipped config, stopped after 150 of its 600 steps (its KL budget anneals over the 600, as a user's run
+    # does). Measured: reward +0.157 (first → last tenth of the 150 steps; +0.20 at 300, +0.24 at 600).
+    cli = run_cli("tiny_arith", "--trainer.val_check_interval", "150", fast=False, root=tmp_path, run=False)
+    cli.trainer.callbacks.append(StopAfter(150))
     cli.trainer.fit(cli.model, cli.datamodule)
     scalars = _scalars(tmp_path)
     steps = cli.trainer.global_step
-    assert steps == 200
+    assert steps == 150
     rewards = scalars["train/reward_mean"]
     assert len(rewards) == steps
     tenth = steps // 10
@@ -63,29 +68,6 @@ def test_tiny_arith_learns(run_cli, tmp_path):
           f"{sum(scalars['kl/acting']) / steps:.0%} of the steps")
     assert 0.5 <= median <= 2.0
     assert budget[0] > budget[-1]
-
-
-def test_tiny_arith_learns_in_bf16(run_cli, tmp_path):
-    # configs/tiny_arith_bf16.yaml, 120 of its 1,200 steps: bf16 weights at a learning rate whose steps are far
-    # below half an ulp. With stochastic rounding every update lands in expectation and the run learns (the full
-    # comparison with fp32 and with rounding to nearest is bench/precision.py; numbers in docs/bf16.md, "The bf16
-    # configs, and what they show"). 120 steps: bf16 matrix products are emulated on a CPU without AVX-512 (this
-    # project's CI machine), about 3.5 s a step.
-    cli, scalars = _fit(run_cli, "tiny_arith_bf16", tmp_path, "--trainer.max_steps", "120",
-                        "--trainer.val_check_interval", "120")
-    assert cli.trainer.global_step == 120
-    assert all(p.dtype == torch.bfloat16 for n, p in cli.model.policy.named_parameters() if "sketch_param" not in n)
-
-    rewards = scalars["train/reward_mean"]
-    first, last = sum(rewards[:12]) / 12, sum(rewards[-12:]) / 12
-    landed = scalars["update/landed_fraction"]
-    intended, realized = sum(scalars["kl/intended"]), sum(scalars["kl/realized"])
-    print(f"bf16: reward {first:.3f} → {last:.3f}; landed fraction {sum(landed) / len(landed):.3f}; "
-          f"KL realized / intended {realized / intended:.3f}")
-    assert last - first >= 0.04  # measured: +0.075 (over 300 steps: +0.10; fp32 +0.10; rounding to nearest +0.05)
-    assert abs(sum(landed) / len(landed) - 1.0) < 0.05
-    # the budget governs the intended step; the rounding noise adds only a little KL on top
-    assert 0.9 <= realized / intended <= 1.5
 
 
 def test_add3_learns_from_well_below_half(run_cli, tmp_path):

@@ -181,8 +181,10 @@ def junit_outcomes(path: Path) -> list[dict]:
 def cuda_tests(plan: Plan, progress: Progress) -> dict:
     """The tests that need CUDA: those in files that ask `torch.cuda.is_available()`, selected by name (cuda or gpu).
     They import cli.py, which needs jsonargparse; without it they fail to collect (counted as errors)."""
-    files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
+    files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
                    if "cuda.is_available" in path.read_text())
+    if not files:  # pytest given no file would run the whole suite
+        raise RuntimeError("no test file under tests/ asks torch.cuda.is_available()")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", *files, "-k", "cuda or gpu", "-q", "-p", "no:cacheprovider",

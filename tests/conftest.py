@@ -9,6 +9,8 @@ benchmarks' quick modes), and those marked `long` (the slowest fault runs), are 
 rest run in `make test`. (The only conftest.py: tests import shared
 helpers from it by name, which a second conftest module would shadow.)"""
 
+import pinned_kernels  # noqa: F401, I001  (first: it sets the CPU kernels before torch is imported)
+
 import csv
 import json
 import os
@@ -329,3 +331,13 @@ def unit_tier(request, monkeypatch):
         popen(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", start_process)
+
+
+@pytest.fixture(autouse=True)
+def no_stop_left_over():
+    """A signal a test sent marks the process as stopping (base/stop.py) until the next run's set-up: not the next
+    test's engine calls."""
+    yield
+    from lightning_logra.base.stop import STOP
+
+    STOP.clear()

@@ -70,6 +70,10 @@ def assert_matches(name: str, observed: dict, expected: dict) -> None:
     stochastic-rounding decision the other way moves one entry by a whole bf16 ulp of its weight."""
     if os.environ.get("GOLDEN_PRINT"):
         print(f"\n{name!r}: {observed!r},")
+    # Recorded with AVX2 kernels (tests/pinned_kernels.py): AVX-512's bf16 instructions round otherwise.
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2", (
+        f"{name}: torch runs {torch.backends.cpu.get_cpu_capability()} kernels; the numbers were recorded with AVX2 "
+        "ones (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, which tests/pinned_kernels.py sets)")
     assert len(observed["steps"]) == len(expected["steps"]), name
     for step, (got, want) in enumerate(zip(observed["steps"], expected["steps"])):
         assert got.keys() == want.keys(), (name, step)

@@ -83,7 +83,7 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     tests = stages["cuda_tests"]["result"]
     assert tests["exit_code"] == 0 and tests["error"] == tests["failed"] == 0
     names = [case["test"] for case in tests["tests"]]
-    assert "tests.test_memory_profiler::test_a_gpu_step_reads_the_cuda_allocator" in names
+    assert "tests.integration.cli.test_memory_profiler::test_a_gpu_step_reads_the_cuda_allocator" in names
     assert tests["passed"] + tests["skipped"] == len(names)
 
     rows = stages["memory_table"]["result"]["rows"]

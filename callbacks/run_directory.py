@@ -8,6 +8,10 @@
   setting caught at set-up) removes the directory it created, and `latest` goes back to where it pointed, so failed
   attempts do not leave empty `version_N` folders behind (and the next run does not get a higher number for them).
 
+- Runs started at once on one folder each get a `version_N` of their own: before fitting, the command line claims the
+  next free number by creating its folder (`claim_version`: a mkdir either creates it or fails), where TensorBoard's
+  logger would only list the folder and take the next number, the same one for both.
+
 The command line adds it to every run that has a logger; a directory that existed before the run (a logger given
 an explicit version) is never removed.
 """
@@ -19,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 LATEST = "latest"
@@ -35,6 +40,15 @@ def _fresh(path: Path) -> bool:
                for entry in path.iterdir())
 
 
+def _will_be_rank_zero() -> bool:
+    """Whether this process will be global rank 0, before any process group exists: Lightning's own launcher says
+    so in NODE_RANK and LOCAL_RANK (which it sets for the processes it starts), torchrun and SLURM in RANK /
+    SLURM_PROCID; none of them set: a single process."""
+    if int(os.environ.get("LOCAL_RANK", 0)) or int(os.environ.get("NODE_RANK", 0)):
+        return False
+    return all(int(os.environ.get(key, 0)) == 0 for key in ("RANK", "SLURM_PROCID"))
+
+
 class RunDirectory(Callback):
     def __init__(self) -> None:
         self.path: Path | None = None  # the logger's directory of this run
@@ -43,13 +57,32 @@ class RunDirectory(Callback):
         self.previous: str | None = None  # where `latest` pointed before this run moved it
         self.target: str | None = None  # where this run pointed it
 
+    def claim_version(self, trainer: Trainer) -> None:
+        """Gives a TensorBoard logger without a version the next free `version_N` by creating its folder, so that no
+        other run can take it. In the process that will be global rank 0 only (called before the strategy has set
+        up, so the rank is read from the launchers' variables); the other ranks write nothing there."""
+        logger = trainer.logger
+        if not isinstance(logger, TensorBoardLogger) or logger._version is not None or not _will_be_rank_zero():
+            return
+        root = Path(logger.root_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        version = logger._get_next_version()
+        while True:
+            try:
+                (root / f"version_{version}").mkdir()
+                break
+            except FileExistsError:  # another run took it since the listing
+                version += 1
+        logger._version = version
+        self.path, self.created = Path(logger.log_dir), True  # removed again if the run fails before a step
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Before the CLI's SaveConfigCallback (added after this one) writes config.yaml into the directory.
         logger = trainer.logger
         if logger is None or getattr(logger, "log_dir", None) is None or not trainer.is_global_zero:
             return
         self.path = Path(logger.log_dir)
-        self.created = _fresh(self.path)
+        self.created = self.created or _fresh(self.path)
         self.start_step = trainer.global_step
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

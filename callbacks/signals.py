@@ -22,6 +22,14 @@ When a signal is acted on:
 - during a validation: at the end of the next training step.
 - during the sanity check, or a SIGTERM that Lightning's own handler took after `fit` installed it: before the first
   training step, with 128 + the signal's number, no checkpoint, and a line that says so.
+- while the trainer waits on a rollout engine in processes of its own that does not answer (stopped, deadlocked, or
+  just slow) for `engine_grace_s` seconds after the signal: the engine's processes are killed and the wait raises
+  StopRequested (`base/stop.py`). In a step's rollouts (before the step changed anything) the checkpoint holds the
+  last finished step, and the resumed run redoes the interrupted one; in the sync after an update, the step
+  finishes and is saved at its end; with overlapped rollouts, the checkpoint keeps the batches in flight the engine
+  had finished and the resumed run draws the others again (it no longer equals an uninterrupted run). With several
+  processes, or during a validation, the run exits without a checkpoint: the other ranks may be in a collective
+  this one will never join. Exit status 128 + the signal's number, as above.
 - earlier, while the model, the data, the engine or a checkpoint load: the handlers are not installed yet, and the
   signal ends the process at once, as it would any other (status 143 or 138); there is nothing to save.
 
@@ -46,6 +54,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_logra.base.settings import check_positive
+from lightning_logra.base.stop import STOP, StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +86,16 @@ def last_checkpoint_path(trainer: Trainer) -> str:
 
 
 class SaveOnSignal(Callback):
-    def __init__(self) -> None:
+    """
+    Args:
+        engine_grace_s: how long a wait on a rollout engine in processes of its own may go on after the signal before
+            the engine is killed and the run stops without it (saving its last finished step): a stopped or
+            deadlocked engine would otherwise hold the run until the engine's call_timeout_s.
+    """
+
+    def __init__(self, engine_grace_s: float = 30.0) -> None:
+        check_positive("SaveOnSignal.engine_grace_s", engine_grace_s, "number of seconds")
+        self.engine_grace_s = engine_grace_s
         self.received = 0  # the highest signal number received since training started; 0: none
         self.exit_code: int | None = None  # set once the checkpoint is saved: the status to exit with
         self._previous: dict[int, Any] = {}  # the handlers this callback replaced, while its own are installed
@@ -84,6 +104,7 @@ class SaveOnSignal(Callback):
 
     def _record(self, signum: int, frame: Any) -> None:
         self.received = max(self.received, signum)
+        STOP.request(signum, self.engine_grace_s)  # for the waits on an engine (base/stop.py)
 
     def _install(self, trainer: Trainer) -> None:
         # After Lightning's own registration (when `fit` starts), which would otherwise wrap or replace these.
@@ -96,14 +117,22 @@ class SaveOnSignal(Callback):
         # A SIGTERM that Lightning's handler took between its registration and now counts as received.
         self.received = signal.SIGTERM if trainer.received_sigterm else 0
         self.exit_code = None
+        STOP.clear()
+        if self.received:
+            STOP.request(self.received, self.engine_grace_s)
         self._previous = {signum: signal.signal(signum, self._record) for signum in SIGNALS}
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        # STOP stays set: the engine calls still queued when the process exits (Lightning tears nothing down after
+        # an exception) must not wait on a stalled engine. The next run's setup clears it.
 
     # ---- hooks ------------------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        STOP.clear()  # a stop an earlier run of this process ended on does not stop this one's engine
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Installed before the sanity check: Lightning's evaluation loop would end it on its own SIGTERM flag, with
@@ -153,7 +182,24 @@ class SaveOnSignal(Callback):
         self._restore()  # before Lightning restores the handlers it found (after on_train_end, in its teardown)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, StopRequested) and self._previous:
+            self._save_unfinished(trainer, exception)
         self._restore()  # as in on_train_end; the exit above ends here too
+
+    @staticmethod
+    def _save_unfinished(trainer: Trainer, stop: StopRequested) -> None:
+        """A wait on the engine outlived the grace after a signal. One process: it met the engine before the step
+        changed anything (the rollouts; a failed sync lets the step finish), so the state is the last finished step's,
+        saved as at a step boundary; Lightning redoes the interrupted step on resume. Several: the other ranks may be
+        in a collective this one will never join, so nothing is saved (a save needs them all)."""
+        if trainer.world_size > 1 or trainer.sanity_checking or trainer.validating:
+            log.warning("%s: exiting with status %d without a checkpoint (%s); resume from the last saved one", stop,
+                        stop.code, "several processes" if trainer.world_size > 1 else "during a validation")
+            return
+        path = last_checkpoint_path(trainer)
+        trainer.save_checkpoint(path, weights_only=False)
+        log.warning("%s: saved a checkpoint of step %d (the last finished) to %s; exiting with status %d. Resume "
+                    "with --ckpt_path %s", stop, trainer.global_step, path, stop.code, path)
 
     @staticmethod
     def _exit(trainer: Trainer, code: int) -> None:

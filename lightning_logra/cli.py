@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import re
 import sys
 from typing import Any, NoReturn
@@ -78,6 +79,26 @@ class RLVRCLI(LightningCLI):
         # overriding the config and the command line (`--model.lr` given on resume was dropped, while the run's saved
         # config recorded it). The run's own settings apply; the module logs where the checkpoint's differ.
         return
+
+    def before_fit(self) -> None:
+        self._follow_ckpt_path()
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunDirectory):
+                callback.claim_version(self.trainer)
+
+    def before_validate(self) -> None:
+        self._follow_ckpt_path()
+
+    def before_test(self) -> None:
+        self._follow_ckpt_path()
+
+    def _follow_ckpt_path(self) -> None:
+        """`--ckpt_path runs/<name>/latest/last.ckpt` names the checkpoint the link points at now: the run moves the
+        link to its own folder as fitting starts, before a sharded checkpoint is restored (after set-up)."""
+        config = self.config_init[self.subcommand]
+        path = config.get("ckpt_path")
+        if isinstance(path, str) and os.path.lexists(path):
+            config["ckpt_path"] = os.path.realpath(path)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init

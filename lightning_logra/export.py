@@ -39,7 +39,8 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = Fa
     """Write the policy of `ckpt_path` (a Lightning checkpoint of an RLVRModule: a file, or a sharded folder) to the
     folder `out` with save_pretrained; `adapter`: a LoRA checkpoint's adapters alone, in peft's format; `overwrite`:
     replace `out` if it is a folder that is not empty (it is never merged into)."""
-    ckpt_path, out = Path(ckpt_path), Path(out)
+    # Followed once: a run started meanwhile moves `runs/<name>/latest` to its own, still empty, folder.
+    ckpt_path, out = Path(ckpt_path).resolve(), Path(out)
     _check_out(out, overwrite, ckpt_path)
     checkpoint = _load(ckpt_path)
     if "model" not in (checkpoint.get("hyper_parameters") or {}):

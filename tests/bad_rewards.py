@@ -112,3 +112,14 @@ def pool_check(kind: str, path: str) -> float:
     if kind == "hog":
         allocate_without_bound()
     return 0.5
+
+
+def forking_reward(prompts, completions, **_):
+    """Forks on every batch. The copy returns its own rewards (2.0 each) into whatever called the reward, and, on a
+    batch that contains "linger", first leaves a process behind that sleeps for 10 minutes; the original scores each
+    completion with the id of its process."""
+    if os.fork() == 0:
+        if "linger" in completions and os.fork() == 0:
+            time.sleep(600)
+        return [2.0] * len(completions)
+    return [float(os.getpid())] * len(completions)

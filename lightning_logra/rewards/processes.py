@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import signal
 import sys
 import threading
 import time
@@ -159,13 +160,17 @@ class _ChildProcess:
 
     def _stop(self) -> None:
         if self._process is not None:
-            self._process.kill()
+            self._kill()
             self._process.join()
             if not self._daemon:
                 atexit.unregister(self.close)
         if self._conn is not None:
             self._conn.close()
         self._process, self._conn = None, None
+
+
+    def _kill(self) -> None:
+        self._process.kill()
 
 
 class _CheckWorker(_ChildProcess):
@@ -293,9 +298,12 @@ def _serve_reward(conn: Connection, payload: bytes, memory_gib: float | None) ->
     dies: the pipe closes with it). The reward is unpickled once, so state it builds on first use (a client, a
     judge model) lasts for the life of the process. Its memory is limited from the start (`_limit_address_space`),
     unpickling included."""
+    # A group of its own, so that stopping it stops what the reward started too (processes it forked or spawned).
+    os.setpgid(0, 0)
     _limit_address_space(memory_gib)
     fn = pickle.loads(payload)
     conn.send("ready")
+    me = os.getpid()
     while True:
         try:
             prompts, completions, columns = conn.recv()
@@ -310,6 +318,11 @@ def _serve_reward(conn: Connection, payload: bytes, memory_gib: float | None) ->
             answer = ("memory", None)
         except Exception:
             answer = ("error", traceback.format_exc())
+        if os.getpid() != me:
+            # A copy of this process the reward forked has come back here: only the process that was asked answers
+            # (a second answer on the pipe would be taken for the next batch's), and the copy must not read the
+            # requests meant for it.
+            os._exit(0)
         try:
             conn.send(answer)
         except (BrokenPipeError, EOFError):
@@ -325,12 +338,21 @@ class RewardProcess(_ChildProcess):
     out of memory, the child is killed, every completion of the batch scores None (nothing is learned from it) and a
     fresh child takes the next batch. Not a daemon, so that the reward may start processes of its own (math_answer
     does). It is stopped when this process exits, and, blocked on the pipe, ends by itself if this process is killed.
+    It leads a process group of its own, stopped with it, so that nothing the reward forked or started outlives it;
+    and a copy of it that the reward forked never answers (nor reads) a batch.
     """
 
     def __init__(self, payload: bytes, name: str, memory_gib: float | None) -> None:
         self.name, self.memory_gib = name, memory_gib
         super().__init__(_serve_reward, (payload, memory_gib), "reward", daemon=False,
                          start_error=f"model.reward {name!r} could not be started")
+
+    def _kill(self) -> None:
+        # The process and its group (what the reward forked or started), unless it has not made the group yet.
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self._process.kill()
 
     def __call__(self, prompts: list, completions: list, timeout_s: float,
                  **columns: list) -> list[float | None]:

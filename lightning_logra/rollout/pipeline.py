@@ -30,6 +30,7 @@ from typing import Any
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
+from lightning_logra.base.stop import StopRequested
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +130,18 @@ class RolloutPipeline:
             future.result()
 
     def state(self) -> list[dict[str, Any]]:
-        """The batches in flight, finished (for a checkpoint): a resumed run trains on them as this one would."""
-        self.drain()
+        """The batches in flight, finished (for a checkpoint): a resumed run trains on them as this one would. When a
+        signal stopped the engine first (`base/stop.py`), those it had finished: the resumed run draws the others
+        again, from the saved step's weights."""
+        try:
+            self.drain()
+        except StopRequested as stop:
+            log.warning("%s: the checkpoint holds the batches in flight the engine finished; the resumed run "
+                        "generates the others again", stop)
+        finished = [p for p in self._in_flight.values() if p.rollout.done() and p.rollout.exception() is None]
         return [{"step": p.step, "version": p.version, "batch": p.batch,
                  "rollout": {f.name: getattr(p.rollout.result(), f.name) for f in fields(Rollout)}}
-                for p in sorted(self._in_flight.values(), key=lambda p: p.step)]
+                for p in sorted(finished, key=lambda p: p.step)]
 
     def restore(self, saved: list[dict[str, Any]]) -> None:
         """Take a checkpoint's batches in flight (`state`); those staler than this run's bound are dropped and drawn

@@ -10,8 +10,10 @@ safetensors bytes, or, when the engine runs on the trainer's GPU, as CUDA IPC ha
 If the engine's process dies, the next call starts a new one, has the weight sync load the trainer's weights into it
 (`reload_after_restart`), and carries on, so the training step that met the dead engine is not lost. A call
 that has not returned within `call_timeout_s` (a stopped or deadlocked engine) is treated the same way: the engine's
-processes are killed and it is restarted. And the engine's processes watch the trainer's: if it dies, even by
-SIGKILL, they kill themselves rather than keep their memory (gigabytes) forever.
+processes are killed and it is restarted. A call still under way some seconds after the run received SIGTERM or
+SIGUSR1 (`base/stop.py`) kills the engine and raises StopRequested instead, so that a signal always ends the run. And
+the engine's processes watch the trainer's: if it dies, even by SIGKILL, they kill themselves rather than keep
+their memory (gigabytes) forever.
 
 With several trainer processes (DDP, FSDP), each rank starts an engine of its own (`place`): in processes that
 know nothing of the trainer's process group, on that rank's GPU, holding the whole model. Or (`placement:
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout, left_pad
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
+from lightning_logra.base.stop import STOP
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
@@ -339,11 +342,14 @@ class VLLMEngine(RolloutEngine):
     def _within_deadline(self, call: Callable[[], object]):
         """Run `call`, watching the engine's processes while it runs: if one of them ends, the others are killed and
         EngineDied is raised within a second or so; after `call_timeout_s` (a stopped or deadlocked engine) they are
-        killed and EngineStalled is raised. The call runs in a thread of its own because vLLM's calls have no timeout
+        killed and EngineStalled is raised; past the grace after a signal, they are killed and StopRequested is raised
+        (no restart: the run is stopping). The call runs in a thread of its own because vLLM's calls have no timeout
         and do not notice the engine's death; a thread still blocked on the killed engine is left behind (a daemon,
         it holds nothing but its stack)."""
         if not self.separate_process:
             return call()
+        if STOP.overdue():  # the engine was killed for a signal the run is stopping on: no restart, no call
+            raise STOP.error("a call to the vLLM engine")
         outcome = {}
 
         def run() -> None:
@@ -357,6 +363,11 @@ class VLLMEngine(RolloutEngine):
         deadline = math.inf if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
         while thread.is_alive() and time.monotonic() < deadline:
             thread.join(min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
+            if thread.is_alive() and STOP.overdue():
+                log.warning("vLLM engine: a call still under way %.0f s after a signal; killing the engine's "
+                            "processes so that the run can stop", STOP.grace_s)
+                self._kill_processes()
+                raise STOP.error("a call to the vLLM engine")
             if thread.is_alive() and self._engine_died():
                 log.warning("vLLM engine: one of its processes ended during a call; killing the others to restart it")
                 self._kill_processes()

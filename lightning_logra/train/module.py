@@ -39,6 +39,7 @@ from lightning_logra.base.batch import Rollout
 from lightning_logra.base.hashing import prompt_seeds
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
+from lightning_logra.base.stop import StopRequested
 from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import (
     DEFAULT_MEMORY_GIB,
@@ -402,12 +403,19 @@ class RLVRModule(LightningModule):
         difference measures the lag, not drift: it does not count towards a drift check."""
         if self.weight_sync is None:
             return {}
-        if self.pipeline is None:
-            return self.weight_sync.sync(update, sampler_diff)
-        if update:
-            self.pipeline.send(self.weight_sync.payload(update, copy=True))
-        after = self.weight_sync.after_step(bool(update), math.nan if stale else sampler_diff, self.pipeline.drain)
-        return {**self.pipeline.sent_metrics(), **after}
+        try:
+            if self.pipeline is None:
+                return self.weight_sync.sync(update, sampler_diff)
+            if update:
+                self.pipeline.send(self.weight_sync.payload(update, copy=True))
+            after = self.weight_sync.after_step(bool(update), math.nan if stale else sampler_diff,
+                                                self.pipeline.drain)
+            return {**self.pipeline.sent_metrics(), **after}
+        except StopRequested as stop:
+            # The update is applied: the step finishes, and SaveOnSignal saves it at its end (an exception here would
+            # leave a step half done). The engine, killed, is started from the checkpoint's weights on resume.
+            log.warning("%s: this step's update did not reach the engine; the step is saved at its end", stop)
+            return {}
 
     def staleness_metrics(self, staleness: int, samples: int) -> dict[str, torch.Tensor]:
         """`rollout/staleness/mean` and `/max`: how many updates old the weights that drew the step's samples were,

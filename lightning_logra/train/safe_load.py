@@ -62,6 +62,10 @@ class UnsafeCheckpoint(ValueError):
     """A checkpoint whose loading would construct or call something other than plain data."""
 
 
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file whose zip archive torch cannot read (truncated, or with members where torch writes none)."""
+
+
 def _refusal(path: Path | str, what: str) -> UnsafeCheckpoint:
     return UnsafeCheckpoint(
         f"{path}: refused to load: it pickles {what}, which is not plain data or one of lightning-logra's own "
@@ -79,6 +83,14 @@ def load_file(file: Path | str | IO[bytes], map_location: Any = "cpu", where: Pa
         # torch's message names the global it met ("... unsupported GLOBAL posix.system whose ..."): keep that.
         found = re.search(r"GLOBAL (\S+)", str(err))
         raise _refusal(where or file, found.group(1) if found else "something other than plain data") from None
+    except RuntimeError as err:
+        # torch's zip reader, in C++: a truncated file, or a member outside the archive's folder (which it refuses
+        # to read rather than ignore). Its message starts with the source line that raised it.
+        if "PytorchStreamReader" not in str(err) and "inline_container" not in str(err):
+            raise
+        reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(err).splitlines()[0])
+        raise UnreadableCheckpoint(f"{where or file}: not a checkpoint file torch can read ({reason}); it is damaged "
+                                   "or was not written by torch.save") from None
 
 
 def check_sharded_folder(path: Path) -> None:

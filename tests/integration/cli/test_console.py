@@ -109,3 +109,34 @@ def test_the_console_script_trains_the_embedded_default_from_any_directory(tmp_p
     checkpoint = torch.load(tmp_path / "runs/tiny_arith/latest/last.ckpt", weights_only=False)
     assert checkpoint["global_step"] == 1 and checkpoint["hyper_parameters"]["model"] == EMBEDDED
     assert "Trained params, sketched: 28 matrices at rank 16" in run.stderr
+
+
+def test_two_runs_started_at_once_on_one_folder_each_get_their_own(tiny_arith_model, tmp_path):
+    # Each run as a user starts it, with its output apart (run_cli's own log would be one file for both).
+    command = [sys.executable, "cli.py", "fit", "--config", "tiny_arith",
+               *fast_overrides(tiny_arith_model, tmp_path / "runs", 1)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"out{i}.log" for i in range(2)]
+    runs = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            for log in logs]
+    for process, log in zip(runs, logs):
+        assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert _versions(tmp_path) == ["version_0", "version_1"]
+    for version in _versions(tmp_path):
+        folder = tmp_path / "runs" / "tiny_arith" / version
+        assert (folder / "config.yaml").is_file()
+        assert torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1  # one run's events each
+    assert _latest(tmp_path) in ("version_0/checkpoints", "version_1/checkpoints")
+
+
+def test_resuming_from_latest_finds_the_run_it_names_when_the_new_run_moves_it(run_cli, tmp_path):
+    # A sharded (FSDP) checkpoint is restored after fitting starts, when `latest` already names the new run's empty
+    # folder: the path is followed once, as given, before the run moves the link.
+    one = ["--trainer.devices", "1", "--trainer.val_check_interval", "1"]
+    run_cli("tiny_arith_fsdp", *one, steps=1, root=tmp_path / "runs")
+    latest = tmp_path / "runs" / "tiny_arith_fsdp" / "latest" / "last.ckpt"
+    assert latest.is_dir()  # sharded: a folder
+    cli = run_cli("tiny_arith_fsdp", *one, "--ckpt_path", str(latest), steps=2, root=tmp_path / "runs")
+    assert cli.trainer.global_step == 2
+    assert os.readlink(tmp_path / "runs" / "tiny_arith_fsdp" / "latest") == "version_1/checkpoints"

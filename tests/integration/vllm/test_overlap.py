@@ -9,6 +9,11 @@ engine generates ahead for its slice, and the checkpoint holds every rank's batc
 
 import glob
 import math
+import os
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import CONFIGS
 from golden import assert_matches, checksums, logged_steps
+from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.train.checkpoint import KEY
 from lightning_logra.train.safe_load import load_sharded_whole
 
@@ -138,7 +144,7 @@ class KillEngine(Callback):
         if trainer.global_step == self.step and not self.done:
             import psutil
 
-            self.done = True
+            self.done, self.killed_at = True, time.monotonic()
             processes = pl_module.engine._engine_processes()
             assert processes, "the engine should run in processes of its own"
             for process in processes:
@@ -154,13 +160,16 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_a
             callback["init_args"]["check_every"] = 1  # the engine compared with the trainer after every step
     config = tmp_path / "vllm.yaml"
     config.write_text(yaml.safe_dump(data))
-    # A generation under way when the engine dies waits for its output until the call's deadline (vLLM's client
-    # does not notice the death), which then kills what is left and restarts the engine: a short one here.
-    cli = run_cli(config, "--model.max_staleness", "1", "--model.engine.init_args.call_timeout_s", "20", steps=5,
+    # vLLM's client does not notice the death: the engine's processes are watched during every call, and the call
+    # under way fails within a second or so, not after call_timeout_s (10 minutes here, so that a broken watch fails
+    # the test rather than holds it for the default hour).
+    cli = run_cli(config, "--model.max_staleness", "1", "--model.engine.init_args.call_timeout_s", "600", steps=5,
                   root=tmp_path, run=False)
-    cli.trainer.callbacks.append(KillEngine(step=2))
+    kill = KillEngine(step=2)
+    cli.trainer.callbacks.append(kill)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 5 and cli.model.engine.restarts == 1
+    assert time.monotonic() - kill.killed_at < 300  # the restart and three steps, not the call's deadline
     scalars = _scalars(tmp_path)
     # The batches in flight at the restart were drawn again from the trainer's newest weights: fresher than the lag
     assert scalars["rollout/staleness/max"][:2] == [0, 1] and 0 in scalars["rollout/staleness/max"][2:4]
@@ -205,3 +214,61 @@ def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, conf
     ranks = checkpoint[KEY]["in_flight"]
     assert [[(item["step"], item["version"]) for item in rank] for rank in ranks] == [[(2, 1)], [(2, 1)]]
     assert ranks[0][0]["batch"]["prompt"] != ranks[1][0]["batch"]["prompt"]  # each rank's slice of the batch
+
+
+class StallEngineThenSignal(Callback):
+    """Stops (SIGSTOP) the engine's processes in step `step`, after its backward pass, then sends this process SIGTERM
+    once the trainer waits on the engine for a batch: a stalled engine that would hold the run until its
+    call_timeout_s."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.signalled_at_step, self.signalled_at = step, None, None
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step != self.step or self.signalled_at_step is not None:
+            return
+        processes = pl_module.engine._engine_processes()
+        assert processes, "the engine should run in processes of its own"
+        for process in processes:
+            process.suspend()
+        self.processes = processes
+        threading.Thread(target=self._signal_when_waiting, args=(trainer,), daemon=True).start()
+
+    def _signal_when_waiting(self, trainer) -> None:
+        main = threading.main_thread().ident
+        while True:
+            frame = sys._current_frames().get(main)
+            while frame is not None and frame.f_code.co_name != "take":
+                frame = frame.f_back
+            if frame is not None:  # the trainer's thread is in RolloutPipeline.take, waiting
+                self.signalled_at_step, self.signalled_at = trainer.global_step, time.monotonic()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+
+@pytest.mark.long  # two engine starts, about 80 s
+def test_a_signal_while_the_trainer_waits_on_a_stalled_engine_saves_the_last_finished_step(run_cli, tmp_path, caplog):
+    # call_timeout_s stays the default hour: only the signal's grace (2 s) can end the wait.
+    cli = run_cli("tiny_arith_vllm", "--model.max_staleness", "1", steps=5, root=tmp_path, run=False)
+    cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, SaveOnSignal)]
+    stall = StallEngineThenSignal(step=2)
+    cli.trainer.callbacks += [SaveOnSignal(engine_grace_s=2), stall]
+    with pytest.raises(SystemExit) as stopped:
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert stopped.value.code == 143
+    assert time.monotonic() - stall.signalled_at < 30  # the grace and a save, not the engine's hour
+    assert all(not process.is_running() for process in stall.processes)  # the stalled engine was killed
+    (checkpoint,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    saved = torch.load(checkpoint, weights_only=False)
+    step = stall.signalled_at_step  # the last finished step: the one waiting for its batch did nothing yet
+    assert saved["global_step"] == step
+    assert f"saved a checkpoint of step {step} (the last finished)" in caplog.text
+    # Nothing in flight was finished (the engine stopped before the batch waited for): the resumed run draws it again
+    assert saved[KEY]["in_flight"] == [[]]
+
+    resumed = run_cli("tiny_arith_vllm", "--model.max_staleness", "1", steps=5, root=tmp_path / "resumed",
+                      run=False)
+    resumed.trainer.fit(resumed.model, resumed.datamodule, ckpt_path=checkpoint)
+    assert resumed.trainer.global_step == 5
+    assert len(_scalars(tmp_path / "resumed")["train/loss"]) == 5 - step  # the interrupted step redone, and the rest

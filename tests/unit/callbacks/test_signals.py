@@ -11,6 +11,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_logra.base.stop import STOP, StopRequested
 from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.callbacks.signals import agree, last_checkpoint_path
 
@@ -97,3 +98,35 @@ def test_outside_the_main_thread_it_warns_and_leaves_the_handlers_alone():
         thread.start()
         thread.join()
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+@pytest.mark.parametrize("world_size, validating, saved", [(1, False, True), (2, False, False), (1, True, False)])
+def test_a_stop_while_waiting_on_the_engine_saves_the_last_finished_step_with_one_process(
+        tmp_path, caplog, world_size, validating, saved):
+    # The trainer met StopRequested waiting on the engine (the engine killed past the grace): it saves as at a step
+    # boundary, except where other ranks would have to join the save, or mid-validation.
+    written = []
+    trainer = SimpleNamespace(received_sigterm=False, world_size=1, is_global_zero=True, global_step=4,
+                              strategy=SimpleNamespace(launcher=None), sanity_checking=False, validating=validating,
+                              checkpoint_callback=None, log_dir=str(tmp_path),
+                              save_checkpoint=lambda path, weights_only: written.append((path, weights_only)))
+    callback = SaveOnSignal(engine_grace_s=5)
+    callback.on_train_start(trainer, None)
+    trainer.world_size = world_size
+    signal.raise_signal(signal.SIGTERM)
+    assert STOP.signum == signal.SIGTERM and STOP.grace_s == 5  # the engine's waits heed it
+    callback.on_exception(trainer, None, StopRequested(signal.SIGTERM, "a call to the vLLM engine still under way"))
+    path = str(tmp_path / "checkpoints" / "last.ckpt")
+    if saved:
+        assert written == [(path, False)]
+        assert f"saved a checkpoint of step 4 (the last finished) to {path}; exiting with status 143" in caplog.text
+    else:
+        assert written == []
+        assert "exiting with status 143 without a checkpoint" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is not callback._record  # the handlers put back
+
+
+def test_the_engine_grace_is_a_positive_number_of_seconds():
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="SaveOnSignal.engine_grace_s"):
+            SaveOnSignal(engine_grace_s=bad)

@@ -451,3 +451,26 @@ def test_rewards_get_trl_arguments_completions_as_text_or_messages_and_their_tok
         assert 1 <= len(ids) <= 6 and not stops & set(ids[:-1])
         assert len(ids) == 6 or ids[-1] in stops
     assert any(texts), "the random model generated only special tokens: the check of the text compared nothing"
+
+
+def test_a_reward_that_forks_gets_only_its_own_answers_and_leaves_nothing_behind():
+    # The forked copy returns 2.0s into the reward process's loop: answered on the pipe, they would be taken for the
+    # next batch's rewards. And a process it leaves behind is stopped with the reward process.
+    reward = resolve_reward("bad_rewards.forking_reward", timeout_s=30.0)
+    pid = int(reward(["p"], ["ok"])[0])
+    assert pid != os.getpid()
+    assert reward(["p", "p"], ["linger", "ok"]) == [float(pid)] * 2
+    for batch in (["a"], ["b", "c"], ["d", "e", "f"]):
+        assert reward(["p"] * len(batch), batch) == [float(pid)] * len(batch)  # each batch its own answers
+    group = [process for process in psutil.process_iter() if _group(process) == pid]
+    assert len(group) >= 2  # the reward process and what it left behind, in a group of its own
+    rewards.processes._REWARD_PROCESSES[reward.payload, reward.memory_gib].close()
+    _, alive = psutil.wait_procs(group, timeout=10)
+    assert alive == []
+
+
+def _group(process) -> int | None:
+    try:
+        return os.getpgid(process.pid)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None

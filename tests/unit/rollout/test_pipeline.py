@@ -3,6 +3,7 @@ which weights each batch is drawn with, in what order the worker makes the calls
 batches in flight, and what happens when the engine is lost. Engine-free and fast;
 tests/integration/vllm/test_overlap.py runs it with vLLM."""
 
+import signal
 import threading
 import time
 
@@ -11,6 +12,7 @@ import torch
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
+from lightning_logra.base.stop import StopRequested
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
 
 
@@ -147,4 +149,31 @@ def test_a_loader_that_is_not_a_function_of_the_step_is_refused():
     p.take({"prompt": ["prompt of step 0"]}, 0)
     with pytest.raises(RuntimeError, match="batches depend on the step alone"):
         p.take({"prompt": ["another prompt"]}, 1)
+    p.close()
+
+
+def test_after_a_signal_stopped_the_engine_a_checkpoint_keeps_the_batches_it_finished(caplog):
+    engine = Engine()
+    stopped_at = 3
+    generate = engine.generate
+
+    def generate_or_stop(batch, step):
+        if step != stopped_at:
+            return generate(batch, step)
+
+        def call():  # what VLLMEngine's watch raises past the grace after a signal
+            raise StopRequested(signal.SIGTERM, "a call to the engine still under way 30 s after it")
+
+        return call
+
+    engine.generate = generate_or_stop
+    p, _ = pipeline(engine, 2)
+    run(p, engine, 2)  # steps 0 and 1; the batches of steps 2 and 3 are in flight
+    saved = p.state()  # does not raise: the checkpoint is being written for the signal
+    assert [(item["step"], item["version"]) for item in saved] == [(2, 0)]
+    assert "the resumed run generates the others again" in caplog.text
+    with pytest.raises(StopRequested) as stop:  # the trainer waiting on step 3's batch stops with the signal
+        p.take({"prompt": ["prompt of step 2"]}, 2)
+        p.take({"prompt": ["prompt of step 3"]}, 3)
+    assert stop.value.code == 143
     p.close()

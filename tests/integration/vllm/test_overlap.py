@@ -249,8 +249,10 @@ class StallEngineThenSignal(Callback):
 
 @pytest.mark.long  # two engine starts, about 80 s
 def test_a_signal_while_the_trainer_waits_on_a_stalled_engine_saves_the_last_finished_step(run_cli, tmp_path, caplog):
-    # call_timeout_s stays the default hour: only the signal's grace (2 s) can end the wait.
-    cli = run_cli("tiny_arith_vllm", "--model.max_staleness", "1", steps=5, root=tmp_path, run=False)
+    # Only the signal's grace (2 s) can end the wait soon: the engine's own deadline is 10 minutes here (the default
+    # hour, had the grace failed, would hold the test that long).
+    cli = run_cli("tiny_arith_vllm", "--model.max_staleness", "1", "--model.engine.init_args.call_timeout_s", "600",
+                  steps=5, root=tmp_path, run=False)
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, SaveOnSignal)]
     stall = StallEngineThenSignal(step=2)
     cli.trainer.callbacks += [SaveOnSignal(engine_grace_s=2), stall]
@@ -259,7 +261,7 @@ def test_a_signal_while_the_trainer_waits_on_a_stalled_engine_saves_the_last_fin
     assert stopped.value.code == 143
     assert time.monotonic() - stall.signalled_at < 30  # the grace and a save, not the engine's hour
     assert all(not process.is_running() for process in stall.processes)  # the stalled engine was killed
-    (checkpoint,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    (checkpoint,) = glob.glob(str(tmp_path / "*" / "version_0" / "checkpoints" / "last.ckpt"))
     saved = torch.load(checkpoint, weights_only=False)
     step = stall.signalled_at_step  # the last finished step: the one waiting for its batch did nothing yet
     assert saved["global_step"] == step

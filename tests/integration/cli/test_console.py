@@ -140,3 +140,22 @@ def test_resuming_from_latest_finds_the_run_it_names_when_the_new_run_moves_it(r
     cli = run_cli("tiny_arith_fsdp", *one, "--ckpt_path", str(latest), steps=2, root=tmp_path / "runs")
     assert cli.trainer.global_step == 2
     assert os.readlink(tmp_path / "runs" / "tiny_arith_fsdp" / "latest") == "version_1/checkpoints"
+
+
+def test_an_export_of_latest_reads_the_checkpoint_it_was_given_when_a_new_run_moves_the_link(run_cli, tmp_path,
+                                                                                                monkeypatch):
+    from lightning_logra import export
+
+    run_cli("tiny_arith", "--trainer.val_check_interval", "1", steps=1, root=tmp_path / "runs")
+    link = tmp_path / "runs" / "tiny_arith" / "latest"
+    given = link / "last.ckpt"
+    check_out = export._check_out
+
+    def a_new_run_starts(out, overwrite, ckpt_path):  # as the export begins: `latest` now names an empty folder
+        (tmp_path / "runs" / "tiny_arith" / "version_1" / "checkpoints").mkdir(parents=True)
+        RunDirectory._point(link, "version_1/checkpoints")
+        check_out(out, overwrite, ckpt_path)
+
+    monkeypatch.setattr(export, "_check_out", a_new_run_starts)
+    out = export.export_checkpoint(given, tmp_path / "exported")
+    assert (out / "model.safetensors").is_file() and os.readlink(link) == "version_1/checkpoints"

@@ -1,11 +1,8 @@
-"""The sampler corrections (`model.is_mode`) and the losses with a ratio to the sampler (`model.loss_type` gspo,
-cispo), exact in float64.
-
-Their ratios only matter on a stale batch, so each gradient test shifts the sampler's log-probs column by column
-(`test_kl_penalty.SHIFT`: the ratios e^-0.7, e^0.5, e^1, e^0.2), checks that the clip binds on at least 10% of the
-tokens, and compares a real training step's gradient (a Trainer fit, the module's `accumulate_gradients`) with the
-objective written out here by hand.
-"""
+"""The sampler corrections (`model.is_mode`) and the ratio losses (`model.loss_type` gspo, cispo) in a real training
+step: a Trainer fit's gradient (the module's `accumulate_gradients`) against the objective written out here by hand,
+exact in float64. Their ratios only matter on a stale batch, so each test shifts the sampler's log-probs column by
+column (`test_kl_penalty.SHIFT`: the ratios e^-0.7, e^0.5, e^1, e^0.2) and checks that the clip binds on at least 10%
+of the tokens. The weights and losses alone: tests/unit/algo/test_offpolicy_losses.py."""
 
 import copy
 

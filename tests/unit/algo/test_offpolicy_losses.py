@@ -1,11 +1,7 @@
 """The sampler corrections (`model.is_mode`) and the losses with a ratio to the sampler (`model.loss_type` gspo,
-cispo), exact in float64.
-
-Their ratios only matter on a stale batch, so each gradient test shifts the sampler's log-probs column by column
-(`test_kl_penalty.SHIFT`: the ratios e^-0.7, e^0.5, e^1, e^0.2), checks that the clip binds on at least 10% of the
-tokens, and compares a real training step's gradient (a Trainer fit, the module's `accumulate_gradients`) with the
-objective written out here by hand.
-"""
+cispo), on their own: weights, clips and losses computed by lightning_logra.algo.losses and compared, exact in
+float64, with the same quantities written out here. tests/integration/cli/test_offpolicy_runs.py compares a real
+training step's gradient with them."""
 
 import math
 from dataclasses import astuple

@@ -168,7 +168,6 @@ class _ChildProcess:
             self._conn.close()
         self._process, self._conn = None, None
 
-
     def _kill(self) -> None:
         self._process.kill()
 

@@ -9,8 +9,6 @@ benchmarks' quick modes), and those marked `long` (the slowest fault runs), are 
 rest run in `make test`. (The only conftest.py: tests import shared
 helpers from it by name, which a second conftest module would shadow.)"""
 
-import pinned_kernels  # noqa: F401, I001  (first: it sets the CPU kernels before torch is imported)
-
 import csv
 import json
 import os
@@ -331,6 +329,20 @@ def unit_tier(request, monkeypatch):
         popen(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", start_process)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_over():
+    """An in-process DDP or FSDP run leaves Lightning's MASTER_PORT, WORLD_SIZE, ... in this process's environment,
+    where the processes a later test starts would inherit them (one took itself for a launched rank, another bound
+    a port still in use: EADDRINUSE). Put back as they were before the test."""
+    before = {key: os.environ.get(key) for key in DISTRIBUTED_VARIABLES}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(autouse=True)

@@ -48,7 +48,7 @@ GOLDEN = {
         "delta_norm": 0.17162955391068982,
         "lr": 1e-4,  # the config's (model.lr)
     },
-    # Recorded 2026-12-02 from main at 89031cb (before the tiers): bf16 weights merged by stochastic rounding, and LoRA.
+    # Recorded 2026-12-02 from main at 89031cb (before the tiers): LoRA. (bf16 weights: GOLDEN_BF16, below.)
     "tiny_arith_lora": {
         "steps": [
             {"train/reward_mean": 0.484375, "train/loss": -0.17122018337249756, "train/grad_norm": 1.239761471748352},
@@ -61,10 +61,11 @@ GOLDEN = {
     },
 }
 
-# bf16 products round by the CPU's kernels (AVX2 emulates them; AVX-512 with bf16 instructions computes them, and a
-# step's gradient norm moves by 1%): one recording per kind of machine this project runs on (`golden.cpu_kernels`).
-# The AVX-512 numbers were recorded on 2026-12-03 from main at 52683aa, whose step reproduces the AVX2 numbers
-# recorded from 89031cb to the last digit when torch runs AVX2 kernels (ATEN_CPU_CAPABILITY=avx2).
+# bf16 weights merged by stochastic rounding. Their products round by the CPU's kernels (AVX2 emulates them; AVX-512
+# with bf16 instructions computes them, and a step's gradient norm moves by 1%): one recording per kind of machine
+# this project runs on (`golden.cpu_kernels`). The AVX2 numbers were recorded 2026-12-02 from main at 89031cb; the
+# AVX-512 ones on 2026-12-03 from main at 52683aa, whose step reproduces the AVX2 numbers to the last digit when
+# torch runs AVX2 kernels (ATEN_CPU_CAPABILITY=avx2).
 GOLDEN_BF16 = {
     "AVX2": {
         "steps": [

@@ -77,5 +77,13 @@ class RolloutEngine(ABC):
         """Whether the engine samples from `policy`'s own weights; if not, they must be kept in step (synced)."""
         return False
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the engine, besides the trainer's weights ({}: nothing). RemoteEngine keeps its
+        run id and weight version, with which a resumed run finds where its servers stand."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's `state_dict`, after `start` (the engine is up) and before the weight sync attaches."""
+
     def close(self) -> None:
         """Release the engine's processes and memory."""

@@ -49,7 +49,7 @@ from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, in
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "lightning_logra.rollout.vllm_worker.LogRAWorkerExtension"
-_SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + i): keep clear of int64 overflow
+SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + i): keep clear of int64 overflow
 # What torchrun, Lightning's launchers and torch.distributed put in a trainer's environment. An engine started with
 # them would take the trainer's rank and rendezvous for its own (vLLM reads LOCAL_RANK and RANK; torch's env://
 # reads MASTER_ADDR and MASTER_PORT) and try to join the trainer's process group.
@@ -476,7 +476,7 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=sampling.max_new_tokens,
                 stop_token_ids=self.stop_token_ids,
                 logprobs=0,  # the sampled token's log-prob
-                seed=seed & _SEED_MASK,
+                seed=seed & SEED_MASK,
                 detokenize=False,
             )
             for seed in seeds
@@ -496,19 +496,7 @@ class VLLMEngine(RolloutEngine):
             for sample in sorted(output.outputs, key=lambda o: o.index):
                 completions.append(list(sample.token_ids))
                 logprobs.append([lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)])
-        return self._to_rollout(prompt_ids[mine], n, completions, logprobs)
-
-    def _to_rollout(self, prompt_ids, n, completions, logprobs) -> Rollout:
-        prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], self.pad_token_id, "cpu")
-        width = max(1, max(len(c) for c in completions))
-        ids = torch.full((len(completions), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(completions), width), dtype=torch.long)
-        sampler = torch.zeros((len(completions), width), dtype=torch.float32)
-        for row, (tokens, lps) in enumerate(zip(completions, logprobs)):
-            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, : len(tokens)] = 1  # vLLM's output keeps the stop token, as the trainer's convention does
-            sampler[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        return Rollout(prompt, prompt_mask, ids, mask, sampler)
+        return samples_to_rollout(prompt_ids[mine], n, completions, logprobs, self.pad_token_id)
 
     # ---- weights ------------------------------------------------------------------------------------------------
 
@@ -543,10 +531,10 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
-        return _assemble(self._blocks(names, seed), add_columns=True)
+        return assemble_blocks(self._blocks(names, seed), add_columns=True)
 
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        return _assemble(self._blocks(names, None), add_columns=False)
+        return assemble_blocks(self._blocks(names, None), add_columns=False)
 
     def _blocks(self, names: list[str], seed: int | None) -> dict[str, torch.Tensor]:
         answers = self._with_restart(lambda: self._rpc("logra_blocks", list(names), seed))
@@ -558,6 +546,20 @@ class VLLMEngine(RolloutEngine):
         for answer in answers:  # one per worker; tensor-parallel replicas give identical blocks under one key
             blocks.update(unpack_tensors(answer))
         return blocks
+
+def samples_to_rollout(prompt_ids: list[list[int]], n: int, completions: list[list[int]],
+                       logprobs: list[list[float]], pad_token_id: int) -> Rollout:
+    """The n completions of each prompt (tokens, ending with the stop token, and the sampler's log-probs) as a batch."""
+    prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], pad_token_id, "cpu")
+    width = max(1, max(len(c) for c in completions))
+    ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(completions), width), dtype=torch.long)
+    sampler = torch.zeros((len(completions), width), dtype=torch.float32)
+    for row, (tokens, lps) in enumerate(zip(completions, logprobs)):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1  # vLLM's output keeps the stop token, as the trainer's convention does
+        sampler[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return Rollout(prompt, prompt_mask, ids, mask, sampler)
 
 
 def _set_environment(values: dict[str, str | None]) -> None:
@@ -586,7 +588,7 @@ def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> Iterable[dict[str, 
         yield chunk
 
 
-def _assemble(blocks: dict[str, torch.Tensor], add_columns: bool) -> dict[str, torch.Tensor]:
+def assemble_blocks(blocks: dict[str, torch.Tensor], add_columns: bool) -> dict[str, torch.Tensor]:
     """Put workers' blocks keyed "name|row|col" back together: blocks of rows side by side; blocks of columns
     side by side (`add_columns=False`, whole weights) or summed (`add_columns=True`, fingerprints W[:, cols]·v)."""
     by_name: dict[str, list[tuple[int, int, torch.Tensor]]] = {}

@@ -1,0 +1,331 @@
+"""`lightning-logra serve`: vLLM's own OpenAI-compatible server, plus the routes that keep its weights in step with a
+trainer elsewhere (`rollout/remote.py`, `RemoteEngine`).
+
+One process serves `/v1/completions` (and the rest of vLLM's API) for evaluation and for people, and takes the
+trainer's updates under `/logra/`: the same `Update` bytes a colocated engine takes (per sketched matrix the d×r
+factor and A's seed), merged by the same worker extension (`vllm_worker.py`, reached through `AsyncLLM.collective_rpc`).
+The server labels its weights with the trainer's run and weight version (the number of updates merged since the run's
+start): an update applies only on top of the version before it, a generation request waits until the server holds the
+version it asks for, and a server that fell behind is caught up by replaying the updates it missed (the trainer's
+journal, `rollout/journal.py`).
+
+Why a router mounted in vLLM's app, and not vLLM's own mechanisms (docs/design.md, "Engines apart from the trainer"):
+`/collective_rpc` (dev mode) takes JSON strings only (bytes would travel base64, a third larger), lets a caller run
+any worker method, and its switch also opens `/sleep`, `/pause` and the rest without authentication; the RL weight
+API (`/update_weights`) moves whole tensors by NCCL or IPC, with no place for a merge W −= F·A. The app here is
+vLLM's (`build_app`, `init_app_state`, `serve_http`), with one router more.
+
+Safety: the server binds 127.0.0.1 unless `--host` says otherwise; every `/logra/` route needs the shared token
+(`Authorization: Bearer …`, read from $LOGRA_SERVER_TOKEN or `--token-file`, never from the command line) and
+refuses without it, changing nothing; payloads carry their sha256 and are parsed whole before any weight changes;
+bodies are bounded (`--max-body-mib`). vLLM's own routes are as vLLM guards them (`--api-key`): docs/vllm.md says
+what an exposed server allows.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) at definition.
+import argparse
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "LOGRA_SERVER_TOKEN"
+SHA_HEADER = "X-Logra-SHA256"
+_MAX_WAIT_S = 3600.0  # the longest a generation request may wait for the version it asks for
+
+
+@dataclass
+class Weights:
+    """What the server's weights are: the trainer's run and weight version they equal (run None, version 0: the
+    model's files, version 0 of any run that starts from them; version None: a load was cut short, unknown)."""
+
+    run: str | None = None
+    version: int | None = 0
+    changing: bool = False  # an update or load is being merged: generation waits
+    generating: int = 0  # generation requests under way: a change waits for them (drained updates)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def label(self) -> dict:
+        return {"run": self.run, "version": self.version}
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_token(token_file: str | None) -> str:
+    """The shared token: the file's first line, or $LOGRA_SERVER_TOKEN; refused when there is neither, or it is
+    shorter than 16 characters."""
+    if token_file:
+        try:
+            with open(token_file) as file:
+                token = file.readline().strip()
+        except OSError as err:
+            raise SystemExit(f"--token-file {token_file}: {err.strerror}") from err
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if len(token) < 16:
+        raise SystemExit(f"lightning-logra serve: the update routes need a shared token of at least 16 characters: "
+                         f"set ${TOKEN_ENV} or give --token-file (e.g. `python -c \"import secrets; "
+                         f"print(secrets.token_hex(16))\" > token`); the trainer's RemoteEngine reads the same")
+    return token
+
+
+def build_router(token: str, max_body_bytes: int):
+    """The `/logra/` routes (FastAPI), each behind the token."""
+    from fastapi import APIRouter, HTTPException, Request, Response
+    from fastapi.responses import JSONResponse
+
+    router = APIRouter(prefix="/logra")
+    weights = Weights()
+
+    def authorize(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(HTTPStatus.UNAUTHORIZED, "a /logra/ route needs the server's token "
+                                f"(Authorization: Bearer <${TOKEN_ENV}>)")
+
+    async def body(request: Request) -> bytes:
+        """The request's body, at most max_body_bytes, and equal to the sha256 it came with."""
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > max_body_bytes:
+            raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over --max-body-mib ({max_body_bytes} B)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over --max-body-mib ({max_body_bytes} B)")
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        if request.headers.get(SHA_HEADER) != sha256(data):
+            raise HTTPException(HTTPStatus.BAD_REQUEST, f"the body's sha256 differs from {SHA_HEADER}: cut short or "
+                                "damaged on the way; nothing was changed")
+        return data
+
+    def engine(request: Request):
+        return request.app.state.engine_client
+
+    async def change(request: Request, rpc: str, data: bytes, label: dict) -> None:
+        """Merge or load `data` with every worker, once no generation of ours is under way and vLLM's own requests
+        have finished (paused "wait": drained), then label the weights."""
+        client = engine(request)
+        async with weights.changed:
+            await weights.changed.wait_for(lambda: not weights.changing and weights.generating == 0)
+            weights.changing = True
+        try:
+            await client.pause_generation(mode="wait", clear_cache=False)
+            try:
+                weights.version = None  # until the change is whole: a cut-short change leaves the weights unknown
+                await client.collective_rpc(rpc, args=(data,))
+                await client.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+                weights.run, weights.version = label["run"], label["version"]
+            finally:
+                await client.resume_generation()
+        finally:
+            async with weights.changed:
+                weights.changing = False
+                weights.changed.notify_all()
+
+    def parse_label(request: Request) -> dict:
+        try:
+            return {"run": request.query_params["run"], "version": int(request.query_params["version"])}
+        except (KeyError, ValueError) as err:
+            raise HTTPException(HTTPStatus.BAD_REQUEST, "give ?run=<id>&version=<int>") from err
+
+    @router.get("/state")
+    async def state(request: Request):
+        authorize(request)
+        return weights.label()
+
+    @router.post("/update")
+    async def update(request: Request):
+        """An `Update`'s bytes; merged only on top of the version before it (409 with the server's label if not)."""
+        authorize(request)
+        label = parse_label(request)
+        data = await body(request)
+        if weights.run not in (None, label["run"]) or weights.version != label["version"] - 1:
+            return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
+        from lightning_logra.algo.update import Update
+
+        try:
+            Update.from_bytes(data)  # parsed whole before any weight changes
+        except Exception as err:
+            raise HTTPException(HTTPStatus.BAD_REQUEST, f"not an Update: {err}") from err
+        await change(request, "logra_apply", data, label)
+        return weights.label()
+
+    @router.post("/load")
+    async def load(request: Request):
+        """Whole tensors (`sync.pack_tensors`), which leave the weights at the label given."""
+        authorize(request)
+        label = parse_label(request)
+        data = await body(request)
+        from lightning_logra.rollout.sync import unpack_tensors
+
+        try:
+            unpack_tensors(data)
+        except Exception as err:
+            raise HTTPException(HTTPStatus.BAD_REQUEST, f"not safetensors: {err}") from err
+        await change(request, "logra_load", data, label)
+        return weights.label()
+
+    @router.post("/blocks")
+    async def blocks(request: Request):
+        """{"names": [...], "seed": int | null}: the named tensors (or their fingerprints) as every worker holds its
+        blocks, keyed "name|row|col", as safetensors bytes."""
+        authorize(request)
+        from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
+
+        ask = json.loads(await body(request))
+        answers = await engine(request).collective_rpc("logra_blocks", args=(list(ask["names"]), ask.get("seed")))
+        merged = {}
+        for answer in answers:
+            merged.update(unpack_tensors(answer))
+        return Response(pack_tensors(merged), media_type="application/octet-stream")
+
+    @router.post("/generate")
+    async def generate(request: Request):
+        """{"prompts": [[ids]], "seeds": [...], "n", "temperature", "top_p", "max_tokens", "stop_token_ids", "run",
+        "min_version", "wait_s"}: n completions of each prompt (tokens and the sampler's log-probs), at a version
+        at least min_version of that run; 409 with the server's label if it does not reach it within wait_s."""
+        authorize(request)
+        ask = json.loads(await body(request))
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        def ready() -> bool:
+            held = weights.version is not None and weights.run in (None, ask["run"])
+            return held and not weights.changing and weights.version >= ask["min_version"]
+
+        async with weights.changed:
+            if not ready():
+                try:
+                    await asyncio.wait_for(weights.changed.wait_for(ready), min(float(ask["wait_s"]), _MAX_WAIT_S))
+                except TimeoutError:
+                    return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
+            weights.generating += 1
+            version = weights.version
+        try:
+            async def one(prompt: list[int], seed: int) -> list[dict]:
+                params = SamplingParams(n=ask["n"], temperature=ask["temperature"], top_p=ask["top_p"],
+                                        max_tokens=ask["max_tokens"], stop_token_ids=ask["stop_token_ids"],
+                                        logprobs=0, seed=seed, detokenize=False,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
+                final = None
+                async for final in engine(request).generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+                    pass
+                return [{"token_ids": list(o.token_ids),
+                         "logprobs": [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]}
+                        for o in sorted(final.outputs, key=lambda o: o.index)]
+
+            outputs = await asyncio.gather(*[one(p, s) for p, s in zip(ask["prompts"], ask["seeds"])])
+        finally:
+            async with weights.changed:
+                weights.generating -= 1
+                weights.changed.notify_all()
+        return {"run": weights.run, "version": version, "outputs": outputs}
+
+    return router
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-logra serve",
+        description="A vLLM server (OpenAI-compatible: /v1/completions, /v1/chat/completions, ...) whose weights a "
+                    "lightning-logra run keeps in step with its own by low-rank factors and seeds (model.engine: "
+                    "RemoteEngine with this server's URL). The update routes (/logra/) need a shared token: set "
+                    f"${TOKEN_ENV} or give --token-file, and give the trainer the same.",
+        epilog="Any other vLLM server option goes after `--`, e.g. `-- --max-num-seqs 64 --api-key KEY`. "
+               "The server binds 127.0.0.1 unless --host says otherwise; docs/vllm.md says what an exposed server "
+               "allows.")
+    parser.add_argument("--model", required=True, help="the model folder (or hub id) the trainer starts from")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--token-file", help=f"a file whose first line is the shared token (else ${TOKEN_ENV})")
+    parser.add_argument("--dtype", default="auto", help="the weights' dtype, as vLLM's (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, help="the longest prompt + completion")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="the share of device memory (host memory on the CPU backend) vLLM may take")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engines behind this one URL, each on its own GPUs (vLLM's data-parallel serving)")
+    parser.add_argument("--max-body-mib", type=int, default=1024,
+                        help="the largest update, load chunk or request the /logra/ routes take (default: "
+                             "%(default)s MiB; the trainer's load chunks are 512 MiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def vllm_arguments(ours: argparse.Namespace) -> list[str]:
+    """vLLM's `serve` command line for our options: the worker extension, log-probs at the sampling temperature (as
+    the trainer computes them), and the options above; then whatever followed `--`."""
+    from lightning_logra.rollout.vllm import WORKER_EXTENSION
+
+    args = ["--model", ours.model, "--host", ours.host, "--port", str(ours.port), "--dtype", ours.dtype,
+            "--gpu-memory-utilization", str(ours.gpu_memory_utilization),
+            "--tensor-parallel-size", str(ours.tensor_parallel_size),
+            "--data-parallel-size", str(ours.data_parallel_size), "--seed", str(ours.seed),
+            "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs"]
+    if ours.max_model_len is not None:
+        args += ["--max-model-len", str(ours.max_model_len)]
+    extra = ours.vllm_args[1:] if ours.vllm_args[:1] == ["--"] else ours.vllm_args
+    return args + extra
+
+
+async def _serve(args: argparse.Namespace, token: str, max_body_bytes: int) -> None:
+    """vLLM's `run_server` with one router more: the engine client, vLLM's app and state, `serve_http`."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    from lightning_logra.rollout.vllm_compat import check_vllm
+
+    check_vllm()
+    listen_address, sock = setup_server(args, reuse_port=False)
+    async with build_async_engine_client(args) as client:
+        tasks = await client.get_supported_tasks()
+        app = build_app(args, tasks, client.model_config)
+        app.include_router(build_router(token, max_body_bytes))
+        await init_app_state(client, app.state, args, tasks)
+        log.warning("lightning-logra serve: %s on %s (update routes under /logra/)", args.model, listen_address)
+        shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                    access_log=not args.disable_uvicorn_access_log)
+    try:
+        await shutdown
+    finally:
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ours = parser().parse_args(argv)
+    token = read_token(ours.token_file)
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):
+        raise SystemExit("lightning-logra serve: VLLM_SERVER_DEV_MODE is set; it opens vLLM's /collective_rpc, /pause "
+                         "and weight routes to anyone who can reach the server, without a token: unset it")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_arguments(ours))
+    validate_parsed_serve_args(args)
+    uvloop.run(_serve(args, token, ours.max_body_mib * 2**20))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -7,5 +7,5 @@ from lightning_logra.rollout.remote import RemoteEngine
 from lightning_logra.rollout.sync import WeightSync, find_sync, fingerprint
 from lightning_logra.rollout.vllm import VLLMEngine
 
-__all__ = ["HFEngine", "RemoteEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "WeightSync", "find_sync",
-           "fingerprint"]
+__all__ = ["HFEngine", "RemoteEngine", "Rollout", "RolloutEngine", "SamplingParams", "VLLMEngine", "WeightSync",
+           "find_sync", "fingerprint"]

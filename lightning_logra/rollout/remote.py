@@ -96,6 +96,7 @@ class RemoteEngine(RolloutEngine):
         connect_timeout_s: the longest wait for a connection.
         version_wait_s: how long a server may wait for an update that another rank sends before it serves a request.
         probe_every_s: how often a server that is down is asked whether it is back.
+        no_server_wait_s: how long a call waits for a server to come back when none is up, before the run stops.
         start_timeout_s: the longest wait for launched servers (and given ones) to answer at the start.
     """
 
@@ -111,6 +112,7 @@ class RemoteEngine(RolloutEngine):
         connect_timeout_s: float = 10.0,
         version_wait_s: float = 120.0,
         probe_every_s: float = 30.0,
+        no_server_wait_s: float = 300.0,
         start_timeout_s: float = 600.0,
     ) -> None:
         urls = list(urls or [])
@@ -119,9 +121,10 @@ class RemoteEngine(RolloutEngine):
                              f"serve`) or launch: N (local servers it starts itself), not both; got urls={urls}, "
                              f"launch={launch}")
         check_positive("engine.journal_steps", journal_steps, "number of updates", integer=True)
-        for key, value in (("request_timeout_s", request_timeout_s), ("connect_timeout_s", connect_timeout_s),
-                           ("version_wait_s", version_wait_s), ("probe_every_s", probe_every_s),
-                           ("start_timeout_s", start_timeout_s)):
+        seconds = dict(request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
+                       version_wait_s=version_wait_s, probe_every_s=probe_every_s, no_server_wait_s=no_server_wait_s,
+                       start_timeout_s=start_timeout_s)
+        for key, value in seconds.items():
             check_positive(f"engine.{key}", value, "number of seconds")
         for url in urls:
             if not url.startswith(("http://", "https://")):
@@ -132,6 +135,7 @@ class RemoteEngine(RolloutEngine):
         self.journal = UpdateJournal(journal_steps, journal_dir)
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.version_wait_s, self.probe_every_s, self.start_timeout_s = version_wait_s, probe_every_s, start_timeout_s
+        self.no_server_wait_s = no_server_wait_s
         self.token: str | None = None
         self.pad_token_id = 0
         self.stop_token_ids: list[int] = []
@@ -151,7 +155,8 @@ class RemoteEngine(RolloutEngine):
     def place(self, rank: int, world_size: int, device: torch.device) -> None:
         if self.launch and world_size > 1:
             raise ValueError("model.engine: RemoteEngine's launch starts servers for a run of one process; with "
-                             f"{world_size} processes start the servers with `lightning-logra serve` and give their urls")
+                             f"{world_size} processes start the servers with `lightning-logra serve` and give their "
+                             "urls")
         self.rank, self.world_size = rank, world_size
 
     def runs_alongside(self) -> bool:
@@ -317,22 +322,30 @@ class RemoteEngine(RolloutEngine):
 
     def _ready(self) -> list[Server]:
         """The servers to generate on: up (those down are asked again when due) and, when this rank sends, at the
-        trainer's version (caught up first). Raises NoServerLeft when none is."""
-        for server in self.servers:
-            if not server.up:
-                self._probe(server)
-        if self.sender:
-            for server in [s for s in self.servers if s.up and not self._current(s)]:
-                try:
-                    self._catch_up(server, full_load=True)
-                except ServerFailed as err:
-                    self._down(server, err)
-        ready = [s for s in self.servers if s.up]
-        if not ready:
-            raise NoServerLeft(f"model.engine: no engine server is left to generate on: "
-                               f"{', '.join(s.url for s in self.servers)} (start them again, then resume the run "
-                               "from its last checkpoint with --ckpt_path)")
-        return ready
+        trainer's version (caught up first). With none, every server is asked again each `probe_every_s` for
+        `no_server_wait_s`; then NoServerLeft."""
+        deadline = time.monotonic() + self.no_server_wait_s
+        while True:
+            for server in self.servers:
+                if not server.up:
+                    self._probe(server)
+            if self.sender:
+                for server in [s for s in self.servers if s.up and not self._current(s)]:
+                    try:
+                        self._catch_up(server, full_load=True)
+                    except ServerFailed as err:
+                        self._down(server, err)
+            ready = [s for s in self.servers if s.up]
+            if ready:
+                return ready
+            if time.monotonic() >= deadline:
+                raise NoServerLeft(f"model.engine: no engine server is left to generate on: "
+                                   f"{', '.join(s.url for s in self.servers)} (none answered for "
+                                   f"engine.no_server_wait_s={self.no_server_wait_s} s; start them again, then "
+                                   "resume the run from its last checkpoint with --ckpt_path)")
+            if STOP.overdue():
+                raise STOP.error("waiting for an engine server")
+            time.sleep(min(self.probe_every_s, max(deadline - time.monotonic(), 0.0)))
 
     def _catch_up(self, server: Server, full_load: bool) -> None:
         """Bring a server to the trainer's version: replay the journal's updates since the version it holds, or (when
@@ -521,7 +534,8 @@ def _split(indices: list[int], servers: list[Server]) -> dict[Server, list[int]]
     total = sum(speeds)
     exact = [len(indices) * s / total for s in speeds]
     counts = [math.floor(x) for x in exact]
-    for i in sorted(range(len(servers)), key=lambda i: exact[i] - counts[i], reverse=True)[: len(indices) - sum(counts)]:
+    largest_remainders = sorted(range(len(servers)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in largest_remainders[: len(indices) - sum(counts)]:
         counts[i] += 1
     shares, first = {}, 0
     for server, count in zip(servers, counts):

@@ -102,7 +102,8 @@ def build_router(token: str, max_body_bytes: int):
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_body_bytes:
-                raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over --max-body-mib ({max_body_bytes} B)")
+                raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                    f"body over --max-body-mib ({max_body_bytes} B)")
             chunks.append(chunk)
         data = b"".join(chunks)
         if request.headers.get(SHA_HEADER) != sha256(data):
@@ -220,8 +221,8 @@ def build_router(token: str, max_body_bytes: int):
                                         logprobs=0, seed=seed, detokenize=False,
                                         output_kind=RequestOutputKind.FINAL_ONLY)
                 final = None
-                async for final in engine(request).generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
-                    pass
+                async for output in engine(request).generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+                    final = output  # FINAL_ONLY: the one output, when the request is done
                 return [{"token_ids": list(o.token_ids),
                          "logprobs": [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]}
                         for o in sorted(final.outputs, key=lambda o: o.index)]

@@ -5,6 +5,7 @@ change nothing; with no server left the run stops naming the URL, and a resumed 
 replaying the journal from disk."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,3 +95,152 @@ def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_m
         assert factors < sent < factors + 256 * len(record.sketched)
     # The run stopped the server it launched.
     assert engine.servers == [] and [p.poll() is not None for p in record.launched] == [True]
+
+
+# ---- faults -------------------------------------------------------------------------------------------------------
+
+STOP_AT, KILL_AT, PROBE_AT = 1, 3, 3  # steps
+
+
+class Disturb(Callback):
+    """Two launched servers: the second stopped (SIGSTOP) for step 1 and continued before step 2, which must catch it
+    up by replaying the update it missed; requests to it without the token, cut short, not an update or at the wrong
+    version, before step 3, which must change nothing; the first killed (SIGKILL) after step 3's backward pass, so
+    that its update meets a dead server."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        engine = pl_module.engine
+        first, second = engine.servers
+        if batch_idx == STOP_AT:
+            self.request_timeout_s, engine.request_timeout_s = engine.request_timeout_s, 20.0
+            os.killpg(second.process.pid, signal.SIGSTOP)
+        if batch_idx == STOP_AT + 1:
+            os.killpg(second.process.pid, signal.SIGCONT)
+            engine.request_timeout_s = self.request_timeout_s
+        if batch_idx == PROBE_AT:
+            names = list(dict(pl_module.policy.named_parameters()))
+            names = [n for n in names if not n.endswith(".sketch_param")]
+            before = engine.weights(names), _state(second.url)
+            self.answers = _bad_requests(second.url, engine.journal)
+            after = engine.weights(names), _state(second.url)
+            self.unchanged = before[1] == after[1] and all(torch.equal(before[0][n], after[0][n]) for n in names)
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == KILL_AT and not hasattr(self, "killed"):
+            self.killed = pl_module.engine.servers[0]
+            os.killpg(self.killed.process.pid, signal.SIGKILL)
+
+
+def _state(url: str) -> dict:
+    return requests.get(f"{url}/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+
+
+def _bad_requests(url: str, journal) -> dict[str, int]:
+    """Status codes of update requests a server must refuse."""
+    import hashlib
+
+    data = journal.get(journal.version)  # a real update, at the version the server holds
+    sha = hashlib.sha256(data).hexdigest()
+    label = {"run": journal.run, "version": journal.version + 1}
+    post = partial(requests.post, f"{url}/logra/update", params=label, timeout=30)
+    token = {"Authorization": f"Bearer {TOKEN}"}
+    return {
+        "no token": post(data=data, headers={"X-Logra-SHA256": sha}).status_code,
+        "wrong token": post(data=data, headers={"Authorization": "Bearer guess", "X-Logra-SHA256": sha}).status_code,
+        "cut short": post(data=data[:-100], headers={**token, "X-Logra-SHA256": sha}).status_code,
+        "not an update": post(data=b"x" * 64, headers={**token, "X-Logra-SHA256": hashlib.sha256(b"x" * 64)
+                                                       .hexdigest()}).status_code,
+        "too large": post(data=b"x" * (2 * 2**20 + 1), headers={**token, "X-Logra-SHA256": "-"}).status_code,
+        "wrong version": requests.post(f"{url}/logra/update", params={**label, "version": label["version"] + 5},
+                                       data=data, headers={**token, "X-Logra-SHA256": sha}, timeout=30).status_code,
+    }
+
+
+def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LOGRA_SERVER_TOKEN", TOKEN)
+    engine = RemoteEngine(launch=2, serve_args=[*SERVE, "--max-body-mib", "2"], probe_every_s=1.0)
+    disturb = Disturb()
+    with caplog.at_level("WARNING", logger="lightning_logra.rollout.remote"):
+        trainer, record = _run(tiny_arith_model, tmp_path, engine, disturb)
+    assert trainer.global_step == STEPS
+    # Every prompt was generated, by whichever server was up, from its own seed: the colocated engine's steps.
+    start = load_file(Path(tiny_arith_model) / "model.safetensors")
+    assert_matches("remote_faults", {"steps": record.metrics, **checksums(start, record.trainer_weights)},
+                   GOLDEN_VLLM)
+    log = caplog.text
+    assert "is given up on for now" in log and "Read timed out" in log  # the stopped server, at its deadline
+    # ... caught up by the journal when it came back (at step 2 or 3: it first finishes what it was stopped in)
+    assert re.search(r"holds version 1 of \w+, the trainer [23]: replaying [12] updates", log)
+    killed = disturb.killed.url
+    assert f"{killed} is given up on for now ({killed}/logra/update" in log  # the killed one, at its next update
+    assert disturb.answers == {"no token": 401, "wrong token": 401, "cut short": 400, "not an update": 400,
+                               "too large": 413, "wrong version": 409}
+    assert disturb.unchanged
+    # The server left equals the trainer (every check compared it; nothing had to be loaded).
+    _assert_in_step(record)
+    assert record.loads == [0.0] * STEPS
+
+
+def _serve(model: str, port: int) -> subprocess.Popen:
+    """`lightning-logra serve` as a user starts it, the token in its environment; returns once it answers."""
+    command = [str(Path(sys.executable).parent / "lightning-logra"), "serve", "--model", model, "--port", str(port),
+               *SERVE]
+    process = subprocess.Popen(command, env={**os.environ, "LOGRA_SERVER_TOKEN": TOKEN}, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except requests.RequestException:
+            pass
+        assert process.poll() is None, "lightning-logra serve exited"
+        time.sleep(1)
+    raise TimeoutError("lightning-logra serve did not answer within 300 s")
+
+
+class KillServer(Callback):
+    def __init__(self, process: subprocess.Popen, after: int) -> None:
+        self.process, self.after = process, after
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.after and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def test_with_no_server_left_the_run_stops_and_a_resume_replays_the_journal(tiny_arith_model, tmp_path,
+                                                                            monkeypatch, caplog):
+    monkeypatch.setenv("LOGRA_SERVER_TOKEN", TOKEN)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+
+    def engine():
+        return RemoteEngine(urls=[url], journal_dir=str(tmp_path / "journal"), request_timeout_s=60.0,
+                            probe_every_s=1.0, no_server_wait_s=5.0)
+
+    server = _serve(tiny_arith_model, port)
+    try:
+        with pytest.raises(NoServerLeft, match=url):
+            _run(tiny_arith_model, tmp_path, engine(), KillServer(server, after=2), checkpoints=True)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+    assert sorted(p.name for p in (tmp_path / "journal").glob("*/*.update")) == ["000000001.update",
+                                                                                "000000002.update"]
+    # A fresh server (the model's files) and the run resumed from its step-2 checkpoint: the two updates replayed
+    # from disk bring the server to the trainer's weights exactly (the start's comparison loads nothing).
+    server = _serve(tiny_arith_model, port)
+    try:
+        with caplog.at_level("WARNING", logger="lightning_logra.rollout.remote"):
+            trainer, record = _run(tiny_arith_model, tmp_path, engine(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+                                   checkpoints=True)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+    assert "holds version 0 of None, the trainer 2: replaying 2 updates" in caplog.text
+    assert trainer.global_step == STEPS and record.loads == [0.0] * (STEPS - 2)
+    _assert_in_step(record)
+    # The resumed steps are the uninterrupted run's.
+    for got, want in zip(record.metrics, GOLDEN_VLLM["steps"][2:]):
+        assert got == pytest.approx(want, rel=1e-4)

@@ -158,6 +158,12 @@ class RemoteEngine(RolloutEngine):
                              f"{world_size} processes start the servers with `lightning-logra serve` and give their "
                              "urls")
         self.rank, self.world_size = rank, world_size
+        if world_size > 1:  # one run id for every rank: the servers' weights are labelled with rank 0's
+            import torch.distributed as dist
+
+            run = [self.journal.run]
+            dist.broadcast_object_list(run, src=0)
+            self.journal.run = run[0]
 
     def runs_alongside(self) -> bool:
         return True  # the servers compute elsewhere: generation can overlap the trainer's step
@@ -483,8 +489,16 @@ class RemoteEngine(RolloutEngine):
         return sent
 
     def _each_server(self, names: list[str], seed: int | None) -> list[dict[str, torch.Tensor]]:
-        ask = json.dumps({"names": list(names), "seed": seed}).encode()
-        calls = {s: (lambda s=s: self._request(s, "POST", "/logra/blocks", ask).content) for s in self.servers if s.up}
+        # At this rank's version: on a rank that does not send, the server may not have rank 0's update yet.
+        ask = json.dumps({"names": list(names), "seed": seed, "run": self.journal.run,
+                          "min_version": self.journal.version, "wait_s": self.version_wait_s}).encode()
+        def blocks(server: Server) -> bytes:
+            answer = self._request(server, "POST", "/logra/blocks", ask)
+            if answer.status_code == 409:  # behind: left out now, caught up before it generates again
+                raise ServerFailed(f"{server.url} did not reach version {self.journal.version}: {answer.text}")
+            return answer.content
+
+        calls = {s: (lambda s=s: blocks(s)) for s in self.servers if s.up}
         held = []
         for server, result in self._parallel(calls).items():
             if isinstance(result, ServerFailed):

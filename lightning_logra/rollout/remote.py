@@ -489,9 +489,11 @@ class RemoteEngine(RolloutEngine):
         return sent
 
     def _each_server(self, names: list[str], seed: int | None) -> list[dict[str, torch.Tensor]]:
-        # At this rank's version: on a rank that does not send, the server may not have rank 0's update yet.
-        ask = json.dumps({"names": list(names), "seed": seed, "run": self.journal.run,
-                          "min_version": self.journal.version, "wait_s": self.version_wait_s}).encode()
+        # At this rank's version: on a rank that does not send, the server may not have rank 0's update yet. A
+        # server holding another run's weights answers at once (the comparison then loads what differs).
+        ask = json.dumps({"names": list(names), "seed": seed, "run": self.journal.run, "any_run": True,
+                          "min_version": self.journal.version,
+                          "wait_s": 0.0 if self.sender else self.version_wait_s}).encode()
         def blocks(server: Server) -> bytes:
             answer = self._request(server, "POST", "/logra/blocks", ask)
             if answer.status_code == 409:  # behind: left out now, caught up before it generates again

@@ -180,10 +180,15 @@ def build_router(token: str, max_body_bytes: int):
 
     async def at_version(ask: dict) -> bool:
         """Wait (at most ask["wait_s"]) until the weights are a version of ask["run"] at least ask["min_version"]
-        and no change is under way; then count a reader in (`done_reading` counts it out). False: not reached."""
+        and no change is under way; then count a reader in (`done_reading` counts it out). False: not reached.
+        With ask["any_run"], weights of another run (or unknown) are answered at once: a comparison finds them."""
         def ready() -> bool:
-            held = weights.version is not None and weights.run in (None, ask["run"])
-            return held and not weights.changing and weights.version >= ask["min_version"]
+            if weights.changing:
+                return False
+            ours = weights.version is not None and weights.run in (None, ask["run"])
+            if not ours:
+                return bool(ask.get("any_run"))
+            return weights.version >= ask["min_version"]
 
         async with weights.changed:
             if not ready():
@@ -201,9 +206,9 @@ def build_router(token: str, max_body_bytes: int):
 
     @router.post("/blocks")
     async def blocks(request: Request):
-        """{"names": [...], "seed": int | null, "run", "min_version", "wait_s"}: the named tensors (or their
-        fingerprints) as every worker holds its blocks, keyed "name|row|col", as safetensors bytes; 409 with the
-        server's label if it does not reach the version within wait_s."""
+        """{"names": [...], "seed": int | null, "run", "min_version", "wait_s", "any_run"}: the named tensors (or
+        their fingerprints) as every worker holds its blocks, keyed "name|row|col", as safetensors bytes; 409 with
+        the server's label if it does not reach the version within wait_s."""
         authorize(request)
         from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 

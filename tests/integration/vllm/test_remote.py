@@ -83,6 +83,7 @@ def _assert_in_step(record: Record) -> None:
     assert torch.equal(record.engine_greedy, record.trainer_greedy)
 
 
+# The fast tier's: one server start and five steps, about a minute.
 def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_model, tmp_path):
     engine = RemoteEngine(launch=1, serve_args=SERVE)
     trainer, record = _run(tiny_arith_model, tmp_path, engine)
@@ -158,6 +159,7 @@ def _bad_requests(url: str, journal) -> dict[str, int]:
     }
 
 
+@pytest.mark.long  # two server starts, a 20 s deadline: 2 minutes
 def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LOGRA_SERVER_TOKEN", TOKEN)
     engine = RemoteEngine(launch=2, serve_args=[*SERVE, "--max-body-mib", "2"], probe_every_s=1.0)
@@ -211,6 +213,7 @@ class KillServer(Callback):
             self.process.wait()
 
 
+@pytest.mark.long  # two server starts: 2 minutes
 def test_with_no_server_left_the_run_stops_and_a_resume_replays_the_journal(tiny_arith_model, tmp_path,
                                                                             monkeypatch, caplog):
     monkeypatch.setenv("LOGRA_SERVER_TOKEN", TOKEN)
@@ -262,6 +265,7 @@ def shared_server(tiny_arith_model):
     os.killpg(server.pid, signal.SIGKILL)
 
 
+@pytest.mark.long  # one server start, two runs of two processes
 @pytest.mark.parametrize("config", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
 def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, tiny_arith_model, tmp_path,
                                                                       shared_server, config):

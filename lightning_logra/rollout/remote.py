@@ -71,6 +71,7 @@ class Server:
     up: bool = False
     run: str | None = None  # the label of its weights, as it last said
     version: int | None = None
+    max_model_len: int | None = None  # the longest prompt + completion it takes, as it said
     tokens_per_s: float = 0.0  # completion tokens per second of its last answers (its share of a call)
     next_probe: float = 0.0  # when a server that is down is asked again
     process: subprocess.Popen | None = None  # a server this engine launched
@@ -286,6 +287,7 @@ class RemoteEngine(RolloutEngine):
             log.debug("engine server %s: %s", server.url, err)
             return
         server.run, server.version = label["run"], label["version"]
+        server.max_model_len = label.get("max_model_len")
         if not server.up:
             log.warning("engine server %s answers (weights: run %s, version %s)", server.url, server.run,
                         server.version)
@@ -518,6 +520,11 @@ class RemoteEngine(RolloutEngine):
 
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         return _agreed(self._each_server(names, None), names)
+
+    def max_model_len(self) -> int | None:
+        """The least of the servers' limits (a prompt any of them refuses would fail the call there)."""
+        limits = [s.max_model_len for s in self.servers if s.max_model_len]
+        return min(limits) if limits else None
 
     def memory_bytes(self) -> int | None:
         return None  # on other machines (a launched server's memory is its own processes')

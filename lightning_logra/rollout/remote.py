@@ -47,6 +47,7 @@ from lightning_logra.base.stop import STOP
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.journal import UpdateJournal
+from lightning_logra.rollout.pipeline import EngineLost
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm import SEED_MASK, assemble_blocks, samples_to_rollout
 
@@ -72,6 +73,7 @@ class Server:
     run: str | None = None  # the label of its weights, as it last said
     version: int | None = None
     max_model_len: int | None = None  # the longest prompt + completion it takes, as it said
+    suspect: bool = False  # a load into it failed part-way: its label may not describe its weights (full load)
     tokens_per_s: float = 0.0  # completion tokens per second of its last answers (its share of a call)
     next_probe: float = 0.0  # when a server that is down is asked again
     process: subprocess.Popen | None = None  # a server this engine launched
@@ -325,6 +327,8 @@ class RemoteEngine(RolloutEngine):
     # ---- keeping servers in step ----------------------------------------------------------------------------------
 
     def _current(self, server: Server) -> bool:
+        if server.suspect:
+            return False
         return server.run in (None, self.journal.run) and server.version == self.journal.version and (
             server.run is not None or self.journal.version == 0)
 
@@ -359,7 +363,8 @@ class RemoteEngine(RolloutEngine):
         """Bring a server to the trainer's version: replay the journal's updates since the version it holds, or (when
         that is impossible or moves more bytes, and `full_load`) load every tensor."""
         same_run = server.run == self.journal.run or (server.run is None and server.version == 0)
-        updates = self.journal.since(server.version) if same_run and server.version is not None else None
+        known = same_run and server.version is not None and not server.suspect
+        updates = self.journal.since(server.version) if known else None
         replay = sum(len(u) for u in updates) if updates is not None else math.inf
         if replay <= self.full_bytes or (updates is not None and not full_load):
             log.warning("engine server %s holds version %s of %s, the trainer %d: replaying %d updates (%d bytes; a "
@@ -379,8 +384,13 @@ class RemoteEngine(RolloutEngine):
         self._targets = [server]
         try:
             self._reload()
+        except EngineLost:
+            raise  # overlapped rollouts: the pipeline loads on the trainer's thread and draws again
+        except RuntimeError as err:  # under FSDP a load needs every rank: this server waits for the next attach
+            raise ServerFailed(f"{server.url} needs a full load: {err}") from err
         finally:
             self._targets = None
+        server.suspect = not server.up  # whole now, unless the load failed (then it is down and still suspect)
 
     def _send_update(self, server: Server, data: bytes, version: int) -> None:
         answer = self._request(server, "POST", "/logra/update", data, {"run": self.journal.run, "version": version})
@@ -482,6 +492,7 @@ class RemoteEngine(RolloutEngine):
         sent = 0
         for server, result in self._parallel({s: (lambda s=s: load(s)) for s in targets}).items():
             if isinstance(result, ServerFailed):
+                server.suspect = True  # the load's other chunks may have reached it: loaded in full when back
                 self._down(server, result)
             elif isinstance(result, BaseException):
                 raise result

@@ -114,12 +114,16 @@ def build_router(token: str, max_body_bytes: int):
     def engine(request: Request):
         return request.app.state.engine_client
 
-    async def change(request: Request, rpc: str, data: bytes, label: dict) -> None:
+    async def change(request: Request, rpc: str, data: bytes, label: dict, on_top=None) -> bool:
         """Merge or load `data` with every worker, once no generation of ours is under way and vLLM's own requests
-        have finished (paused "wait": drained), then label the weights."""
+        have finished (paused "wait": drained), then label the weights. With `on_top` (an update), only if the
+        weights are then the version before the label's (checked under the lock: two updates of one version, one
+        change); False if not."""
         client = engine(request)
         async with weights.changed:
             await weights.changed.wait_for(lambda: not weights.changing and weights.generating == 0)
+            if on_top is not None and not on_top():
+                return False
             weights.changing = True
         try:
             await client.pause_generation(mode="wait", clear_cache=False)
@@ -134,6 +138,7 @@ def build_router(token: str, max_body_bytes: int):
             async with weights.changed:
                 weights.changing = False
                 weights.changed.notify_all()
+        return True
 
     def parse_label(request: Request) -> dict:
         try:
@@ -153,7 +158,11 @@ def build_router(token: str, max_body_bytes: int):
         authorize(request)
         label = parse_label(request)
         data = await body(request)
-        if weights.run not in (None, label["run"]) or weights.version != label["version"] - 1:
+
+        def on_top() -> bool:
+            return weights.run in (None, label["run"]) and weights.version == label["version"] - 1
+
+        if not on_top():
             return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
         from lightning_logra.algo.update import Update
 
@@ -161,7 +170,8 @@ def build_router(token: str, max_body_bytes: int):
             Update.from_bytes(data)  # parsed whole before any weight changes
         except Exception as err:
             raise HTTPException(HTTPStatus.BAD_REQUEST, f"not an Update: {err}") from err
-        await change(request, "logra_apply", data, label)
+        if not await change(request, "logra_apply", data, label, on_top):
+            return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
         return weights.label()
 
     @router.post("/load")

@@ -2,7 +2,8 @@
 step for step as the colocated engine does (the recorded steps of test_vllm_engine.py); two servers, one stopped and
 one killed mid-run, a stopped one caught up by the journal; requests without the token or with a damaged payload
 change nothing; with no server left the run stops naming the URL, and a resumed run brings a fresh server back by
-replaying the journal from disk."""
+replaying the journal from disk; two trainer processes (DDP, FSDP) on one server that rank 0 keeps in step; bf16
+updates replayed into a server equal those another took live, bit for bit."""
 
 import os
 import re
@@ -21,12 +22,14 @@ import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from conftest import CONFIGS, ROOT, SKETCH_TARGETS, EngineSnapshot
 from golden import RECORDED, assert_matches, checksums, observe, scalars
+from lightning_logra.algo.update import Update
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.rollout import RemoteEngine
+from lightning_logra.rollout import RemoteEngine, SamplingParams
 from lightning_logra.rollout.remote import NoServerLeft
 from lightning_logra.sketch import SketchAdam, sketched_layers
 from lightning_logra.sketch.config import SketchConfig
@@ -292,3 +295,48 @@ def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, 
         # The server held the DDP run's weights (another run): the start's comparison loaded what differed, once.
         assert values["sync/loads"] == [1.0] * 3
         assert values["train/reward_mean"] and min(values["kl/alpha"]) > 0
+
+
+# ---- bf16: replayed updates equal live ones -----------------------------------------------------------------------
+
+
+@pytest.mark.long  # two server starts: 1.5 minutes
+def test_bf16_updates_replayed_into_a_server_equal_those_it_took_live(tiny_arith_model, caplog):
+    # bf16 weights on both sides, steps far below half an ulp (stochastic rounding decides every moved entry): one
+    # server takes three updates as they come; the other, stopped meanwhile, is given up on at its deadline and, once
+    # continued, replays them from the journal. Both must then hold the trainer's weights bit for bit.
+    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))
+    (optimizer,) = config.build_optimizers(policy, config.install(policy))
+    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
+    start = {n: policy.get_parameter(n).detach().clone() for n in names}
+    engine = RemoteEngine(launch=2, serve_args=["--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"],
+                          request_timeout_s=5.0, probe_every_s=0.5)
+    engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
+    try:
+        live, stopped = engine.servers
+        os.killpg(stopped.process.pid, signal.SIGSTOP)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
+            (policy(input_ids=ids).logits.float() * torch.randn(8, 12, policy.config.vocab_size, generator=g)).mean(
+            ).backward()
+            optimizer.step()
+            engine.apply_update(Update(dict(optimizer.last_updates)))
+        assert live.up and not stopped.up and live.version == 3
+        os.killpg(stopped.process.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        with caplog.at_level("WARNING", logger="lightning_logra.rollout.remote"):
+            engine.generate([[3, 4, 13], [5, 6, 13]], 1, SamplingParams(max_new_tokens=2), [0, 1])  # both used
+        assert stopped.up and stopped.version == 3
+        theirs = engine.weights(names)  # NaN wherever the two servers differ
+    finally:
+        engine.close()
+    # (the first update, sent while it was stopped, may still reach it when it continues)
+    assert re.search(r"holds version [01] of \S+, the trainer 3: replaying [23] updates", caplog.text)
+    changed = 0
+    for name in names:
+        ours = policy.get_parameter(name).detach()
+        assert theirs[name].dtype == torch.bfloat16 and torch.equal(theirs[name][: ours.shape[0]], ours), name
+        changed += int((ours != start[name]).sum())
+    assert changed > 1000  # many entries moved by whole ulps, and both servers moved the same ones

@@ -547,6 +547,7 @@ class VLLMEngine(RolloutEngine):
             blocks.update(unpack_tensors(answer))
         return blocks
 
+
 def samples_to_rollout(prompt_ids: list[list[int]], n: int, completions: list[list[int]],
                        logprobs: list[list[float]], pad_token_id: int) -> Rollout:
     """The n completions of each prompt (tokens, ending with the stop token, and the sampler's log-probs) as a batch."""

@@ -23,6 +23,7 @@ configs use it. Otherwise `urls` are servers someone started; the token comes fr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -261,9 +262,8 @@ class RemoteEngine(RolloutEngine):
 
     def _request(self, server: Server, method: str, path: str, data: bytes = b"", params: dict | None = None,
                  timeout: float | None = None):
-        """One request to one server; ServerFailed when it cannot be had (the caller marks the server down)."""
-        import hashlib
-
+        """One request to one server; ServerFailed when it cannot be had (the caller marks the server down); a refused
+        token is a setting to fix, not a fault: PermissionError."""
         import requests
 
         headers = {"Authorization": f"Bearer {self.token}", SHA_HEADER: hashlib.sha256(data).hexdigest()}
@@ -275,6 +275,9 @@ class RemoteEngine(RolloutEngine):
             raise ServerFailed(f"{server.url}{path}: {err}") from err
         if answer.status_code == 409:
             return answer  # the server holds another version: the caller decides
+        if answer.status_code == 401:
+            raise PermissionError(f"engine server {server.url} refused this run's token: give the trainer the token "
+                                  f"the server was started with (${TOKEN_ENV} or engine.token_file)")
         if answer.status_code != 200:
             raise ServerFailed(f"{server.url}{path}: HTTP {answer.status_code} {answer.text[:300]}")
         return answer

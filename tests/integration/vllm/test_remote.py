@@ -119,6 +119,7 @@ class Disturb(Callback):
         if batch_idx == STOP_AT + 1:
             os.killpg(second.process.pid, signal.SIGCONT)
             engine.request_timeout_s = self.request_timeout_s
+            _state(second.url, timeout=120)  # answering again before the step asks it (on a busy machine, a while)
         if batch_idx == PROBE_AT:  # to the first server, at the trainer's version (the second may still be behind)
             names = list(dict(pl_module.policy.named_parameters()))
             names = [n for n in names if not n.endswith(".sketch_param")]
@@ -133,8 +134,8 @@ class Disturb(Callback):
             os.killpg(self.killed.process.pid, signal.SIGKILL)
 
 
-def _state(url: str) -> dict:
-    return requests.get(f"{url}/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).json()
+def _state(url: str, timeout: float = 10) -> dict:
+    return requests.get(f"{url}/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=timeout).json()
 
 
 def _bad_requests(url: str, journal) -> dict[str, int]:

@@ -5,11 +5,13 @@ reported as NaN (so that the weight sync loads them)."""
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lightning_logra.rollout.remote import TOKEN_ENV, RemoteEngine, Server, _agreed, _split
+from lightning_logra.rollout.remote import TOKEN_ENV, NoServerLeft, RemoteEngine, Server, ServerFailed, _agreed, _split
+from lightning_logra.rollout.sync import pack_tensors
 
 
 @pytest.mark.parametrize(("kwargs", "key"), [
@@ -78,3 +80,27 @@ def test_the_prompt_limit_is_the_least_of_the_servers():
     for server, limit in zip(engine.servers, [4096, 2048, None]):
         server.max_model_len = limit
     assert engine.max_model_len() == 2048
+
+
+def test_a_weight_check_with_every_server_down_waits_for_one_to_answer(monkeypatch):
+    """A check (the weight sync's fingerprints) after the last server up failed is not "no server left": the servers
+    down are asked again, as before a generation, until one answers or engine.no_server_wait_s has passed."""
+    engine = RemoteEngine(urls=["http://a:1"], probe_every_s=0.01, no_server_wait_s=5)
+    server = engine.servers[0]
+    server.up, server.next_probe = False, 0.0
+    asked = []
+
+    def request(server, method, path, data=b"", params=None, timeout=None):
+        asked.append(path)
+        if path == "/logra/state" and asked.count(path) < 3:  # back at the third probe
+            raise ServerFailed(f"{server.url}{path}: connection refused")
+        return SimpleNamespace(status_code=200, json=lambda: {"run": None, "version": 0, "max_model_len": 32},
+                               content=pack_tensors({"w|0|0": torch.arange(6.0).view(2, 3)}))
+
+    monkeypatch.setattr(engine, "_request", request)
+    assert torch.equal(engine.weights(["w"])["w"], torch.arange(6.0).view(2, 3))
+    assert asked == ["/logra/state"] * 3 + ["/logra/blocks"] and server.up
+    server.up, engine.no_server_wait_s = False, 0.05  # and past the wait: the run stops naming the server
+    monkeypatch.setattr(engine, "_request", lambda *a, **k: (_ for _ in ()).throw(ServerFailed("refused")))
+    with pytest.raises(NoServerLeft, match="http://a:1"):
+        engine.weights(["w"])

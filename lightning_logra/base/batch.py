@@ -20,13 +20,16 @@ class Rollout:
     completion_ids: torch.Tensor  # (N, C) right-padded after the stop token
     completion_mask: torch.Tensor  # (N, C) 1 on generated tokens, the stop token included
     sampler_logprobs: torch.Tensor  # (N, C) log π_sampler(token | context) at the sampling temperature, 0 on padding
+    # (N, C) how many updates reached the engine while it generated, before each token was sampled (in-flight
+    # updates: RemoteEngine(in_flight=True)); None: none could (every token drawn with the same weights)
+    in_flight_updates: torch.Tensor | None = None
 
     @property
     def completion_lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)  # (N,)
 
     def to(self, device: torch.device | str) -> Rollout:
-        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return Rollout(*(None if (t := getattr(self, f.name)) is None else t.to(device) for f in fields(self)))
 
     def terminated(self, stop_token_ids: list[int]) -> torch.Tensor:
         """(N,) bool: whether each completion ended with a stop token (the others were cut at the length limit)."""
@@ -37,8 +40,9 @@ class Rollout:
     def select(self, rows: torch.Tensor) -> Rollout:
         """The given rows, with the completion columns that are padding in all of them trimmed off the right."""
         width = int(self.completion_mask[rows].sum(-1).max())
+        in_flight = None if self.in_flight_updates is None else self.in_flight_updates[rows, :width]
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows, :width],
-                       self.completion_mask[rows, :width], self.sampler_logprobs[rows, :width])
+                       self.completion_mask[rows, :width], self.sampler_logprobs[rows, :width], in_flight)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

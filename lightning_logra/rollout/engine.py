@@ -73,6 +73,11 @@ class RolloutEngine(ABC):
         computes in processes of its own, and its calls touch nothing of the trainer's."""
         return False
 
+    def updates_in_flight(self) -> bool:
+        """Whether, with overlapped rollouts, an update may reach the engine while it generates (between decoding
+        steps, the completions under way kept) instead of after its generations: RemoteEngine(in_flight=True)."""
+        return False
+
     def samples_from(self, policy) -> bool:
         """Whether the engine samples from `policy`'s own weights; if not, they must be kept in step (synced)."""
         return False

@@ -13,6 +13,14 @@ needs every rank (gathering a sharded tensor, comparing fingerprints) stays on t
 other use of the engine (validation, a drift check, a checkpoint): the worker is drained first, after which the
 engine holds the trainer's newest weights (every applied update has been sent).
 
+With an engine that takes updates in flight (`RemoteEngine(in_flight=True)`), updates have a worker thread of their
+own and reach the engine as soon as the trainer sends them, while it generates; a generation still starts only once
+the updates sent before it was submitted have arrived (its first tokens are drawn with the weights of step v at
+least), and its later tokens may be drawn with newer ones (PipelineRL's in-flight updates). With k = 1:
+
+    engine:   generate t+1 (weights of t, then t+1 from where update t landed) | generate t+2 (t+1, then t+2) | ...
+    updates:        send update t ↑                                                  send update t+1 ↑
+
 The prompts of the steps ahead come from a second pass over the same training loader, whose batches are a function
 of the step alone (`data.module.StepBatchSampler`); each is checked against the batch Lightning then hands the step.
 """
@@ -68,16 +76,18 @@ class RolloutPipeline:
         batches: the training loader's batches from step `start` on (a second pass over it).
         start: the first step this pipeline serves (0, or the step a run resumed at).
         last_step: the run's last step (None: no limit); nothing is generated past it.
+        in_flight: send updates from a thread of their own, while the engine generates (`updates_in_flight`).
     """
 
     def __init__(self, max_staleness: int, generate: Callable[[Batch, int], Callable[[], Rollout]],
                  send: Callable[[Update], dict[str, float]], reload: Callable[[], object], batches: Iterator[Batch],
-                 start: int, last_step: int | None) -> None:
-        self.max_staleness, self.start, self.last_step = max_staleness, start, last_step
+                 start: int, last_step: int | None, in_flight: bool = False) -> None:
+        self.max_staleness, self.start, self.last_step, self.in_flight = max_staleness, start, last_step, in_flight
         self._generate, self._send, self._reload, self._batches = generate, send, reload, batches
         self._next_batch = start  # the step of the next batch `batches` yields
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
-        self._thread: threading.Thread | None = None
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="updates") if in_flight else self._worker
+        self._threads: set[threading.Thread] = set()  # the threads engine calls run on
         self._in_flight: dict[int, InFlight] = {}
         self._sends: list[Future[dict[str, float]]] = []
         self._lost = False  # set on the worker when the engine was restarted: what follows would be wrong
@@ -106,8 +116,8 @@ class RolloutPipeline:
         return pending.rollout.result(), pending.version, time.perf_counter() - start
 
     def send(self, update: Update) -> None:
-        """Queue the step's update for the engine, after the generations already submitted."""
-        self._sends.append(self._worker.submit(self._guarded, self._send, update))
+        """Queue the step's update for the engine: after the generations already submitted, or (in flight) at once."""
+        self._sends.append(self._sender.submit(self._guarded, self._send, update))
 
     def sent_metrics(self) -> dict[str, float]:
         """The sync metrics of the sends finished since the last call (bytes and seconds summed; NaN: none)."""
@@ -156,11 +166,12 @@ class RolloutPipeline:
             self._in_flight[item["step"]] = InFlight(item["step"], item["version"], item["batch"], done)
 
     def close(self) -> None:
-        """Finish what was submitted (an engine call cannot be interrupted) and stop the worker."""
+        """Finish what was submitted (an engine call cannot be interrupted) and stop the workers."""
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._sender.shutdown(wait=True, cancel_futures=True)
 
     def on_worker(self) -> bool:
-        return threading.current_thread() is self._thread
+        return threading.current_thread() in self._threads
 
     # ---- internals --------------------------------------------------------------------------------------------
 
@@ -172,8 +183,21 @@ class RolloutPipeline:
                 continue
             prompts = batch if ahead == step else self._batch_at(ahead)
             version = max(self.start, ahead - self.max_staleness)  # the weights of that step exist by now
-            future = self._worker.submit(self._guarded, self._generate(prompts, ahead))
+            future = self._worker.submit(self._guarded, self._after_sends(self._generate(prompts, ahead)))
             self._in_flight[ahead] = InFlight(ahead, version, prompts, future)
+
+    def _after_sends(self, call: Callable[[], Rollout]) -> Callable[[], Rollout]:
+        """In flight: `call` once the updates sent so far have reached the engine (they run on the other worker)."""
+        if not self.in_flight:
+            return call  # the one worker runs them in order already
+        sends = list(self._sends)
+
+        def after() -> Rollout:
+            for send in sends:
+                send.result()
+            return call()
+
+        return after
 
     def _recover(self, version: int) -> None:
         """The engine died and was restarted on the worker, where the trainer's weights (a later step's than the
@@ -197,7 +221,7 @@ class RolloutPipeline:
         return batch
 
     def _guarded(self, call: Callable[..., Any], *args: Any) -> Any:
-        self._thread = threading.current_thread()
+        self._threads.add(threading.current_thread())
         if self._lost:
             raise EngineLost("the rollout engine was restarted during overlapped rollouts; its weights are the "
                              "model's files, not the step's")

@@ -10,6 +10,11 @@ other GPUs, other nodes, other sites, kept in step by the same `Update` bytes a 
   by replaying the journal's updates since the version it holds, or by a full load when that moves fewer bytes (the
   choice is logged with both sizes). A resumed trainer restores its run id and version from the checkpoint and brings
   its servers back the same way.
+- In-flight updates (`in_flight`, with `model.max_staleness` ≥ 1): an update reaches the servers as soon as the
+  trainer sends it, between two decoding steps of the completions under way (vLLM's "keep" pause), which go on with
+  the new weights; vLLM labels each token with the version that sampled it, and the rollout carries, per token, how
+  many updates landed before it (`Rollout.in_flight_updates`). PipelineRL's idea, with the KV of the tokens so far
+  computed again by the new weights (the server's `change`): every later token is the new weights' sample.
 - Faults: a server that refuses connections, fails a request or does not answer within `request_timeout_s` (a
   stopped process) is marked down; its prompts go to the others and the call completes. A server that is down is
   asked again every `probe_every_s` and caught up before it is used. With no server left, the call raises
@@ -23,6 +28,7 @@ configs use it. Otherwise `urls` are servers someone started; the token comes fr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -79,7 +85,7 @@ class Server:
     next_probe: float = 0.0  # when a server that is down is asked again
     process: subprocess.Popen | None = None  # a server this engine launched
     log_path: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one request at a time per server
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one weight change or read at a time per server
 
 
 class RemoteEngine(RolloutEngine):
@@ -102,6 +108,9 @@ class RemoteEngine(RolloutEngine):
         probe_every_s: how often a server that is down is asked whether it is back.
         no_server_wait_s: how long a call waits for a server to come back when none is up, before the run stops.
         start_timeout_s: the longest wait for launched servers (and given ones) to answer at the start.
+        in_flight: with `model.max_staleness` ≥ 1, send each update while the servers generate, to be merged between
+            decoding steps with the completions under way kept (their later tokens drawn by the newer weights); False:
+            an update waits until the generations before it are done.
     """
 
     def __init__(
@@ -118,6 +127,7 @@ class RemoteEngine(RolloutEngine):
         probe_every_s: float = 30.0,
         no_server_wait_s: float = 300.0,
         start_timeout_s: float = 600.0,
+        in_flight: bool = False,
     ) -> None:
         urls = list(urls or [])
         if bool(urls) == bool(launch):
@@ -139,7 +149,7 @@ class RemoteEngine(RolloutEngine):
         self.journal = UpdateJournal(journal_steps, journal_dir)
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.version_wait_s, self.probe_every_s, self.start_timeout_s = version_wait_s, probe_every_s, start_timeout_s
-        self.no_server_wait_s = no_server_wait_s
+        self.no_server_wait_s, self.in_flight = no_server_wait_s, in_flight
         self.token: str | None = None
         self.pad_token_id = 0
         self.stop_token_ids: list[int] = []
@@ -147,6 +157,9 @@ class RemoteEngine(RolloutEngine):
         self.full_bytes = 0  # the bytes of a full load (the model's files until one was made)
         self.rank, self.world_size = 0, 1
         self._targets: list[Server] | None = None  # a catch-up's full load goes to these servers alone
+        # Updates, loads and catch-ups, one at a time: in flight, updates are sent from a thread of their own while
+        # generation (which catches servers up before it asks them) runs on another.
+        self._changing = threading.RLock()
         self._started = False
 
     # ---- life cycle ---------------------------------------------------------------------------------------------
@@ -171,6 +184,9 @@ class RemoteEngine(RolloutEngine):
 
     def runs_alongside(self) -> bool:
         return True  # the servers compute elsewhere: generation can overlap the trainer's step
+
+    def updates_in_flight(self) -> bool:
+        return self.in_flight
 
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         if self._started:
@@ -261,14 +277,15 @@ class RemoteEngine(RolloutEngine):
     # ---- HTTP ---------------------------------------------------------------------------------------------------
 
     def _request(self, server: Server, method: str, path: str, data: bytes = b"", params: dict | None = None,
-                 timeout: float | None = None):
-        """One request to one server; ServerFailed when it cannot be had (the caller marks the server down); a refused
-        token is a setting to fix, not a fault: PermissionError."""
+                 timeout: float | None = None, exclusive: bool = True):
+        """One request to one server (`exclusive`: none other but generations at once); ServerFailed when it cannot
+        be had (the caller marks the server down); a refused token is a setting to fix, not a fault:
+        PermissionError."""
         import requests
 
         headers = {"Authorization": f"Bearer {self.token}", SHA_HEADER: hashlib.sha256(data).hexdigest()}
         try:
-            with server.lock:
+            with server.lock if exclusive else contextlib.nullcontext():
                 answer = requests.request(method, server.url + path, data=data, params=params, headers=headers,
                                           timeout=(self.connect_timeout_s, timeout or self.request_timeout_s))
         except requests.RequestException as err:
@@ -345,11 +362,12 @@ class RemoteEngine(RolloutEngine):
                 if not server.up:
                     self._probe(server)
             if self.sender:
-                for server in [s for s in self.servers if s.up and not self._current(s)]:
-                    try:
-                        self._catch_up(server, full_load=True)
-                    except ServerFailed as err:
-                        self._down(server, err)
+                with self._changing:
+                    for server in [s for s in self.servers if s.up and not self._current(s)]:
+                        try:
+                            self._catch_up(server, full_load=True)
+                        except ServerFailed as err:
+                            self._down(server, err)
             ready = [s for s in self.servers if s.up]
             if ready:
                 return ready
@@ -395,8 +413,9 @@ class RemoteEngine(RolloutEngine):
             self._targets = None
         server.suspect = not server.up  # whole now, unless the load failed (then it is down and still suspect)
 
-    def _send_update(self, server: Server, data: bytes, version: int) -> None:
-        answer = self._request(server, "POST", "/logra/update", data, {"run": self.journal.run, "version": version})
+    def _send_update(self, server: Server, data: bytes, version: int, in_flight: bool = False) -> None:
+        label = {"run": self.journal.run, "version": version, "in_flight": int(in_flight)}
+        answer = self._request(server, "POST", "/logra/update", data, label)
         label = answer.json()
         server.run, server.version = label["run"], label["version"]
         if answer.status_code == 409:
@@ -405,12 +424,14 @@ class RemoteEngine(RolloutEngine):
     # ---- generation ---------------------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]):
+        version = self.journal.version  # in flight, updates sent meanwhile make later tokens newer, not this older
         pending = list(range(len(prompt_ids)))
         outputs: dict[int, list[dict]] = {}
         behind: dict[Server, int] = {}  # rounds in a row a server answered that it holds another version
         while pending:
             shares = _split(pending, self._ready())
-            calls = {server: (lambda s=server, idx=idx: self._generate_on(s, idx, prompt_ids, n, sampling, seeds))
+            calls = {server: (lambda s=server, idx=idx: self._generate_on(s, idx, prompt_ids, n, sampling, seeds,
+                                                                          version))
                      for server, idx in shares.items()}
             for server, result in self._parallel(calls).items():
                 if isinstance(result, BaseException):
@@ -427,22 +448,22 @@ class RemoteEngine(RolloutEngine):
             pending = [i for i in pending if i not in outputs]
             if pending:
                 log.warning("engine servers: %d prompts to generate again on the servers left", len(pending))
-        completions, logprobs = [], []
-        for i in range(len(prompt_ids)):
-            for sample in outputs[i]:
-                completions.append(sample["token_ids"])
-                logprobs.append(sample["logprobs"])
-        return samples_to_rollout(prompt_ids, n, completions, logprobs, self.pad_token_id)
+        samples = [sample for i in range(len(prompt_ids)) for sample in outputs[i]]
+        rollout = samples_to_rollout(prompt_ids, n, [s["token_ids"] for s in samples], [s["logprobs"] for s in samples],
+                                     self.pad_token_id)
+        if self.in_flight:
+            rollout.in_flight_updates = _updates_before(samples, version, rollout.completion_ids.shape[1])
+        return rollout
 
     def _generate_on(self, server: Server, indices: list[int], prompt_ids, n: int, sampling: SamplingParams,
-                     seeds: list[int]) -> dict[int, list[dict]]:
+                     seeds: list[int], version: int) -> dict[int, list[dict]]:
         ask = {"prompts": [list(prompt_ids[i]) for i in indices], "seeds": [seeds[i] & SEED_MASK for i in indices],
                "n": n, "temperature": sampling.temperature, "top_p": sampling.top_p,
                "max_tokens": sampling.max_new_tokens, "stop_token_ids": self.stop_token_ids,
-               "run": self.journal.run, "min_version": self.journal.version,
-               "wait_s": 0.0 if self.sender else self.version_wait_s}
+               "run": self.journal.run, "min_version": version,
+               "wait_s": 0.0 if self.sender and not self.in_flight else self.version_wait_s}
         start = time.perf_counter()
-        answer = self._request(server, "POST", "/logra/generate", json.dumps(ask).encode())
+        answer = self._request(server, "POST", "/logra/generate", json.dumps(ask).encode(), exclusive=False)
         if answer.status_code == 409:  # not at this version (another rank's update has not reached it yet)
             label = answer.json()
             server.run, server.version = label["run"], label["version"]
@@ -455,6 +476,10 @@ class RemoteEngine(RolloutEngine):
     # ---- weights --------------------------------------------------------------------------------------------------
 
     def apply_update(self, update: Update) -> int:
+        with self._changing:
+            return self._apply_update(update)
+
+    def _apply_update(self, update: Update) -> int:
         data = update.to_bytes()
         self.journal.record(data, write=self.sender)
         if not self.sender:
@@ -464,7 +489,7 @@ class RemoteEngine(RolloutEngine):
 
         def send(server: Server) -> int:
             try:
-                self._send_update(server, data, version)
+                self._send_update(server, data, version, self.in_flight)
             except _Behind:
                 self._catch_up(server, full_load=False)  # replay what it missed (a full load waits for generation)
             return len(data)
@@ -481,6 +506,10 @@ class RemoteEngine(RolloutEngine):
         return sent
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
+        with self._changing:
+            return self._load_weights(tensors)
+
+    def _load_weights(self, tensors: dict[str, torch.Tensor]) -> int:
         if not self.sender:
             return 0
         data = pack_tensors(tensors)
@@ -551,6 +580,16 @@ class _Behind(Exception):
 
     def __init__(self, label: dict) -> None:
         super().__init__(f"holds version {label['version']} of run {label['run']}")
+
+
+def _updates_before(samples: list[dict], version: int, width: int) -> torch.Tensor:
+    """(N, width) how many updates past `version` (the one a call asked for) had reached the server when each token
+    was sampled, from the version spans vLLM labelled the tokens with ([[version, start, end], ...])."""
+    out = torch.zeros(len(samples), width, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        for span_version, start, end in sample["versions"]:
+            out[row, start:end] = span_version - version
+    return out
 
 
 def _agreed(held: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:

@@ -50,7 +50,8 @@ class Weights:
     run: str | None = None
     version: int | None = 0
     changing: bool = False  # an update or load is being merged: generation waits
-    generating: int = 0  # generation and weight reads under way: a change waits for them (drained updates)
+    generating: int = 0  # generation requests under way: a change waits for them, unless it is in flight
+    reading: int = 0  # weight reads (/blocks) under way: every change waits for them
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def label(self) -> dict:
@@ -59,6 +60,12 @@ class Weights:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _version(label: str, otherwise: int) -> int:
+    """A token's weight version as vLLM labelled it: ours (a number) once this server changed its weights; before
+    that vLLM's "default", the version the request started at."""
+    return int(label) if label.isdigit() else otherwise
 
 
 def read_token(token_file: str | None) -> str:
@@ -114,23 +121,34 @@ def build_router(token: str, max_body_bytes: int):
     def engine(request: Request):
         return request.app.state.engine_client
 
-    async def change(request: Request, rpc: str, data: bytes, label: dict, on_top=None) -> bool:
-        """Merge or load `data` with every worker, once no generation of ours is under way and vLLM's own requests
-        have finished (paused "wait": drained), then label the weights. With `on_top` (an update), only if the
-        weights are then the version before the label's (checked under the lock: two updates of one version, one
-        change); False if not."""
+    async def change(request: Request, rpc: str, data: bytes, label: dict, on_top=None, in_flight=False) -> bool:
+        """Merge or load `data` with every worker, then label the weights. Drained (the default): once no generation
+        of ours is under way and vLLM's own requests have finished (paused "wait"). In flight: between two decoding
+        steps (paused "keep"), the completions under way kept: their tokens so far stay, their KV is computed again
+        with the new weights (vLLM preempts them to empty its prefix cache), and their seeded sampling goes on where
+        it was, so that every later token is a sample of the new weights given the tokens before it. Either way
+        vLLM's engine is told the new version while paused, and labels each token it samples with the version that
+        drew it. With `on_top` (an update),
+        only if the weights are then the version before the label's (checked under the lock: two updates of one
+        version, one change); False if not."""
         client = engine(request)
+
+        def free() -> bool:
+            return not weights.changing and weights.reading == 0 and (in_flight or weights.generating == 0)
+
         async with weights.changed:
-            await weights.changed.wait_for(lambda: not weights.changing and weights.generating == 0)
+            await weights.changed.wait_for(free)
             if on_top is not None and not on_top():
                 return False
             weights.changing = True
         try:
-            await client.pause_generation(mode="wait", clear_cache=False)
+            await client.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
             try:
                 weights.version = None  # until the change is whole: a cut-short change leaves the weights unknown
                 await client.collective_rpc(rpc, args=(data,))
-                await client.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+                # Cached KV blocks were computed with the old weights: none may serve a later token.
+                await client.reset_prefix_cache(reset_running_requests=in_flight)
+                await client.update_weight_version(str(label["version"]))
                 weights.run, weights.version = label["run"], label["version"]
             finally:
                 await client.resume_generation()
@@ -154,9 +172,11 @@ def build_router(token: str, max_body_bytes: int):
 
     @router.post("/update")
     async def update(request: Request):
-        """An `Update`'s bytes; merged only on top of the version before it (409 with the server's label if not)."""
+        """An `Update`'s bytes; merged only on top of the version before it (409 with the server's label if not).
+        With ?in_flight=1, between decoding steps, the completions being generated kept (`change`)."""
         authorize(request)
         label = parse_label(request)
+        in_flight = request.query_params.get("in_flight", "0") == "1"
         data = await body(request)
 
         def on_top() -> bool:
@@ -170,7 +190,7 @@ def build_router(token: str, max_body_bytes: int):
             Update.from_bytes(data)  # parsed whole before any weight changes
         except Exception as err:
             raise HTTPException(HTTPStatus.BAD_REQUEST, f"not an Update: {err}") from err
-        if not await change(request, "logra_apply", data, label, on_top):
+        if not await change(request, "logra_apply", data, label, on_top, in_flight):
             return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
         return weights.label()
 
@@ -189,9 +209,10 @@ def build_router(token: str, max_body_bytes: int):
         await change(request, "logra_load", data, label)
         return weights.label()
 
-    async def at_version(ask: dict) -> bool:
+    async def at_version(ask: dict, counter: str) -> bool:
         """Wait (at most ask["wait_s"]) until the weights are a version of ask["run"] at least ask["min_version"]
-        and no change is under way; then count a reader in (`done_reading` counts it out). False: not reached.
+        and no change is under way; then count a reader in (`counter`: "generating" or "reading"; `done` counts it
+        out). False: not reached.
         With ask["any_run"], weights of another run (or unknown) are answered at once: a comparison finds them."""
         def ready() -> bool:
             if weights.changing:
@@ -207,12 +228,12 @@ def build_router(token: str, max_body_bytes: int):
                     await asyncio.wait_for(weights.changed.wait_for(ready), min(float(ask["wait_s"]), _MAX_WAIT_S))
                 except TimeoutError:
                     return False
-            weights.generating += 1
+            setattr(weights, counter, getattr(weights, counter) + 1)
             return True
 
-    async def done_reading() -> None:
+    async def done(counter: str) -> None:
         async with weights.changed:
-            weights.generating -= 1
+            setattr(weights, counter, getattr(weights, counter) - 1)
             weights.changed.notify_all()
 
     @router.post("/blocks")
@@ -224,12 +245,12 @@ def build_router(token: str, max_body_bytes: int):
         from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 
         ask = json.loads(await body(request))
-        if not await at_version(ask):
+        if not await at_version(ask, "reading"):
             return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
         try:
             answers = await engine(request).collective_rpc("logra_blocks", args=(list(ask["names"]), ask.get("seed")))
         finally:
-            await done_reading()
+            await done("reading")
         merged = {}
         for answer in answers:
             merged.update(unpack_tensors(answer))
@@ -238,14 +259,16 @@ def build_router(token: str, max_body_bytes: int):
     @router.post("/generate")
     async def generate(request: Request):
         """{"prompts": [[ids]], "seeds": [...], "n", "temperature", "top_p", "max_tokens", "stop_token_ids", "run",
-        "min_version", "wait_s"}: n completions of each prompt (tokens and the sampler's log-probs), at a version
-        at least min_version of that run; 409 with the server's label if it does not reach it within wait_s."""
+        "min_version", "wait_s"}: n completions of each prompt (tokens, the sampler's log-probs, and the versions
+        that drew them: [[version, start, end], ...] over token indices, more than one span where in-flight updates
+        landed), at a version at least min_version of that run; 409 with the server's label if it does not reach it
+        within wait_s."""
         authorize(request)
         ask = json.loads(await body(request))
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if not await at_version(ask):
+        if not await at_version(ask, "generating"):
             return JSONResponse(weights.label(), HTTPStatus.CONFLICT)
         version = weights.version
         try:
@@ -258,12 +281,13 @@ def build_router(token: str, max_body_bytes: int):
                 async for output in engine(request).generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
                     final = output  # FINAL_ONLY: the one output, when the request is done
                 return [{"token_ids": list(o.token_ids),
-                         "logprobs": [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]}
+                         "logprobs": [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
+                         "versions": [[_version(s.version, version), s.start, s.end] for s in o.weight_versions or []]}
                         for o in sorted(final.outputs, key=lambda o: o.index)]
 
             outputs = await asyncio.gather(*[one(p, s) for p, s in zip(ask["prompts"], ask["seeds"])])
         finally:
-            await done_reading()
+            await done("generating")
         return {"run": weights.run, "version": version, "outputs": outputs}
 
     return router

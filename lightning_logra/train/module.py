@@ -382,7 +382,7 @@ class RLVRModule(LightningModule):
             # Where the step's time went: blocked on the engine, scoring, computing the update (the rest: the
             # sync, logging); train/rollout_s is wait + score, as the trainer sees generation.
             "train/rollout_s": wait_s + score_s, "train/wait_s": wait_s, "train/score_s": score_s,
-            "train/update_s": update_s, **self.staleness_metrics(step - version, len(rewards)),
+            "train/update_s": update_s, **self.staleness_metrics(step - version, rollout),
             **mismatch, **self.mode.metrics, **self.collectives.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
@@ -417,15 +417,27 @@ class RLVRModule(LightningModule):
             log.warning("%s: this step's update did not reach the engine; the step is saved at its end", stop)
             return {}
 
-    def staleness_metrics(self, staleness: int, samples: int) -> dict[str, torch.Tensor]:
+    def staleness_metrics(self, staleness: int, rollout: Rollout) -> dict[str, torch.Tensor]:
         """`rollout/staleness/mean` and `/max`: how many updates old the weights that drew the step's samples were,
-        over every rank's samples (a rank whose engine was restarted draws fresher ones)."""
+        over every rank's samples (a rank whose engine was restarted draws fresher ones). With in-flight updates, per
+        token (those drawn after an update landed are fresher), and `rollout/in_flight_tokens`, the share of tokens
+        drawn after one."""
         if self.hparams.max_staleness == 0:
             return {}
-        mine = torch.tensor([staleness * samples, samples], dtype=torch.float32, device=self.device)
-        total, count = self.sum_over_ranks(mine).unbind()
-        worst = self.max_over_ranks(torch.tensor([float(staleness)]))[0]
-        return {"rollout/staleness/mean": total / count, "rollout/staleness/max": worst}
+        tokens = rollout.completion_mask.bool()  # (N, C)
+        if rollout.in_flight_updates is None:
+            ages = torch.full((int(tokens.sum()),), float(staleness), device=self.device)
+            newer = torch.zeros_like(ages)
+        else:
+            landed = rollout.in_flight_updates[tokens].float()
+            ages, newer = (staleness - landed).clamp(min=0), (landed > 0).float()
+        mine = torch.stack([ages.sum(), newer.sum(), torch.tensor(float(ages.numel()), device=self.device)])
+        total, fresher, count = self.sum_over_ranks(mine).unbind()
+        worst = self.max_over_ranks(ages.amax().view(1) if ages.numel() else ages.new_zeros(1))[0]
+        metrics = {"rollout/staleness/mean": total / count, "rollout/staleness/max": worst}
+        if rollout.in_flight_updates is not None:
+            metrics["rollout/in_flight_tokens"] = fresher / count
+        return metrics
 
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
         """n completions of each prompt of `batch`, on this process's device (`engine_call`)."""
@@ -655,6 +667,10 @@ class RLVRModule(LightningModule):
         (`rollout.pipeline`); with the in-process engine, which is the policy itself, the steps stay serial."""
         k = self.hparams.max_staleness
         if k == 0:
+            if self.engine.updates_in_flight():
+                raise ValueError("model.engine: in_flight updates reach the engine while it generates the steps ahead, "
+                                 "and with model.max_staleness=0 there are none: set model.max_staleness to 1 (or "
+                                 "more), or engine in_flight: false")
             return
         if not self.engine.runs_alongside():
             log.warning("model.max_staleness=%d: %s cannot generate while the trainer computes (it runs in the "
@@ -673,7 +689,8 @@ class RLVRModule(LightningModule):
         self.pipeline = RolloutPipeline(
             k, lambda batch, step: self.engine_call(batch, self.hparams.num_generations, self.sampling, step),
             self.weight_sync.send, reload, iter(trainer.train_dataloader),
-            start=self.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None)
+            start=self.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None,
+            in_flight=self.engine.updates_in_flight())
         self.pipeline.restore(self._in_flight)
         self._in_flight = []
 

@@ -77,6 +77,40 @@ def test_step_t_is_drawn_with_the_weights_of_step_t_minus_k(k):
     p.close()
 
 
+def test_in_flight_an_update_lands_while_the_engine_generates_and_never_before_the_batchs_weights():
+    """RemoteEngine(in_flight=True)'s pipeline: a send does not wait for the generation under way (it lands in it:
+    the batch's later tokens are newer), and a generation starts only once the sends before it have landed."""
+    engine = Engine()
+    generate = engine.generate
+
+    def slow(batch, step):  # (step, version at the first token, version at the last)
+        def call():
+            first = engine.version
+            generate(batch, step)()
+            time.sleep(0.2)
+            ids = torch.tensor([[step, first, engine.version]])
+            return Rollout(ids, torch.ones_like(ids), ids, torch.ones_like(ids), torch.zeros(1, 3))
+
+        return call
+
+    p = RolloutPipeline(1, slow, engine.send, lambda: None, batches(), 0, None, in_flight=True)
+    lightning, drawn = batches(), []
+    for step in range(5):
+        rollout, version, _ = p.take(next(lightning), step)
+        drawn.append(rollout.completion_ids[0].tolist())
+        assert version == max(0, step - 1)
+        p.send(Update())
+    p.drain()
+    assert engine.version == 5
+    # Step t's batch starts with the weights of step t − 1 at least (k = 1) and ends with step t's: update t − 1,
+    # sent as step t − 1 ended, did not wait for the 0.2 s generation under way (drained, the last would be t − 1)
+    assert [(step, last) for step, _, last in drawn] == [(t, t) for t in range(5)]
+    assert all(first >= max(0, step - 1) for step, first, _ in drawn)
+    assert any(first < last for _, first, last in drawn)  # it landed during the generation (each time, unless late)
+    assert {name.split("_")[0] for name in engine.threads} == {"rollouts"}
+    p.close()
+
+
 def test_nothing_is_generated_past_the_last_step_and_sends_are_reported_once():
     engine = Engine()
     p, _ = pipeline(engine, 2, last_step=4)

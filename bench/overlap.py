@@ -13,7 +13,10 @@ its total KL budget) with the engine added:
 - `overlap1`, `overlap2`: the same with max_staleness 1 and 2: the engine generates the next batches while the
   trainer computes the update;
 - `inprocess`: the shipped config as it is, generating with the policy itself on both cores (two threads): what the
-  split into a trainer core and an engine core costs or saves.
+  split into a trainer core and an engine core costs or saves;
+- `server_overlap1`, `server_in_flight1` (not run by default): max_staleness 1 with a vLLM server the run launches
+  (`RemoteEngine`, `lightning-logra serve`) instead of the engine in the trainer's processes, its updates drained
+  (each after the generation before it) or in flight (merged between decoding steps of the generation under way).
 
 Paired seeds: seed s gives every row the same prompts, sampling seeds and projections. Reported per row: seconds per
 step (the median of `train/step_s` after the first 10 steps; its ratio to serial's, paired per seed), the training's
@@ -44,11 +47,26 @@ from plotting import pyplot, save_figure  # noqa: E402
 from runs import ROOT  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
-ROWS = {"serial": 0, "overlap1": 1, "overlap2": 2, "inprocess": None}  # max_staleness (None: the in-process engine)
+# max_staleness (None: the in-process engine); the rows named server_* generate on a launched engine server
+ROWS = {"serial": 0, "overlap1": 1, "overlap2": 2, "inprocess": None, "server_overlap1": 1, "server_in_flight1": 1}
+DEFAULT_ROWS = ["serial", "overlap1", "overlap2", "inprocess"]
 TRAINER_CORE, ENGINE_CORE = 0, 1
 WARMUP = 10  # steps left out of the median step time (the engine's and the reward process's first calls)
 ENGINE = {"class_path": "lightning_logra.rollout.VLLMEngine",
           "init_args": {"dtype": "float32", "gpu_memory_utilization": 0.1, "separate_process": True}}
+SERVER = {"class_path": "lightning_logra.rollout.RemoteEngine",
+          "init_args": {"launch": 1, "serve_args": ["--dtype", "float32", "--gpu-memory-utilization", "0.1"]}}
+
+
+def engine_processes(engine) -> list:
+    """The processes an engine computes in: a colocated vLLM engine's, or the process trees of the servers a
+    RemoteEngine launched."""
+    import psutil
+
+    if hasattr(engine, "_engine_processes"):
+        return engine._engine_processes()
+    roots = [psutil.Process(s.process.pid) for s in getattr(engine, "servers", []) if s.process is not None]
+    return [p for root in roots for p in [root, *root.children(recursive=True)]]
 
 
 class ProcessTimes(Callback):
@@ -61,8 +79,7 @@ class ProcessTimes(Callback):
     def _times(self, pl_module) -> dict[str, float]:
         import psutil
 
-        engine = pl_module.engine
-        processes = engine._engine_processes() if hasattr(engine, "_engine_processes") else []
+        processes = engine_processes(pl_module.engine)
         own = psutil.Process().cpu_times()
         return {"wall": time.perf_counter(), "trainer": own.user + own.system,
                 "engine": sum(sum(p.cpu_times()[:2]) for p in processes)}
@@ -85,7 +102,7 @@ class PinEngine(Callback):
         self.core = core
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        for process in pl_module.engine._engine_processes():
+        for process in engine_processes(pl_module.engine):
             for thread in process.threads():
                 os.sched_setaffinity(thread.id, {self.core})
 
@@ -95,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out items (default: all 2,054)")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     parser.add_argument("--more-seeds", type=int, default=None,
                         help="seeds of serial and overlap1, the pair the targets are about (default: --seeds)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 seed, 64 held-out items")
@@ -120,7 +137,10 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     grid.as_run(config, run, args)
     trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
     if run["max_staleness"] is not None:
-        model.update(engine=ENGINE, max_staleness=run["max_staleness"])
+        engine = ENGINE
+        if run["row"].startswith("server"):
+            engine = {**SERVER, "init_args": {**SERVER["init_args"], "in_flight": "in_flight" in run["row"]}}
+        model.update(engine=engine, max_staleness=run["max_staleness"])
         trainer["callbacks"] += [{"class_path": "lightning_logra.callbacks.RolloutWeightSync"},
                                  {"class_path": "overlap.PinEngine", "init_args": {"core": ENGINE_CORE}}]
     return config

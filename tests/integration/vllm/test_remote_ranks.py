@@ -1,15 +1,24 @@
 """vLLM servers apart from the trainer, continued (test_remote.py has the single-process runs and the faults): two
-trainer processes (DDP, FSDP) on one `lightning-logra serve` that rank 0 keeps in step, and bf16 updates replayed from
-the journal into a server equal, bit for bit, those another server took live."""
+trainer processes (DDP, FSDP) on one `lightning-logra serve` that rank 0 keeps in step; bf16 updates replayed from
+the journal into a server equal, bit for bit, those another server took live; and in-flight updates on the same server
+(vLLM 0.32's CPU engine): one lands between two decoding steps of the completions under way, each of which keeps its
+tokens (equal, token for token, to the same request's without the update: its seeded sampling goes on where it was)
+and draws the rest from the new weights given those tokens (its KV computed again), as vLLM's version labels say; the
+sampler's log-probs equal an HF forward's under the version that drew each token. A run learning with in-flight
+updates: test_other_paths_learn.py."""
 
+import hashlib
+import json
 import os
 import re
 import signal
 import socket
+import threading
 import time
 from functools import partial
 
 import pytest
+import requests
 import torch
 import yaml
 from transformers import AutoModelForCausalLM
@@ -18,6 +27,8 @@ from conftest import CONFIGS, SKETCH_TARGETS
 from golden import assert_matches, observe, scalars
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout import RemoteEngine, SamplingParams
+from lightning_logra.rollout.sync import unpack_tensors
+from lightning_logra.rollout.vllm import assemble_blocks
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 
@@ -112,3 +123,88 @@ def test_bf16_updates_replayed_into_a_server_equal_those_it_took_live(tiny_arith
         assert theirs[name].dtype == torch.bfloat16 and torch.equal(theirs[name][: ours.shape[0]], ours), name
         changed += int((ours != start[name]).sum())
     assert changed > 1000  # many entries moved by whole ulps, and both servers moved the same ones
+
+
+# ---- in-flight updates ----------------------------------------------------------------------------------------------
+
+PROMPTS, N, MAX_LEN = 16, 8, 32  # 128 completions, each to the tiny model's 32 positions
+
+
+def _post(url: str, route: str, data: bytes, params: dict | None = None) -> requests.Response:
+    headers = {"Authorization": f"Bearer {TOKEN}", "X-Logra-SHA256": hashlib.sha256(data).hexdigest()}
+    return requests.post(f"{url}/logra/{route}", data=data, params=params, headers=headers, timeout=300)
+
+
+def _generate(url: str, prompts: list[list[int]], run: str, version: int) -> list[dict]:
+    ask = {"prompts": prompts, "seeds": list(range(len(prompts))), "n": N, "temperature": 1.0, "top_p": 1.0,
+           "max_tokens": MAX_LEN - len(prompts[0]), "stop_token_ids": [], "run": run, "min_version": version,
+           "wait_s": 60.0}
+    answer = _post(url, "generate", json.dumps(ask).encode())
+    assert answer.status_code == 200, answer.text
+    return [sample for prompt in answer.json()["outputs"] for sample in prompt]
+
+
+def _hf_logprobs(model, norm: torch.Tensor, prompts: list[list[int]], samples: list[dict]) -> list[torch.Tensor]:
+    """Each sample's tokens' log-probs (temperature 1) under the model with `norm`."""
+    model.model.norm.weight.data.copy_(norm)
+    out = []
+    with torch.no_grad():
+        for row, sample in enumerate(samples):
+            prompt = prompts[row // N]
+            ids = torch.tensor([prompt + sample["token_ids"]])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+            out.append(logits.log_softmax(-1).gather(1, ids[0, len(prompt) :, None]).squeeze(1))
+    return out
+
+
+@pytest.mark.long  # on the module's server: about 20 s
+def test_an_in_flight_update_lands_between_decoding_steps(tiny_arith_model, shared_server):
+    url = shared_server
+    state = requests.get(f"{url}/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    run, first = state["run"] or "r", state["version"]  # whatever the module's runs left it at
+    model = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.float32).eval()
+    names = [n for n, _ in model.named_parameters()]
+    held = _post(url, "blocks", json.dumps({"names": names, "seed": None, "run": run, "any_run": True,
+                                            "min_version": 0, "wait_s": 0.0}).encode())
+    weights = assemble_blocks(unpack_tensors(held.content), add_columns=False)  # rows padded as vLLM pads them
+    missing, _ = model.load_state_dict({n: w[: model.get_parameter(n).shape[0]] for n, w in weights.items()},
+                                       strict=False)
+    assert missing == ["lm_head.weight"]  # tied to the embedding, which was loaded
+    norm = model.model.norm.weight.detach().clone()
+    vocab = model.config.vocab_size
+    prompts = [[(3 * i) % vocab, (5 * i + 1) % vocab, (7 * i + 2) % vocab] for i in range(PROMPTS)]
+    switched = []
+    for attempt in range(6):  # until an update lands inside some completions (about every other try here)
+        version = first + attempt
+        began = time.perf_counter()
+        reference = _generate(url, prompts, run, version)  # the same requests, nothing sent meanwhile
+        took = time.perf_counter() - began
+        answers: list[list[dict]] = []
+        generation = threading.Thread(target=lambda v=version, out=answers: out.append(_generate(url, prompts, run,
+                                                                                                   v)))
+        generation.start()
+        time.sleep(took / (2 + attempt % 3))  # after the first token (prefill) and before the last
+        data = Update(dense={"model.norm.weight": norm * (1.0 + 0.5 * (attempt + 1))}).to_bytes()
+        landed = _post(url, "update", data, {"run": run, "version": version + 1, "in_flight": 1})
+        generation.join(300)
+        assert landed.json() == {"run": run, "version": version + 1}
+        (samples,) = answers
+        # vLLM's labels: spans of the version that sampled each token, covering every token, old then new
+        for sample in samples:
+            spans = sample["versions"]
+            assert [s[0] for s in spans] in ([version], [version + 1], [version, version + 1])
+            assert spans[0][1] == 0 and spans[-1][2] == len(sample["token_ids"])
+            assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+        old = _hf_logprobs(model, norm * (1.0 + 0.5 * attempt), prompts, samples)
+        new = _hf_logprobs(model, norm * (1.0 + 0.5 * (attempt + 1)), prompts, samples)
+        for sample, ref, before, after in zip(samples, reference, old, new):
+            cut = next((s[1] for s in sample["versions"] if s[0] == version + 1), len(sample["token_ids"]))
+            assert sample["token_ids"][:cut] == ref["token_ids"][:cut]  # its seeded sampling went on
+            sampler = torch.tensor(sample["logprobs"], dtype=torch.float64)
+            torch.testing.assert_close(sampler[:cut], before[:cut], rtol=0, atol=1e-4)
+            torch.testing.assert_close(sampler[cut:], after[cut:], rtol=0, atol=1e-4)  # the new weights' samples
+        switched = [s for s in samples if len(s["versions"]) == 2]
+        if switched:
+            break
+    assert switched, "no in-flight update landed inside a completion in 6 tries"
+    assert any(s["token_ids"] != r["token_ids"] for s, r in zip(samples, reference))  # the new weights differ

@@ -414,8 +414,8 @@ class RemoteEngine(RolloutEngine):
         server.suspect = not server.up  # whole now, unless the load failed (then it is down and still suspect)
 
     def _send_update(self, server: Server, data: bytes, version: int, in_flight: bool = False) -> None:
-        label = {"run": self.journal.run, "version": version, "in_flight": int(in_flight)}
-        answer = self._request(server, "POST", "/logra/update", data, label)
+        params = {"run": self.journal.run, "version": version, "in_flight": int(in_flight)}
+        answer = self._request(server, "POST", "/logra/update", data, params)
         label = answer.json()
         server.run, server.version = label["run"], label["version"]
         if answer.status_code == 409:

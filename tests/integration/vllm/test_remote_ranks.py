@@ -4,8 +4,8 @@ the journal into a server equal, bit for bit, those another server took live; an
 (vLLM 0.32's CPU engine): one lands between two decoding steps of the completions under way, each of which keeps its
 tokens (equal, token for token, to the same request's without the update: its seeded sampling goes on where it was)
 and draws the rest from the new weights given those tokens (its KV computed again), as vLLM's version labels say; the
-sampler's log-probs equal an HF forward's under the version that drew each token. A run learning with in-flight
-updates: test_other_paths_learn.py."""
+sampler's log-probs equal the trainer's (`completion_logprobs`) under the version that drew each token. A run
+learning with in-flight updates: test_other_paths_learn.py."""
 
 import hashlib
 import json
@@ -25,10 +25,11 @@ from transformers import AutoModelForCausalLM
 
 from conftest import CONFIGS, SKETCH_TARGETS
 from golden import assert_matches, observe, scalars
+from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout import RemoteEngine, SamplingParams
 from lightning_logra.rollout.sync import unpack_tensors
-from lightning_logra.rollout.vllm import assemble_blocks
+from lightning_logra.rollout.vllm import assemble_blocks, samples_to_rollout
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 
@@ -144,17 +145,15 @@ def _generate(url: str, prompts: list[list[int]], run: str, version: int) -> lis
     return [sample for prompt in answer.json()["outputs"] for sample in prompt]
 
 
-def _hf_logprobs(model, norm: torch.Tensor, prompts: list[list[int]], samples: list[dict]) -> list[torch.Tensor]:
-    """Each sample's tokens' log-probs (temperature 1) under the model with `norm`."""
+def _trainer_logprobs(model, norm: torch.Tensor, prompts: list[list[int]], samples: list[dict]) -> torch.Tensor:
+    """(samples, tokens) each token's log-prob (temperature 1) as the trainer computes it, under the model with
+    `norm` (right padding past a sample's end)."""
     model.model.norm.weight.data.copy_(norm)
-    out = []
+    rollout = samples_to_rollout(prompts, N, [s["token_ids"] for s in samples], [s["logprobs"] for s in samples], 0)
     with torch.no_grad():
-        for row, sample in enumerate(samples):
-            prompt = prompts[row // N]
-            ids = torch.tensor([prompt + sample["token_ids"]])
-            logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
-            out.append(logits.log_softmax(-1).gather(1, ids[0, len(prompt) :, None]).squeeze(1))
-    return out
+        logprobs, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                          rollout.completion_mask)
+    return logprobs.double()
 
 
 @pytest.mark.long  # on the module's server: about 20 s
@@ -195,14 +194,15 @@ def test_an_in_flight_update_lands_between_decoding_steps(tiny_arith_model, shar
             assert [s[0] for s in spans] in ([version], [version + 1], [version, version + 1])
             assert spans[0][1] == 0 and spans[-1][2] == len(sample["token_ids"])
             assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
-        old = _hf_logprobs(model, norm * (1.0 + 0.5 * attempt), prompts, samples)
-        new = _hf_logprobs(model, norm * (1.0 + 0.5 * (attempt + 1)), prompts, samples)
+        old = _trainer_logprobs(model, norm * (1.0 + 0.5 * attempt), prompts, samples)
+        new = _trainer_logprobs(model, norm * (1.0 + 0.5 * (attempt + 1)), prompts, samples)
         for sample, ref, before, after in zip(samples, reference, old, new):
             cut = next((s[1] for s in sample["versions"] if s[0] == version + 1), len(sample["token_ids"]))
             assert sample["token_ids"][:cut] == ref["token_ids"][:cut]  # its seeded sampling went on
             sampler = torch.tensor(sample["logprobs"], dtype=torch.float64)
             torch.testing.assert_close(sampler[:cut], before[:cut], rtol=0, atol=1e-4)
-            torch.testing.assert_close(sampler[cut:], after[cut:], rtol=0, atol=1e-4)  # the new weights' samples
+            # ... and every later token is the new weights' sample
+            torch.testing.assert_close(sampler[cut:], after[cut : len(sampler)], rtol=0, atol=1e-4)
         switched = [s for s in samples if len(s["versions"]) == 2]
         if switched:
             break

@@ -119,3 +119,12 @@ def test_in_flight_each_token_counts_the_updates_that_landed_before_it():
     """From the version spans a server labelled its tokens with, relative to the version the call asked for."""
     samples = [{"versions": [[4, 0, 3]]}, {"versions": [[4, 0, 1], [5, 1, 2], [6, 2, 4]]}, {"versions": [[5, 0, 2]]}]
     assert _updates_before(samples, 4, width=5).tolist() == [[0, 0, 0, 0, 0], [0, 1, 2, 2, 0], [1, 1, 0, 0, 0]]
+
+
+def test_in_flight_updates_without_overlapped_rollouts_are_refused_naming_both_keys(tiny_arith_model):
+    from lightning_logra.train.module import RLVRModule
+
+    module = RLVRModule(tiny_arith_model, reward="exact_match", engine=RemoteEngine(urls=["http://a:1"],
+                                                                                     in_flight=True))
+    with pytest.raises(ValueError, match=r"in_flight.*model\.max_staleness=0.*model\.max_staleness to 1"):
+        module._start_pipeline()

@@ -174,17 +174,22 @@ class PredictedKLBudget(Callback, StepSizeController):
 
     # ---- the module asks for α once the step's update is proposed (lightning_logra.algo.step_size) ---------------
 
-    def _select(self, rollout: Rollout, step: int, rank: int, world_size: int) -> Rollout:
+    def _select(self, rollout: Rollout, context: StepContext) -> Rollout:
         """This rank's rows of the step's subset D. D is drawn from the global batch (every rank's rows, rank-major,
         as one process holds them), so that 1 and several processes measure q on the same responses; a rank none of
         whose rows were drawn still runs the check's forward passes (a collective under FSDP) on one row whose tokens
         all count zero."""
-        n = rollout.completion_ids.shape[0]  # this rank's rows; every rank holds as many
-        total = n * world_size
-        size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * total))
-        drawn = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + step))[:size]
-        mine = drawn[(drawn >= rank * n) & (drawn < (rank + 1) * n)].sort().values - rank * n
+        n = rollout.completion_ids.shape[0]  # this rank's rows (dynamic sampling may keep more on some ranks)
         device = rollout.completion_ids.device
+        counts = torch.zeros(context.world_size, dtype=torch.float64, device=device)
+        counts[context.rank] = n
+        if context.world_size > 1:
+            counts = context.sum_over_ranks(counts)
+        first, total = int(counts[: context.rank].sum()), int(counts.sum())
+        size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * total))
+        drawn = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + context.step))
+        drawn = drawn[:size]
+        mine = drawn[(drawn >= first) & (drawn < first + n)].sort().values - first
         chosen = rollout.select((mine if mine.numel() else torch.zeros(1, dtype=torch.int64)).to(device))
         if not mine.numel():
             chosen.completion_mask = torch.zeros_like(chosen.completion_mask)
@@ -192,7 +197,7 @@ class PredictedKLBudget(Callback, StepSizeController):
 
     def choose_alpha(self, proposal: Update, rollout: Rollout, context: StepContext) -> float:
         start = time.perf_counter()
-        responses = self._select(rollout, context.step, context.rank, context.world_size)
+        responses = self._select(rollout, context)
         q, current = predicted_kl(context.policy, proposal, responses, context.temperature)
         # Every rank must take the same α: q over the tokens of every rank's subset before deciding.
         q = _over_ranks(context, q, responses)

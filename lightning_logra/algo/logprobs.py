@@ -59,10 +59,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.stack(rows)  # (n, C)
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """H(π(· | ctx)) (n, C) in nats over the full vocabulary at the sampling temperature, one sequence at a time (the
-    fp32 transient is C·V, as in `token_logprobs`)."""
+    fp32 transient is C·V, as in `token_logprobs`); differentiable when the logits are (the entropy bonus)."""
     rows = []
     for row_logits in logits:
         logp = torch.log_softmax(row_logits.to(compute_dtype(row_logits.dtype)) / temperature, dim=-1)  # (C, V)
@@ -72,10 +71,10 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """(hidden (N, h), head weight (V, h), head bias (V,) or None, tokens (N,)) → (log-probs (N,), entropy (N,)) at a
-    temperature, `chunk` rows at a time; the entropy is not differentiated."""
+    temperature, `chunk` rows at a time; the entropy is differentiated only with `entropy_grad` (the entropy bonus)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, bias, tokens, temperature: float, chunk: int, entropy_grad: bool = False):
         logprobs = torch.empty(hidden.shape[0], dtype=compute_dtype(hidden.dtype), device=hidden.device)
         entropy = torch.empty_like(logprobs)
         for start in range(0, hidden.shape[0], chunk):
@@ -89,12 +88,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         # Recompute in backward under the autocast the forward ran in (bf16-mixed), so both see the same logits.
         ctx.autocast = (hidden.device.type, torch.is_autocast_enabled(hidden.device.type),
                         torch.get_autocast_dtype(hidden.device.type))
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, tokens = ctx.saved_tensors
+        if grad_logprobs is None:  # only the entropy was differentiated
+            grad_logprobs = torch.zeros(hidden.shape[0], dtype=compute_dtype(hidden.dtype), device=hidden.device)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=compute_dtype(weight.dtype)) if need_weight else None
@@ -106,9 +108,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 logits = _logits(hidden[rows], weight, bias, ctx.temperature)  # (c, V)
             # d log p(token) / d logits = (onehot(token) − p) / T, built in p's own storage
             grad_logits = torch.softmax(logits, dim=-1)
+            entropy_term = None
+            if grad_entropy is not None:  # dH / d logits = −p·(log p + H) / T
+                logp = torch.log_softmax(logits, dim=-1)
+                entropy = -_rowwise_dot(grad_logits, logp)  # (c,)
+                scale_h = (grad_entropy[rows] / ctx.temperature)[:, None].to(logp.dtype)  # (c, 1)
+                entropy_term = logp.add_(entropy[:, None]).mul_(grad_logits).mul_(-scale_h)  # (c, V), in logp's storage
             del logits
             scale = (grad_logprobs[rows] / ctx.temperature)[:, None].to(grad_logits.dtype)  # (c, 1)
             grad_logits.mul_(-scale).scatter_add_(-1, tokens[rows, None], scale)  # (c, V)
+            if entropy_term is not None:
+                grad_logits += entropy_term
+                del entropy_term
             if need_hidden:
                 grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # (c, h)
             if need_weight:
@@ -116,7 +127,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if need_bias:
                 grad_bias += grad_logits.sum(0)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -156,15 +167,18 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: int | None = 256,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π(token) (n, C), token entropy (n, C), no gradient) of each completion token at the temperature.
+    """(log π(token) (n, C), token entropy (n, C)) of each completion token at the temperature; the entropy carries
+    a gradient only with `entropy_grad` (the entropy bonus, `model.entropy_coef`).
 
     `chunk_tokens`: how many tokens' logits exist at a time (forward and backward); None builds the full (n, C, V)
     logits as one tensor (the path models with a non-plain head always take)."""
     head = plain_head(policy) if chunk_tokens is not None else None
     if head is None:
         logits = completion_logits(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (n, C, V)
-        return token_logprobs(logits, completion_ids, temperature), token_entropy(logits.detach(), temperature)
+        return (token_logprobs(logits, completion_ids, temperature),
+                token_entropy(logits if entropy_grad else logits.detach(), temperature))
     ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     width = completion_ids.shape[1]
@@ -172,5 +186,6 @@ def completion_logprobs(
     hidden = hidden[:, -width - 1 : -1]  # (n, C, h): the position before each completion token predicts it
     n = hidden.shape[0]
     logprobs, entropy = _ChunkedTokenLogprobs.apply(hidden.reshape(n * width, -1), head.weight, head.bias,
-                                                    completion_ids.reshape(-1), temperature, chunk_tokens)
+                                                    completion_ids.reshape(-1), temperature, chunk_tokens,
+                                                    entropy_grad)
     return logprobs.view(n, width), entropy.view(n, width)

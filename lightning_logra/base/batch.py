@@ -45,6 +45,29 @@ class Rollout:
                        self.completion_mask[rows, :width], self.sampler_logprobs[rows, :width], in_flight)
 
 
+def concat(rollouts: list[Rollout]) -> Rollout:
+    """The rows of `rollouts`, in order, as one: prompts left-padded and completions right-padded to the widest (padding
+    is id 0 under a 0 mask: no position counts it)."""
+    prompt_width = max(r.prompt_ids.shape[1] for r in rollouts)
+    completion_width = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def padded(t: torch.Tensor | None, width: int, left: bool) -> torch.Tensor | None:
+        if t is None:
+            return None
+        extra = width - t.shape[1]
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+
+    in_flight = [r.in_flight_updates for r in rollouts]
+    if any(t is not None for t in in_flight):  # rows drawn without in-flight updates saw none
+        in_flight = [torch.zeros_like(r.completion_ids) if t is None else t for r, t in zip(rollouts, in_flight)]
+    columns = [[padded(getattr(r, name), prompt_width, left=True) for r in rollouts]
+               for name in ("prompt_ids", "prompt_mask")]
+    columns += [[padded(t, completion_width, left=False) for t in ts] for ts in (
+        [r.completion_ids for r in rollouts], [r.completion_mask for r in rollouts],
+        [r.sampler_logprobs for r in rollouts], in_flight)]
+    return Rollout(*(None if parts[0] is None else torch.cat(parts) for parts in columns))
+
+
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), each (len(sequences), longest): sequences right-aligned so that generation appends on the right."""
     width = max(len(s) for s in sequences)

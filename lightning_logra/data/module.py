@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_logra.base.hashing import stable_seed
 from lightning_logra.base.settings import check_positive
 from lightning_logra.data.add3 import Add3Prompts
 from lightning_logra.data.arith import ArithPrompts
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 OverlongPolicy = Literal["drop", "truncate"]
 STAGE_KEYS = {"fit": "data.train", "validate": "data.val", "test": "data.test"}  # whose set each stage reads
 _ENCODE_BATCH = 1024  # prompts tokenized at a time when loaders are made
+_EXTRA_STREAM = 0x6479  # salts the extra prompts' stream apart from every other seed of (seed, step, round)
 
 
 class StepBatchSampler(Sampler[list[int]]):
@@ -201,6 +203,21 @@ class RLVRDataModule(LightningDataModule):
         dataset = self._within_prompt_length(self.train_set, "fit")
         sampler = StepBatchSampler(len(dataset), self.batch_size, self.seed, start, rank, world)
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
+
+    def extra_batch(self, step: int, round: int) -> dict[str, list[Any]]:
+        """Round `round` (≥ 1) of step `step`'s dynamic sampling (`model.dynamic_sampling`): data.batch_size more
+        prompts, this rank's share of them, drawn from the training set by a stream of their own that depends on
+        (seed, step, round) alone. A resumed run draws what the uninterrupted one did, and the loader's batches stay
+        what they would be without dynamic sampling (an extra prompt may be one the loader gives another step)."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        dataset = self._within_prompt_length(self.train_set, "fit")
+        generator = torch.Generator().manual_seed(stable_seed(self.seed, step, round, _EXTRA_STREAM))
+        drawn = torch.randperm(len(dataset), generator=generator)[: self.batch_size]
+        local = self.batch_size // world
+        indices = drawn[rank * local : (rank + 1) * local].tolist()
+        rows = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
+        return collate_rows(rows)
 
     def _eval_loader(self, stage: str) -> DataLoader | list:
         if stage not in self.eval_sets:

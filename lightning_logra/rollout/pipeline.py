@@ -115,6 +115,16 @@ class RolloutPipeline:
             pending = self._in_flight.pop(step)
         return pending.rollout.result(), pending.version, time.perf_counter() - start
 
+    def call_now(self, call: Callable[[], Rollout], step: int) -> Rollout:
+        """`call` (an engine call drawing more samples for step `step`, whose batch was taken: dynamic sampling's
+        later rounds) on the worker, after everything submitted so far, and its answer: drawn with the weights of step
+        `step`, the trainer's own (every update before it was sent first)."""
+        future = self._worker.submit(self._guarded, self._after_sends(call))
+        if isinstance(future.exception(), EngineLost):
+            self._recover(version=step)  # the trainer holds the weights of step `step`: loaded, then drawn again
+            future = self._worker.submit(self._guarded, call)
+        return future.result()
+
     def send(self, update: Update) -> None:
         """Queue the step's update for the engine: after the generations already submitted, or (in flight) at once."""
         self._sends.append(self._sender.submit(self._guarded, self._send, update))

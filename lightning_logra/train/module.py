@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,8 @@ from lightning_logra.train.backward_stats import BackwardStats
 from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
 from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
 from lightning_logra.train.digests import write_sums
+from lightning_logra.train.dynamic_sampling import Drawn, DynamicSampling
+from lightning_logra.train.evaluation import sample_metrics
 from lightning_logra.train.modes import TrainingMode, training_mode
 from lightning_logra.train.policy import (
     completions_table,
@@ -92,6 +95,15 @@ def _check_settings(hp: Any) -> None:
                    why="0 generates each step's samples with its own weights, 1 overlaps generation with the update")
     check_at_least("model.beta", hp.beta, 0, "finite number",
                    why="set 0 for no KL penalty, or a small weight such as 0.04")
+    check_positive("model.max_generation_rounds", hp.max_generation_rounds, "number of rounds", integer=True)
+    check_positive("model.eval_num_samples", hp.eval_num_samples, "number of completions", integer=True)
+    if hp.eval_num_samples > 1 and hp.eval_temperature == 0:
+        raise ValueError(f"model.eval_num_samples={hp.eval_num_samples} with model.eval_temperature=0: greedy "
+                         "decoding draws the same completion every time; set model.eval_temperature (e.g. 0.6 or 1.0), "
+                         "or model.eval_num_samples: 1 for greedy pass@1")
+    check_at_least("model.eval_temperature", hp.eval_temperature, 0, "finite number", why="0 decodes greedily")
+    check_at_least("model.entropy_coef", hp.entropy_coef, 0, "finite number",
+                   why="0 turns the entropy bonus off; verl's examples use about 0.001")
     check_positive("model.reward_timeout_s", hp.reward_timeout_s, "number of seconds", null="no deadline")
     check_positive("model.max_unlearnable_steps", hp.max_unlearnable_steps, "number of steps", integer=True,
                    null="never stop")
@@ -106,6 +118,12 @@ def _check_settings(hp: Any) -> None:
     if not Path(model_path(hp.model)).exists() and (hp.model.startswith((".", "/", "~")) or hp.model.count("/") > 1):
         raise FileNotFoundError(f"model.model: no such model directory {hp.model!r} (looked for from {Path.cwd()}, "
                                 f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")
+
+
+def completion_token_lists(rollout: Rollout) -> list[list[int]]:
+    """Each completion's token ids without padding (its stop token included)."""
+    mask = rollout.completion_mask.bool().cpu()
+    return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), mask)]
 
 
 def check_penalty_placement(beta: float, collectives: Collectives) -> None:
@@ -158,6 +176,11 @@ class RLVRModule(LightningModule):
         log_completions_every: int | None = 50,
         export_every: int | None = None,
         logprob_chunk_tokens: int | None = 256,
+        dynamic_sampling: bool = False,
+        max_generation_rounds: int = 10,
+        mask_truncated_completions: bool = False,
+        entropy_coef: float = 0.0,
+        eval_num_samples: int = 1,
     ) -> None:
         """
         Args:
@@ -195,7 +218,12 @@ class RLVRModule(LightningModule):
                 `sketch.target_modules`: `q_proj` selects every `...self_attn.q_proj`), the parameters a sketch or
                 LoRA run trains, and freezes the rest; None trains every parameter.
             max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
-            eval_temperature: 0 means greedy pass@1 in validate/test.
+            eval_temperature: the sampling temperature of validate/test; 0 (the default) is greedy decoding, whose
+                one completion per prompt gives greedy pass@1.
+            eval_num_samples: completions per prompt in validate/test (k, verl's `val_kwargs.n`; needs
+                eval_temperature > 0 when above 1): each set then logs the unbiased pass@k (Chen et al. 2021) for k
+                = 1, 2, 4, … up to it and at it, mean@k (the mean reward) and maj@k (the reward of the most frequent
+                answer; `lightning_logra.train.evaluation`).
             eval_max_new_tokens: the longest completion in validate/test; None takes max_new_tokens.
             dtype: the dtype the policy's weights are loaded in (`bfloat16` with `trainer.precision: bf16-true`).
             chat_template: wrap each text prompt as a user message with the tokenizer's chat template (a
@@ -252,6 +280,17 @@ class RLVRModule(LightningModule):
                 about when no completion got a usable reward at all.
             log_completions_every: every this many steps, log a few prompts, completions and rewards as text
                 (TensorBoard's Text tab); None never does.
+            dynamic_sampling: DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose rewards are all
+                equal are left out and more prompts generated until the step has data.batch_size learnable groups
+                (`lightning_logra.train.dynamic_sampling`); logs `rollout/generation_rounds`, `prompts_drawn`,
+                `filtered_groups` and `missing_groups`. Needs a data module of `lightning_logra.data`.
+            max_generation_rounds: the most rounds of generation a step makes with dynamic_sampling (verl's
+                `max_num_gen_batches`), the first included; then the step trains on the learnable groups it has.
+            mask_truncated_completions: completions cut at max_new_tokens (no stop token) count for nothing in the
+                loss (TRL's `mask_truncated_completions`); they still take part in their group's advantages.
+            entropy_coef: the weight of an entropy bonus (verl's `entropy_coeff`): the loss subtracts
+                entropy_coef × the policy's token entropy, weighed per token as the policy-gradient term, its
+                gradient taken from the same chunks as the log-probs (no full-vocabulary logits). 0: off.
         """
         super().__init__()
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
@@ -362,12 +401,19 @@ class RLVRModule(LightningModule):
         scored = time.perf_counter()
         rewards, per_reward = self.score(batch, rollout, hp.num_generations)  # (N,), (N, rewards)
         score_s = time.perf_counter() - scored
+        drawn = Drawn(batch, rollout, rewards, per_reward, torch.full_like(rewards, float(step - version)))
+        sampled: dict[str, float] = {}
+        if hp.dynamic_sampling:  # more rounds until the batch's groups are learnable (their time counts as waiting)
+            drawn, sampled = self.dynamic_sampling().fill(drawn, partial(self.draw_round, step))
+            wait_s += time.perf_counter() - scored - score_s
+        batch, rollout, rewards, per_reward = drawn.batch, drawn.rollout, drawn.rewards, drawn.per_reward
         self.unlearnable.add(rewards.view(-1, hp.num_generations), self.sum_over_ranks)
         advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards, self.sum_over_ranks)  # (N,)
-        loss, mismatch, metrics = self.accumulate_gradients(rollout, advantages)
+        trained = self.trained_tokens(rollout)  # model.mask_truncated_completions: cut completions count for nothing
+        loss, mismatch, metrics = self.accumulate_gradients(trained, advantages)
         grad_norm = self.mode.reduce_and_clip(hp.max_grad_norm)
         proposal = self.mode.propose(grad_norm, measured=self.controller is not None)  # None: skipped
-        alpha = self.step_size(proposal, rollout, step)
+        alpha = self.step_size(proposal, trained, step)
         lr = self.mode.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
         update_s = time.perf_counter() - scored - score_s
@@ -382,7 +428,7 @@ class RLVRModule(LightningModule):
             # Where the step's time went: blocked on the engine, scoring, computing the update (the rest: the
             # sync, logging); train/rollout_s is wait + score, as the trainer sees generation.
             "train/rollout_s": wait_s + score_s, "train/wait_s": wait_s, "train/score_s": score_s,
-            "train/update_s": update_s, **self.staleness_metrics(step - version, rollout),
+            "train/update_s": update_s, **self.staleness_metrics(drawn.staleness, rollout), **sampled,
             **mismatch, **self.mode.metrics, **self.collectives.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
@@ -396,6 +442,29 @@ class RLVRModule(LightningModule):
             return rollout, step, time.perf_counter() - start
         rollout, version, wait_s = self.pipeline.take(batch, step)
         return rollout.to(self.device), version, wait_s
+
+    def dynamic_sampling(self) -> DynamicSampling:
+        return DynamicSampling(self.hparams.max_generation_rounds, self.hparams.num_generations, self.global_rank,
+                               self.trainer.world_size, self.sum_over_ranks, self.device)
+
+    def draw_round(self, step: int, round: int) -> Drawn:
+        """Round `round` ≥ 1 of the step's dynamic sampling: the data module's extra prompts (`extra_batch`),
+        generated now with the trainer's weights (with overlapped rollouts, on the engine's worker after what it was
+        given: every update so far has reached it), and scored."""
+        hp = self.hparams
+        batch = self.trainer.datamodule.extra_batch(step, round)
+        call = self.engine_call(batch, hp.num_generations, self.sampling, step, round)
+        rollout = (call() if self.pipeline is None else self.pipeline.call_now(call, step)).to(self.device)
+        rewards, per_reward = self.score(batch, rollout, hp.num_generations)
+        return Drawn(batch, rollout, rewards, per_reward, torch.zeros_like(rewards))
+
+    def trained_tokens(self, rollout: Rollout) -> Rollout:
+        """The rollout as the loss sees it: with model.mask_truncated_completions, completions cut at
+        model.max_new_tokens (no stop token) have no token that counts (TRL's `mask_truncated_completions`)."""
+        if not self.hparams.mask_truncated_completions:
+            return rollout
+        cut = ~rollout.terminated(self.stop_token_ids())  # (N,)
+        return replace(rollout, completion_mask=rollout.completion_mask * ~cut[:, None])
 
     def sync_engine(self, update: Update | None, sampler_diff: float, stale: bool) -> dict[str, float]:
         """Send the applied update to an engine with weights of its own (and check it for drift when due); with
@@ -417,20 +486,21 @@ class RLVRModule(LightningModule):
             log.warning("%s: this step's update did not reach the engine; the step is saved at its end", stop)
             return {}
 
-    def staleness_metrics(self, staleness: int, rollout: Rollout) -> dict[str, torch.Tensor]:
-        """`rollout/staleness/mean` and `/max`: how many updates old the weights that drew the step's samples were,
-        over every rank's samples (a rank whose engine was restarted draws fresher ones). With in-flight updates, per
-        token (those drawn after an update landed are fresher), and `rollout/in_flight_tokens`, the share of tokens
-        drawn after one."""
+    def staleness_metrics(self, staleness: torch.Tensor, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """`rollout/staleness/mean` and `/max`: how many updates old the weights that drew the step's samples were
+        (`staleness` (N,) per row: dynamic sampling's later rounds are drawn with the step's own weights), per token,
+        over every rank's samples (a rank whose engine was restarted draws fresher ones). With in-flight updates,
+        those drawn after an update landed are fresher, and `rollout/in_flight_tokens` is the share of tokens drawn
+        after one."""
         if self.hparams.max_staleness == 0:
             return {}
         tokens = rollout.completion_mask.bool()  # (N, C)
+        rows = staleness.to(self.device)[:, None].expand_as(tokens)[tokens]
         if rollout.in_flight_updates is None:
-            ages = torch.full((int(tokens.sum()),), float(staleness), device=self.device)
-            newer = torch.zeros_like(ages)
+            ages, newer = rows, torch.zeros_like(rows)
         else:
             landed = rollout.in_flight_updates[tokens].float()
-            ages, newer = (staleness - landed).clamp(min=0), (landed > 0).float()
+            ages, newer = (rows - landed).clamp(min=0), (landed > 0).float()
         mine = torch.stack([ages.sum(), newer.sum(), torch.tensor(float(ages.numel()), device=self.device)])
         total, fresher, count = self.sum_over_ranks(mine).unbind()
         worst = self.max_over_ranks(ages.amax().view(1) if ages.numel() else ages.new_zeros(1))[0]
@@ -443,22 +513,22 @@ class RLVRModule(LightningModule):
         """n completions of each prompt of `batch`, on this process's device (`engine_call`)."""
         return self.engine_call(batch, n, sampling, step)().to(self.device)
 
-    def engine_call(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int
+    def engine_call(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int, round: int = 0
                     ) -> Callable[[], Rollout]:
         """The engine call that samples n completions of each prompt of `batch` (the prompts tokenized now, the
         call made by whoever calls it: the overlapped rollouts' worker). Each prompt's sampling depends only on
-        (seed, step, its index in the global batch): a resumed run, or one sharded over several processes, draws
-        what the uninterrupted single-process run would have."""
+        (seed, step, its index in the global batch, counting dynamic sampling's earlier rounds): a resumed run, or
+        one sharded over several processes, draws what the uninterrupted single-process run would have."""
         count = len(batch["prompt"])
-        seeds = prompt_seeds(self.hparams.seed, step, self.global_rank * count, count)
+        first = (round * self.trainer.world_size + self.global_rank) * count if round else self.global_rank * count
+        seeds = prompt_seeds(self.hparams.seed, step, first, count)
         # Token ids come with the batch when the data module tokenized the prompts.
         prompt_ids = batch.get("prompt_ids") or self.encode_prompts(batch["prompt"])
         return partial(self.engine.generate, prompt_ids, n, sampling, seeds)
 
     def score(self, batch: dict[str, list[Any]], rollout: Rollout, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
-        mask = rollout.completion_mask.bool().cpu()
-        completion_ids = [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), mask)]
+        completion_ids = completion_token_lists(rollout)
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
             # TRL's conversational form
@@ -483,11 +553,21 @@ class RLVRModule(LightningModule):
         # A sample with zero advantage contributes exactly zero policy gradient: leave it out of the backward passes —
         # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them,
         # or a KL penalty acts, whose gradient β·Σ w·∂kl/∂θ every sample carries whatever its advantage.
-        every_row = self.collectives.lockstep or hp.beta > 0
+        every_row = self.collectives.lockstep or hp.beta > 0 or hp.entropy_coef > 0
         active = torch.arange(len(advantages), device=self.device) if every_row else advantages.nonzero().squeeze(-1)
+        micro = list(active.split(hp.micro_batch_size)) if active.numel() else []
+        passes = len(micro)
+        if self.collectives.lockstep:  # as many passes on every rank, though ranks may hold more rows than others
+            passes = int(self.max_over_ranks(torch.tensor([float(passes)]))[0])
         stats = BackwardStats.zeros(self.device)
-        for rows in active.split(hp.micro_batch_size) if active.numel() else ():
-            stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows]))
+        for index in range(passes):
+            if index < len(micro):
+                rows = micro[index]
+                stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows]))
+            else:  # this rank's rows ran out (dynamic sampling kept fewer here): a row whose tokens count zero
+                idle = rollout.select(torch.zeros(1, dtype=torch.long, device=self.device))
+                idle = replace(idle, completion_mask=torch.zeros_like(idle.completion_mask))
+                stats = stats.add(self.forward_backward(idle, torch.zeros_like(weights[:1]), advantages[:1] * 0))
         stats = stats.reduce(self.sum_over_ranks, self.max_over_ranks)
         metrics = {"train/entropy": stats.entropy / stats.tokens}
         if get_loss(hp.loss_type).own_ratio:
@@ -516,7 +596,7 @@ class RLVRModule(LightningModule):
         # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
         logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
                                                       micro.completion_ids, mask, hp.temperature,
-                                                      hp.logprob_chunk_tokens)
+                                                      hp.logprob_chunk_tokens, entropy_grad=hp.entropy_coef > 0)
         is_weight, mismatch = importance_weights(logprobs.detach(), micro.sampler_logprobs, mask, is_cap,
                                                  hp.is_mode)  # (m, w)
         # (m, w) each: the loss's per-token objective (its gradient the policy gradient), where its clip binds
@@ -530,9 +610,12 @@ class RLVRModule(LightningModule):
             # weight: the penalty is a distance to the reference, not a reward (TRL adds it the same way).
             loss = loss + hp.beta * (weights[:, :width] * kl).sum()
             kl_sum = kl.detach().sum()
+        if hp.entropy_coef > 0:
+            # verl's entropy bonus: the entropy weighed per token as the policy-gradient term, subtracted (raised)
+            loss = loss - hp.entropy_coef * (weights[:, :width] * token_entropy).sum()
         self.manual_backward(loss * self.collectives.loss_scale)
-        return BackwardStats(loss.detach(), binds.sum().float(), (token_entropy * mask).sum(), mask.sum(), kl_sum,
-                             mismatch)
+        return BackwardStats(loss.detach(), binds.sum().float(), (token_entropy.detach() * mask).sum(), mask.sum(),
+                             kl_sum, mismatch)
 
     def step_size(self, proposal: Update | None, rollout: Rollout, step: int) -> float:
         """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""
@@ -597,18 +680,27 @@ class RLVRModule(LightningModule):
                                       rewards[shown])
             experiment.add_text("completions", table, global_step=step)
 
-    # ---- evaluation: pass@1 ---------------------------------------------------------------------------------------
+    # ---- evaluation: pass@1, or pass@k, mean@k and maj@k (train/evaluation.py) ----------------------------------
 
-    def _pass_at_1(self, batch: dict[str, list[Any]], stage: str) -> None:
-        rollout = self.generate(batch, 1, self.eval_sampling, EVAL_STEP)
-        rewards, _ = self.score(batch, rollout, 1)
-        self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
+    def evaluate(self, batch: dict[str, list[Any]], stage: str) -> None:
+        """`model.eval_num_samples` completions of each prompt at `model.eval_temperature`, scored: `<stage>/pass@1`
+        for one, and with more, pass@k for k = 1, 2, 4, … and mean@k, maj@k (`evaluation.sample_metrics`)."""
+        n = self.hparams.eval_num_samples
+        rollout = self.generate(batch, n, self.eval_sampling, EVAL_STEP)
+        rewards, _ = self.score(batch, rollout, n)
+        if n == 1:
+            self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
+            return
+        texts = self.tokenizer.batch_decode(completion_token_lists(rollout), skip_special_tokens=True)
+        for key, values in sample_metrics(rewards.view(-1, n), texts, stage).items():
+            self.log(key, values.mean().to(self.device), prog_bar=key == f"{stage}/pass@1", batch_size=len(values),
+                     sync_dist=True)
 
     def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self._pass_at_1(batch, "val")
+        self.evaluate(batch, "val")
 
     def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self._pass_at_1(batch, "test")
+        self.evaluate(batch, "test")
 
     # ---- export ---------------------------------------------------------------------------------------------------
 
@@ -629,6 +721,10 @@ class RLVRModule(LightningModule):
     # ---- the run's components -------------------------------------------------------------------------------------
 
     def on_fit_start(self) -> None:
+        if self.hparams.dynamic_sampling and not hasattr(self.trainer.datamodule, "extra_batch"):
+            raise ValueError("model.dynamic_sampling draws its extra prompts from the data module's training set: "
+                             "give a data module of lightning_logra.data (data.class_path), or set "
+                             "model.dynamic_sampling: false")
         # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
         self.controller = find_controller(self.trainer.callbacks)
         self._find_weight_sync()

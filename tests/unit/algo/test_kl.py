@@ -170,10 +170,12 @@ def test_bad_budget_settings_fail_fast():
 
 
 @pytest.mark.parametrize("subset", [16, 0.25, 1.0, 40, 2])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_the_subset_is_drawn_from_the_global_batch_whatever_the_number_of_processes(subset, world_size):
+@pytest.mark.parametrize("split", [[16, 16], [8, 8, 8, 8], [20, 12], [3, 29], [1, 10, 20, 1]])
+def test_the_subset_is_drawn_from_the_global_batch_whatever_the_number_of_processes(subset, split):
     # Each rank used to draw `subset` of its own rows: 1 and 2 processes measured q on different responses and took
-    # different steps (α 0.174 against 0.196 with subset 16). The ranks' rows together must be one process's.
+    # different steps (α 0.174 against 0.196 with subset 16). The ranks' rows together must be one process's, also
+    # when the ranks hold different numbers of rows (dynamic sampling keeps the groups where they were drawn).
+    from lightning_logra.algo.step_size import StepContext
     from lightning_logra.base.batch import Rollout
 
     total, width = 32, 3
@@ -181,17 +183,18 @@ def test_the_subset_is_drawn_from_the_global_batch_whatever_the_number_of_proces
     ones = torch.ones(total, width, dtype=torch.long)
     whole = Rollout(ids, ones, ids, ones, torch.zeros(total, width))
     control = PredictedKLBudget(subset=subset, seed=3)
-    one = control._select(whole, step=7, rank=0, world_size=1)
+    one = control._select(whole, StepContext(None, 1.0, 7, 0, 1, lambda t: t))
     drawn = one.completion_ids[:, 0].tolist()
     size = subset if isinstance(subset, int) else round(subset * total)
     assert len(drawn) == min(size, total) and drawn == sorted(set(drawn))
     assert drawn != list(range(len(drawn))) or size >= total  # a draw, not the first rows
-    n = total // world_size
-    counted = []
-    for rank in range(world_size):
-        rows = slice(rank * n, (rank + 1) * n)
-        part = control._select(Rollout(ids[rows], ones[rows], ids[rows], ones[rows], torch.zeros(n, width)),
-                                step=7, rank=rank, world_size=world_size)
+    counts_of_all = torch.tensor(split, dtype=torch.float64)  # what the ranks' sum of one-hot counts gives
+    counted, first = [], 0
+    for rank, n in enumerate(split):
+        rows = slice(first, first + n)
+        first += n
+        context = StepContext(None, 1.0, 7, rank, len(split), lambda t: counts_of_all.clone())
+        part = control._select(Rollout(ids[rows], ones[rows], ids[rows], ones[rows], torch.zeros(n, width)), context)
         counts = part.completion_mask.sum(1)
         # a rank none of whose rows were drawn runs the passes on one row whose tokens count zero
         assert (counts == width).all() or (len(counts) == 1 and counts.item() == 0)

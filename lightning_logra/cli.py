@@ -28,6 +28,7 @@ from lightning_logra.checks import check_before_loading, check_device_count, che
 from lightning_logra.data.module import RLVRDataModule
 from lightning_logra.paths import config_path
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
+from lightning_logra.train.evaluation import report_path, write_report
 from lightning_logra.train.module import RLVRModule
 
 _MAX_SEED = 2**32 - 1
@@ -92,6 +93,21 @@ class RLVRCLI(LightningCLI):
 
     def before_test(self) -> None:
         self._follow_ckpt_path()
+
+    def after_test(self) -> None:
+        """The test set's metrics as a table, and as JSON beside the checkpoint tested (`evaluation.report_path`)."""
+        if not self.trainer.is_global_zero:
+            return
+        metrics = {key: float(value) for key, value in self.trainer.callback_metrics.items()
+                   if key.startswith("test/")}
+        config = self.config_init[self.subcommand]
+        ckpt_path = config.get("ckpt_path")
+        path = report_path(ckpt_path, self.trainer.log_dir)
+        hp = self.model.hparams
+        details = {"ckpt_path": ckpt_path, "model": hp.model, "eval_num_samples": hp.eval_num_samples,
+                   "eval_temperature": hp.eval_temperature}
+        print(write_report(metrics, path, details))
+        print(f"wrote {path}")
 
     def _follow_ckpt_path(self) -> None:
         """`--ckpt_path runs/<name>/latest/last.ckpt` names the checkpoint the link points at now: the run moves the

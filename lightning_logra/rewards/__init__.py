@@ -1,5 +1,6 @@
-"""Rewards: the built-in verifiable ones (`builtin`), the processes every reward runs in (`processes`), a config's
-``model.reward`` resolved (`resolve`), and their outputs checked and combined (`scoring`)."""
+"""Rewards: the built-in verifiable ones (`builtin`), DAPO's over-long penalty (`overlong`), a sequence classifier
+(`reward_model`) and an LLM judge by URL (`judge`) as rewards, the processes every reward runs in (`processes`), a
+config's ``model.reward`` resolved (`resolve`), and their outputs checked and combined (`scoring`)."""
 
 from lightning_logra.rewards.builtin import (
     BUILTIN,
@@ -15,6 +16,8 @@ from lightning_logra.rewards.builtin import (
     extract_final_answer,
     math_answer,
 )
+from lightning_logra.rewards.judge import LLMJudge
+from lightning_logra.rewards.overlong import OverlongPenalty
 from lightning_logra.rewards.processes import DEFAULT_MEMORY_GIB, CheckPool, RewardProcess, TimedReward
 from lightning_logra.rewards.resolve import (
     Reward,
@@ -24,8 +27,9 @@ from lightning_logra.rewards.resolve import (
     resolve_rewards,
     reward_setting,
 )
+from lightning_logra.rewards.reward_model import RewardModel
 
 __all__ = ["BUILTIN", "DEFAULT_MEMORY_GIB", "DEFAULT_TIMEOUT_S", "DEFAULT_WORKERS", "CheckPool", "Completion",
-           "MathAnswer", "Reward", "RewardFn", "RewardName", "RewardProcess", "TimedReward", "builtin_reward",
-           "completion_text", "exact_match", "extract_final_answer", "get_reward", "import_reward", "math_answer",
-           "resolve_reward", "resolve_rewards", "reward_setting"]
+           "LLMJudge", "MathAnswer", "OverlongPenalty", "Reward", "RewardFn", "RewardModel", "RewardName",
+           "RewardProcess", "TimedReward", "builtin_reward", "completion_text", "exact_match", "extract_final_answer",
+           "get_reward", "import_reward", "math_answer", "resolve_reward", "resolve_rewards", "reward_setting"]

@@ -12,8 +12,12 @@ completions earned.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,3 +61,29 @@ def sample_metrics(rewards: torch.Tensor, texts: list[str], stage: str) -> dict[
     rows = rewards.tolist()
     metrics[f"{stage}/maj@{n}"] = torch.tensor([majority(texts[p * n : (p + 1) * n], rows[p]) for p in range(prompts)])
     return metrics
+
+
+def report_path(ckpt_path: str | None, log_dir: str | None) -> Path:
+    """Where `lightning-logra test` writes its table as JSON: beside the checkpoint tested (`last.ckpt` →
+    `last.test.json`, a sharded checkpoint's folder likewise), else in the run's log folder (`test.json`)."""
+    if ckpt_path:
+        path = Path(ckpt_path)
+        return path.parent / f"{path.stem if path.is_file() else path.name}.test.json"
+    return Path(log_dir or ".") / "test.json"
+
+
+def write_report(metrics: dict[str, float], path: Path, details: dict[str, Any]) -> str:
+    """The test metrics as a markdown table (returned) and as JSON at `path` (written whole: a temporary file in the
+    same folder, renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps({**details, "metrics": metrics}, indent=1) + "\n")
+    os.replace(partial, path)
+    rows = [f"| {key} | {value:.4f} |" for key, value in sorted(metrics.items(), key=lambda kv: _order(kv[0]))]
+    return "\n".join(["| metric | value |", "|---|---:|", *rows])
+
+
+def _order(key: str) -> tuple[str, int]:
+    """pass@2 before pass@16: by name, then by k."""
+    name, _, k = key.partition("@")
+    return name, int(k) if k.isdigit() else 0

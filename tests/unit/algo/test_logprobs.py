@@ -6,6 +6,7 @@ import torch
 
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
 from lightning_logra.algo.logprobs import completion_logprobs, plain_head
+from lightning_logra.base.batch import positions
 from lightning_logra.sketch import install_sketches
 
 
@@ -102,3 +103,36 @@ def test_only_one_chunk_of_logits_exists_at_a_time():
     vocab_times_chunk = 4 * 50_000
     head = 50_000 * 64  # the head's own weight and its gradient
     assert max(n for n in largest if n != head) <= vocab_times_chunk < 3 * 32 * 50_000
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 5, 1000])
+def test_the_entropy_bonus_gradient_equals_autograd_through_the_full_logits_in_float64(chunk):
+    # model.entropy_coef differentiates the token entropy; the chunked path's backward computes dH/dlogits itself
+    # (−p·(log p + H)/T), which must equal autograd through a plain log-softmax of the full logits.
+    model = _model(dtype=torch.float64)
+    batch = _batch()
+    for temperature in (1.0, 0.7):
+        results = []
+        for path in ("reference", chunk):
+            model.zero_grad(set_to_none=True)
+            if path == "reference":
+                ids, mask = torch.cat([batch[0], batch[2]], 1), torch.cat([batch[1], batch[3]], 1)
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+                logp = torch.log_softmax(logits[:, -batch[2].shape[1] - 1 : -1] / temperature, -1)
+                logprobs = logp.gather(-1, batch[2][..., None]).squeeze(-1)
+                entropy = -(logp.exp() * logp).sum(-1)
+            else:
+                logprobs, entropy = completion_logprobs(model, *batch, temperature=temperature, chunk_tokens=path,
+                                                        entropy_grad=True)
+            w = torch.linspace(-1, 1, entropy.numel(), dtype=entropy.dtype).view_as(entropy) * batch[3]
+            (0.3 * (w * logprobs).sum() - 0.01 * (w.flip(0) * entropy).sum()).backward()
+            results.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        reference, ours = results
+        assert reference.keys() == ours.keys()
+        for name, grad in reference.items():
+            torch.testing.assert_close(ours[name], grad, rtol=0, atol=1e-12, msg=name)
+    # the entropy alone (no log-prob term) is differentiable too
+    model.zero_grad(set_to_none=True)
+    _, entropy = completion_logprobs(model, *batch, chunk_tokens=chunk, entropy_grad=True)
+    entropy.sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0

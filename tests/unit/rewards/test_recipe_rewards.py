@@ -1,0 +1,53 @@
+"""The rewards of the DAPO recipe and beyond: the soft over-long penalty, a sequence classifier as a reward (trained
+here on the fly), and an LLM judge over HTTP (a stub on 127.0.0.1): scores, failures scored None, refusals."""
+
+import pytest
+
+from lightning_logra.rewards import LLMJudge, OverlongPenalty, RewardModel
+from reward_stubs import start_judge, train_reward_classifier
+
+
+def test_the_overlong_penalty_is_zero_then_linear_to_minus_one():
+    penalty = OverlongPenalty(max_length=10, buffer=4)
+    ids = [[0] * n for n in (1, 6, 7, 8, 10, 12)]
+    assert penalty([""] * 6, [""] * 6, completion_ids=ids) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="buffer=11 is longer than its max_length=10"):
+        OverlongPenalty(max_length=10, buffer=11)
+    with pytest.raises(ValueError, match="OverlongPenalty's max_length"):
+        OverlongPenalty(max_length=0, buffer=1)
+
+
+def test_a_classifier_trained_here_scores_right_answers_above_wrong_ones(tmp_path):
+    path = train_reward_classifier(tmp_path / "rm")
+    reward = RewardModel(str(path), batch_size=3)
+    prompts = ["45+21=", "70+13=", "33+52="]  # not among the 64 it was trained on
+    right = ["66", "38", "58"]
+    scores = reward(prompts * 2, right + [r + "+" for r in right])
+    assert all(good > bad for good, bad in zip(scores[:3], scores[3:])), scores
+    assert reward.__getstate__()["_loaded"] is None  # what goes to the reward's process is its settings
+    with pytest.raises(FileNotFoundError, match="not a transformers model folder"):
+        RewardModel(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="RewardModel's batch_size"):
+        RewardModel(str(path), batch_size=0)
+
+
+def test_the_judge_scores_by_its_verdict_and_a_failed_request_scores_none():
+    server = start_judge(failures=1)
+    try:
+        judge = LLMJudge(server.url, "judge-model", timeout_s=0.3, retries=1, workers=4)
+        scores = judge(["1+1=", "2+2=", "3+3=", "4+4="], ["2", "5", "garble", "slow"], answer=["2", "4", "6", "8"])
+        # the first request failed (500) and was retried; a reply with no verdict, and one past its deadline twice,
+        # score None
+        assert scores == [1.0, 0.0, None, None]
+        assert server.requests[0]["model"] == "judge-model" and "Reference answer: 2" in str(server.requests)
+        assert LLMJudge(server.url, "m", retries=0)(["1+1="], ["2"], answer=["2"]) == [1.0]
+        assert LLMJudge(server.url + "/nowhere", "m", retries=0)(["1+1="], ["2"], answer=["2"]) == [None]
+    finally:
+        server.shutdown()
+    assert LLMJudge("http://x", "m", pattern=r"score: (\d+(?:\.\d+)?)").verdict("score: 3 then score: 0.5") == 0.5
+    with pytest.raises(ValueError, match="needs a group"):
+        LLMJudge("http://x", "m", pattern="YES")
+    with pytest.raises(ValueError, match="http"):
+        LLMJudge("127.0.0.1:8000", "m")
+    with pytest.raises(ValueError, match="no {completion}"):
+        LLMJudge("http://x", "m", template="{prompt}")

@@ -121,3 +121,25 @@ def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_ari
     assert all(not torch.equal(single[name], start[name]) for name in single)  # AdamW moved every weight
     for name in single:
         torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.long  # two runs of 2 and 1 processes, about a minute
+def test_dynamic_sampling_on_two_ranks_keeps_and_trains_what_one_process_does(run_cli, tiny_arith_model, tmp_path):
+    # Two completions per prompt: about half the groups are all-equal and left out, so steps take more rounds, and
+    # the ranks keep different numbers of groups (each keeps those it drew). The DDP wrapper makes every backward a
+    # collective: the rank with fewer micro-batches runs the rest on a row whose tokens count zero.
+    extra = ["--model.dynamic_sampling", "true", "--model.max_generation_rounds", "3", "--model.num_generations", "2",
+             "--model.micro_batch_size", "2"]
+    data = yaml.safe_load(Path(_dense_on_two_processes(tmp_path / "dense_ddp.yaml")).read_text())
+    data["model"].update(dynamic_sampling=True, max_generation_rounds=3, num_generations=2, micro_batch_size=2)
+    (tmp_path / "ds_ddp.yaml").write_text(yaml.safe_dump(data))
+    single = _fit(lambda config, *o, **k: run_cli(config, *o, *extra, **k), "tiny_arith_dense_all", tmp_path / "1")
+    double = _fit(run_cli, str(tmp_path / "ds_ddp.yaml"), tmp_path / "2")
+    rounds = _scalars(tmp_path / "1", "rollout/generation_rounds")
+    assert len(rounds) == 3 and max(rounds) > 1  # the steps drew more prompts
+    for tag in ("rollout/generation_rounds", "rollout/filtered_groups", "rollout/missing_groups",
+                "train/reward_mean", "train/grad_norm"):
+        assert _scalars(tmp_path / "2", tag) == pytest.approx(_scalars(tmp_path / "1", tag), rel=1e-5), tag
+    assert _scalars(tmp_path / "1", "train/frac_reward_zero_std") == [0.0, 0.0, 0.0]  # only learnable groups trained
+    for name in single:
+        torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)

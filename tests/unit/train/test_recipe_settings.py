@@ -1,0 +1,35 @@
+"""The recipe's settings on the module: truncated completions masked for the loss, and bad values refused naming
+their key."""
+
+import pytest
+import torch
+
+from lightning_logra.base.batch import Rollout
+from lightning_logra.train.module import RLVRModule
+
+MODEL = "lightning_logra/data/tiny_arith"
+
+
+def test_a_completion_cut_at_max_new_tokens_counts_for_nothing_when_masked():
+    module = RLVRModule(MODEL, mask_truncated_completions=True)
+    module.configure_model()
+    eos = module.stop_token_ids()[0]
+    ids = torch.tensor([[5, 6, eos], [5, 6, 7], [eos, 0, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0]])
+    rollout = Rollout(ids[:, :1], torch.ones(3, 1, dtype=torch.long), ids, mask, torch.zeros(3, 3))
+    assert module.trained_tokens(rollout).completion_mask.tolist() == [[1, 1, 1], [0, 0, 0], [1, 0, 0]]
+    module.hparams.mask_truncated_completions = False
+    assert module.trained_tokens(rollout) is rollout
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"eval_num_samples": 8}, "model.eval_num_samples=8 with model.eval_temperature=0"),
+    ({"eval_num_samples": 0}, "model.eval_num_samples must be a positive"),
+    ({"max_generation_rounds": 0}, "model.max_generation_rounds must be a positive"),
+    ({"entropy_coef": -0.1}, "model.entropy_coef must be a finite number ≥ 0"),
+    ({"entropy_coef": float("nan")}, "model.entropy_coef"),
+    ({"eval_temperature": -1.0}, "model.eval_temperature must be a finite number ≥ 0"),
+])
+def test_bad_recipe_settings_are_refused_naming_the_key(settings, message):
+    with pytest.raises(ValueError, match=message):
+        RLVRModule(MODEL, **settings)

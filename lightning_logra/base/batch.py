@@ -38,8 +38,9 @@ class Rollout:
         return (lengths > 0) & torch.isin(last, torch.as_tensor(stop_token_ids, device=last.device))
 
     def select(self, rows: torch.Tensor) -> Rollout:
-        """The given rows, with the completion columns that are padding in all of them trimmed off the right."""
-        width = int(self.completion_mask[rows].sum(-1).max())
+        """The given rows, with the completion columns that are padding in all of them trimmed off the right (one
+        kept where no row has a token that counts: a pass on it still runs)."""
+        width = max(1, int(self.completion_mask[rows].sum(-1).max()))
         in_flight = None if self.in_flight_updates is None else self.in_flight_updates[rows, :width]
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows, :width],
                        self.completion_mask[rows, :width], self.sampler_logprobs[rows, :width], in_flight)

@@ -566,7 +566,7 @@ class RLVRModule(LightningModule):
                 stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows]))
             else:  # this rank's rows ran out (dynamic sampling kept fewer here): a row whose tokens count zero
                 idle = rollout.select(torch.zeros(1, dtype=torch.long, device=self.device))
-                idle = replace(idle, completion_mask=torch.zeros_like(idle.completion_mask))
+                idle = replace(idle, completion_mask=torch.zeros_like(idle.completion_mask))  # (1, w ≥ 1)
                 stats = stats.add(self.forward_backward(idle, torch.zeros_like(weights[:1]), advantages[:1] * 0))
         stats = stats.reduce(self.sum_over_ranks, self.max_over_ranks)
         metrics = {"train/entropy": stats.entropy / stats.tokens}

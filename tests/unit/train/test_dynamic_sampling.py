@@ -143,3 +143,11 @@ def test_extra_prompts_depend_on_the_step_and_round_alone_and_the_ranks_split_th
         data.trainer = SimpleNamespace(global_rank=rank, world_size=2, lightning_module=None)
         parts.append(data.extra_batch(5, 1))
     assert parts[0]["prompt"] + parts[1]["prompt"] == one["prompt"]
+
+
+def test_rows_whose_tokens_all_count_zero_keep_one_column():
+    # a rank that keeps no group, or a micro-batch of completions all cut (mask_truncated_completions), still runs a
+    # pass: zero columns crashed the chunked log-probs' reshape under DDP
+    rollout = drawn(0, [True, True])
+    rollout.rollout.completion_mask[:2] = 0
+    assert rollout.rollout.select(torch.tensor([0, 1])).completion_ids.shape == (2, 1)

@@ -108,6 +108,7 @@ class DynamicSampling:
         # Others keep groups, this rank none: one group whose tokens count zero keeps its passes in step with theirs
         idle = first.groups(torch.zeros(1, dtype=torch.long), self.group_size)
         idle.rollout.completion_mask = torch.zeros_like(idle.rollout.completion_mask)
+        idle.per_reward = torch.full_like(idle.per_reward, float("nan"))  # no reward of it reaches the metrics
         return idle, metrics
 
     def _count(self, mask: torch.Tensor) -> int:

@@ -670,7 +670,11 @@ class RLVRModule(LightningModule):
             **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
             **metrics,
         }
-        self.log("train/reward_mean", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
+        # Over every rank's samples, exactly: with dynamic sampling the ranks may hold different numbers of them, and
+        # a rank's group whose tokens count zero (it kept none) is not one
+        real = rollout.completion_mask.sum(-1) > 0
+        total, count = self.sum_over_ranks(torch.stack([rewards[real].sum(), real.sum().float()])).unbind()
+        self.log("train/reward_mean", total / count, prog_bar=True, batch_size=len(rewards))
         self.log_dict(metrics, batch_size=len(rewards), sync_dist=True)
         every = self.hparams.log_completions_every
         experiment = getattr(self.logger, "experiment", None)

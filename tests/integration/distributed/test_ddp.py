@@ -138,7 +138,7 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_what_one_process_does(ru
     rounds = _scalars(tmp_path / "1", "rollout/generation_rounds")
     assert len(rounds) == 3 and max(rounds) > 1  # the steps drew more prompts
     for tag in ("rollout/generation_rounds", "rollout/filtered_groups", "rollout/missing_groups",
-                "train/reward_mean", "train/grad_norm"):
+                "train/reward_mean", "reward/odd_first_digit/mean", "train/grad_norm"):
         assert _scalars(tmp_path / "2", tag) == pytest.approx(_scalars(tmp_path / "1", tag), rel=1e-5), tag
     assert _scalars(tmp_path / "1", "train/frac_reward_zero_std") == [0.0, 0.0, 0.0]  # only learnable groups trained
     for name in single:

@@ -2,7 +2,10 @@
 
     python bench/frontier.py            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
                                         # LoGRA row), 46 runs: about 1 h 46 min alone on 2 cores
-    python bench/frontier.py --quick    # every row at 4 steps, 1 seed, 64 held-out items: checks the script (CI)
+    python bench/frontier.py --quick    # every kind of row at 4 steps, 1 seed, 64 held-out items, the reward
+                                        # scored in the trainer's process: checks the script (CI); of the rows
+                                        # that differ only by a number, dense at 1e-4, LoGRA uncontrolled at 1e-3,
+                                        # and δ 0.1× and 1×: 11 runs, not 15
 
 `bench/quality.py` compares methods at equal steps, each at its best learning rate. RL methods are compared on the
 frontier instead: greedy pass@1 and sampled reward against KL(π_t ‖ π_0), measured every `--every` steps by
@@ -10,7 +13,8 @@ frontier instead: greedy pass@1 and sampled reward against KL(π_t ‖ π_0), me
 completions the current policy samples for 256 held-out prompts × 4; measured, not the sum of per-step KLs, since
 steps that point the same way compound). A method whose curve lies above another's reaches more for the same
 distance. Every run is `python cli.py fit` of a config built from configs/add3.yaml by bench/quality.py's
-`run_config` (paired seeds: seed s gives every row the same prompts, sampling noise, projections and adapters).
+`run_config`, with its `--reward-in-trainer` (paired seeds: seed s gives every row the same prompts, sampling noise,
+projections and adapters).
 
 Rows (learning rates: bench/quality.py's best per method on the same task):
 - dense AdamW on the target matrices (what LoGRA and LoRA train), 1e-4 and 3e-4, and at 1e-4 with TRL's KL penalty
@@ -37,6 +41,7 @@ point and marked. JSON and plot under bench/out/.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -45,16 +50,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
 import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
-import rank_sweep  # bench/rank_sweep.py: cos(G, S·A), a sketch's reconstruction against the dense gradient  # noqa: E402
-from memory import fixed_batch  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT  # noqa: E402
+from runs import ROOT, add_reward_option  # noqa: E402
 
 DENSE_LR, LORA_LR, LOGRA_LR = 1e-4, 1e-3, 1e-3  # bench/quality.py's best on add3 (docs/results.md)
 FAST_DENSE_LR = 3e-4  # dense at the next rate of quality.py's grid: its curve carries dense's frontier further out
 LOGRA_GRID = [3e-4, 1e-3, 3e-3]
 UNCONTROLLED_KL = 1.8e-2  # LoGRA rank 16 at 1e-3, uncontrolled: realized KL per step in bench/quality.py
 FRACTIONS = [0.1, 0.3, 1.0]  # the constant budgets δ, as fractions of UNCONTROLLED_KL
+QUICK_FRACTIONS = [0.1, 1.0]  # --quick: two, so that the best controlled row is still a choice
 BETA = 0.04  # TRL's long-standing default for its KL penalty
 ALPHA_MAX = 4.0  # as configs/add3.yaml: lets the controller enlarge steps too
 START = {"method": "dense_targets", "lr": DENSE_LR}  # the config the start's validation takes (it takes no step)
@@ -71,12 +75,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=4, help="completions per prompt of the KL measurement")
     parser.add_argument("--eval-limit", type=int, default=None, help="held-out items of pass@1 (default: all 2,054)")
     parser.add_argument("--parallel", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="4 steps, 1 seed, 64 held-out items, 16 KL prompts")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 steps, 1 seed, 64 held-out items, 16 KL prompts; of the rows that differ only by a "
+                             f"number, dense at {DENSE_LR:g}, LoGRA uncontrolled at {LOGRA_LR:g} and δ "
+                             + " and ".join(f"{f:g}×" for f in QUICK_FRACTIONS) + "; --reward-in-trainer")
+    add_reward_option(parser)
     grid.add_options(parser, ROOT / "bench" / "out" / "frontier.json", ROOT / "bench" / "out" / "frontier_runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.every, args.seeds, args.more_seeds = 4, 2, 1, 1
-        args.eval_limit, args.prompts = args.eval_limit or 64, 16
+        args.eval_limit, args.prompts, args.reward_in_trainer = args.eval_limit or 64, 16, True
     grid.positive(args, "steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel")
     if args.steps % args.every:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
@@ -115,17 +123,20 @@ def spec(row: str, method: str, seeds: int, **settings) -> list[dict]:
 
 
 def first_rows(args: argparse.Namespace) -> list[dict]:
-    """The rows that need nothing measured first; the pair's LoRA first, since two later rows are set from it."""
+    """The rows that need nothing measured first; the pair's LoRA first, since two later rows are set from it.
+    --quick leaves out the rows that differ from one it keeps only by a number: dense at FAST_DENSE_LR, the LoGRA
+    grid but LOGRA_LR, and the δ fractions but QUICK_FRACTIONS (every kind of row still runs)."""
     more, seeds = args.more_seeds, args.seeds
     runs = spec("pair_lora", "lora", seeds, lr=quality.PAPER_LORA_LR, rank=args.rank)
     runs += spec("dense", "dense_targets", more, lr=DENSE_LR)
-    runs += spec(f"dense_lr{FAST_DENSE_LR:g}", "dense_targets", seeds, lr=FAST_DENSE_LR)
+    if not args.quick:
+        runs += spec(f"dense_lr{FAST_DENSE_LR:g}", "dense_targets", seeds, lr=FAST_DENSE_LR)
     runs += spec("lora", "lora", seeds, lr=LORA_LR, rank=args.rank)
     runs += spec("lora_rank1", "lora", seeds, lr=10 * DENSE_LR, rank=1)
-    for fraction in FRACTIONS:
+    for fraction in QUICK_FRACTIONS if args.quick else FRACTIONS:
         runs += spec(f"logra_delta{fraction:g}", "logra", seeds, lr=LOGRA_LR, rank=args.rank,
                      delta=fraction * UNCONTROLLED_KL)
-    for lr in LOGRA_GRID:
+    for lr in [LOGRA_LR] if args.quick else LOGRA_GRID:
         runs += spec(f"logra_lr{lr:g}", "logra", seeds, lr=lr, rank=args.rank)
     return runs
 
@@ -181,8 +192,8 @@ def frontier_at(curves: list[tuple[list[float], list[float]]], kl: float) -> tup
 
 
 def dense_frontier(measured: dict[str, list[dict]], seed: int, kl: float) -> tuple[float, bool]:
-    """Dense's frontier at KL `kl` on seed `seed`: the best pass@1 its rows (both learning rates, and the KL
-    penalty's) reached within that distance of the start (`frontier_at`)."""
+    """Dense's frontier at KL `kl` on seed `seed`: the best pass@1 its rows (both learning rates, or the one --quick
+    runs, and the KL penalty's) reached within that distance of the start (`frontier_at`)."""
     return frontier_at([(r["kl_curve"], r["pass_curve"]) for row in DENSE_ROWS for r in measured.get(row, [])
                         if r["seed"] == seed], kl)
 
@@ -228,7 +239,9 @@ def sketch_cosines(ranks: list[int], seeds: int = 3) -> dict[int, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    import rank_sweep  # bench/rank_sweep.py: cos(G, S·A), a sketch's reconstruction against the dense gradient
     from lightning_logra.paths import model_path
+    from memory import fixed_batch
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path("lightning_logra/data/add3"), dtype=torch.float32)
@@ -240,6 +253,19 @@ def sketch_cosines(ranks: list[int], seeds: int = 3) -> dict[int, float]:
         per_seed = [rank_sweep.reconstruction_cosines(model, batch, gradients, rank, "rademacher", seed)
                     for seed in range(seeds)]
         cosines[rank] = statistics.fmean(statistics.fmean(c.values()) for c in per_seed)
+    return cosines
+
+
+def kept_sketch_cosines(args: argparse.Namespace) -> dict[int, float]:
+    """`sketch_cosines` at --rank and 4× it, kept beside the runs: with --reuse they are read back, not computed
+    again (they depend on the shipped model alone), so that a rerun that trains nothing builds no model either."""
+    path, ranks = args.runs_dir / "sketch_cosines.json", [args.rank, 4 * args.rank]
+    if args.reuse and path.exists():
+        kept = {int(rank): cosine for rank, cosine in json.loads(path.read_text()).items()}
+        if list(kept) == ranks:
+            return kept
+    cosines = sketch_cosines(ranks)
+    path.write_text(json.dumps(cosines) + "\n")
     return cosines
 
 
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     for run in second:
         measured.setdefault(run["row"], []).append(measure(run, args, start))
     summary = summarize(measured)
-    cosines = sketch_cosines([args.rank, 4 * args.rank])
+    cosines = kept_sketch_cosines(args)
     print(table(summary, start, args))
     print("cos(G, S·A) on add3's model: " + ", ".join(f"rank {r} {c:.3f}" for r, c in cosines.items()))
     grid.write_report(args.out, {"start_pass_at_1": start, "summary": summary, "runs": measured,

@@ -2,7 +2,8 @@
 
     python bench/overlap.py --seeds 3 --more-seeds 5   # 400 steps; serial and overlap1 at 5 paired seeds, the
                                                        # others at 3: 16 runs, one at a time
-    python bench/overlap.py --quick    # every row at 6 steps, 1 seed, 64 held-out items: checks the script (CI)
+    python bench/overlap.py --quick    # every row at 6 steps, 1 seed, 64 held-out items, the reward scored in the
+                                       # trainer's process: checks the script (CI)
 
 The vLLM engine (CPU backend) runs in its own processes, every thread of theirs bound to core 1 (its compute threads
 by VLLM_CPU_OMP_THREADS_BIND, the rest by `PinEngine`); the trainer, its reward process with it, is bound to core 0
@@ -44,7 +45,7 @@ from lightning.pytorch import Callback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT  # noqa: E402
+from runs import ROOT, add_reward_option  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
 # max_staleness (None: the in-process engine); the rows named server_* generate on a launched engine server
@@ -115,12 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     parser.add_argument("--more-seeds", type=int, default=None,
                         help="seeds of serial and overlap1, the pair the targets are about (default: --seeds)")
-    parser.add_argument("--quick", action="store_true", help="6 steps, 1 seed, 64 held-out items")
+    parser.add_argument("--quick", action="store_true",
+                        help="6 steps, 1 seed, 64 held-out items, --reward-in-trainer")
+    add_reward_option(parser)
     folder = ROOT / "bench" / "out" / "overlap"
     grid.add_options(parser, folder / "overlap.json", folder / "runs")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.seeds, args.eval_limit = 6, 1, 64
+        args.steps, args.seeds, args.eval_limit, args.reward_in_trainer = 6, 1, 64, True
     return args
 
 
@@ -135,6 +138,8 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     trainer["callbacks"] = budget + [{"class_path": "overlap.ProcessTimes",
                                       "init_args": {"path": str(times_path(run, args))}}]
     grid.as_run(config, run, args)
+    if args.reward_in_trainer:
+        model["reward_timeout_s"] = None
     trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
     if run["max_staleness"] is not None:
         engine = ENGINE

@@ -1,7 +1,8 @@
 """bf16 weights at an RL learning rate: fp32, bf16 rounded to nearest, bf16 rounded stochastically, side by side.
 
     python bench/precision.py               # 1,200 steps × 3 variants × 2 seeds of configs/tiny_arith_bf16.yaml
-    python bench/precision.py --quick       # a few steps each: checks that it runs
+    python bench/precision.py --quick       # 6 steps each, one seed, one thread a run, the reward scored in the
+                                            # trainer's process: checks that it runs (CI)
     python bench/precision.py --merge-only  # the merge's cost per step at the Qwen2.5-1.5B shape, nothing else
 
 Every run is `configs/tiny_arith_bf16.yaml` through the CLI (sketch Adam at lr 1e-5, predicted-KL control), with
@@ -10,7 +11,10 @@ samples. Reported per variant: the sampled reward of the first and last tenth of
 relative to fp32 on the same seed, greedy pass@1 at the end, the mean landed fraction (how much of each intended
 update reached the weights), the mean predicted / intended / realized KL per step, and the median step time.
 The variants run one at a time by default, so that the step times compare (`--parallel 2` halves the wall time and
-spoils the times).
+spoils the times). `--quick` gives each run one thread: two threads' OpenMP barriers stall when another process
+shares the 2 cores, as in CI's tier of two tests at a time (beside one busy process, 1.4–2.2 s a step against
+0.4–0.6 s, for the same numbers); and it scores the reward in the trainer's process (`--reward-in-trainer`), not in a
+reward process started for each run.
 
 Before the runs, the merge itself is timed at the shape of `--merge-shape` (default Qwen2.5-1.5B: its 196 target
 matrices, 1.31 B weights, bf16, rank 256): W −= F·A for every matrix once, rounded to nearest and stochastically.
@@ -32,7 +36,7 @@ from lightning_logra.sketch import apply_low_rank_update_, make_projection  # no
 from lightning_logra.sketch.rounding import rounding_key  # noqa: E402
 from memory import SHAPES  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, cli_command, latest_run, run_all, scalars  # noqa: E402
+from runs import ROOT, add_reward_option, cli_command, latest_run, run_all, scalars  # noqa: E402
 
 VARIANTS = {
     "fp32": ["--trainer.precision", "32-true", "--model.dtype", "float32"],
@@ -47,8 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--lr", type=float, help="sketch lr (default: the config's, 1e-5)")
     parser.add_argument("--parallel", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads per run")
-    parser.add_argument("--quick", action="store_true", help="6 steps, one seed: a check that it runs")
+    parser.add_argument("--threads", type=int, help="intra-op threads per run (default 2; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="6 steps, one seed, one thread a run, --reward-in-trainer: a check that it runs")
+    add_reward_option(parser)
     parser.add_argument("--merge-shape", choices=SHAPES, default="1.5b")
     parser.add_argument("--merge-rank", type=int, default=256)
     parser.add_argument("--merge-only", action="store_true", help="time the merge, train nothing")
@@ -58,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.merge_shape, args.merge_rank = 6, args.seeds[:1], "tiny", 16
+        args.reward_in_trainer = True
+    if args.threads is None:
+        args.threads = 1 if args.quick else 2
     return args
 
 
@@ -95,8 +104,9 @@ def _log_name(run: dict) -> str:
 def command(run: dict, args: argparse.Namespace) -> list[str]:
     seed = str(run["seed"])
     lr = [] if args.lr is None else ["--trainer.strategy.init_args.sketch.optimizer.lr", str(args.lr)]
+    reward = ["--model.reward_timeout_s", "null"] if args.reward_in_trainer else []
     return cli_command("tiny_arith_bf16.yaml", args.steps, args.runs_dir, _log_name(run), *VARIANTS[run["variant"]],
-                       "--seed_everything", seed, "--model.seed", seed, "--data.init_args.seed", seed, *lr)
+                       "--seed_everything", seed, "--model.seed", seed, "--data.init_args.seed", seed, *lr, *reward)
 
 
 def _mean(values: list[float]) -> float:

@@ -1,13 +1,16 @@
 """Does LoGRA give up task performance? Methods side by side on the harder embedded task, paired seeds.
 
     python bench/quality.py            # the full comparison (see --steps, --seeds; 55 runs of 400 steps, ~65 min)
-    python bench/quality.py --quick    # every row at 4 steps, 1 seed, 64 held-out items: checks the script (CI)
+    python bench/quality.py --quick    # every row at 4 steps, 1 seed, 64 held-out items, the reward scored in the
+                                       # trainer's process: checks the script (CI)
 
 The task is `configs/add3.yaml`'s (3-digit addition written least significant digit first, the shipped partially
 trained model, greedy pass@1 0.2 at the start), where pass@1 is far from its ceiling, so methods can differ. Every run
 is `python cli.py fit` of a config built from add3.yaml (written beside the runs), one thread each, `--parallel` at a
 time. Paired seeds: seed s sets the sampling, the prompt order, the projections and the adapters' initialization of
-every row alike, so row differences are measured on the same batches.
+every row alike, so row differences are measured on the same batches. `--reward-in-trainer` (on with `--quick`) scores
+the reward in the trainer's process (`model.reward_timeout_s: null`) instead of a reward process of its own, whose
+start (an interpreter re-importing the CLI) was a third of a 4-step run.
 
 Rows:
 - dense AdamW on all parameters, and on the target matrices only (`model.target_modules`: what LoGRA and LoRA train);
@@ -47,7 +50,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT  # noqa: E402
+from runs import ROOT, add_reward_option  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -85,11 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="δ₀ of the KL-controlled LoGRA row (default: LoRA 2e-4's realized KL per step, see above)")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--quick", action="store_true",
-                        help="every row, 4 steps, 1 seed, one learning rate per method, 64 held-out items")
+                        help="every row, 4 steps, 1 seed, one learning rate per method, 64 held-out items, "
+                             "--reward-in-trainer")
+    add_reward_option(parser)
     grid.add_options(parser, ROOT / "bench" / "out" / "quality.json", ROOT / "bench" / "out" / "quality_runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.evals, args.eval_limit = 4, 1, 1, args.eval_limit or 64
+        args.reward_in_trainer = True
     grid.positive(args, "steps", "seeds", "evals", "rank", "rank2", "parallel")
     if args.steps % args.evals:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --evals ({args.evals})")
@@ -121,6 +127,8 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     config = grid.as_run(yaml.safe_load(BASE_CONFIG.read_text()), run, args, args.evals)
     seed, trainer, model = run["seed"], config["trainer"], config["model"]
     trainer["callbacks"] = [kl_callback(run.get("kl_budget"), args.steps)]
+    if getattr(args, "reward_in_trainer", False):  # runs.add_reward_option's; recipe.py's arguments lack it
+        model["reward_timeout_s"] = None
     method = run["method"]
     if method.startswith("dense"):
         del trainer["strategy"]

@@ -18,7 +18,8 @@ each rank that fits its 128-wide matrices, with the paper's design choices at `-
 projection, a Rademacher projection refreshed every `--refresh-every` updates, and a refreshed Gaussian one (with
 `--share-projection`, also the fixed Rademacher one shared per input). The reward is the mean sampled reward over
 the last tenth of the steps; pass@1 is the final greedy evaluation. Each run is a subprocess with one thread,
-`--parallel` at a time.
+`--parallel` at a time. `--reward-ranks` picks the fixed-projection runs' ranks apart from the cosines' (a quick check
+needs fewer runs than ranks), `--reward-in-trainer` scores the reward without a reward process of its own.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lightning_logra.sketch import install_sketches  # noqa: E402
 from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
 from memory import SHAPES, fixed_batch, policy_loss, qwen2_model  # bench/memory.py: shapes, RL batch, loss  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
-from runs import cli_command, latest_run, run_all, scalars  # bench/runs.py: CLI runs and their scalars  # noqa: E402
+from runs import add_reward_option, cli_command, latest_run, run_all, scalars  # bench/runs.py: CLI runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=600, help="training steps of each reward run")
     parser.add_argument("--design-rank", type=int, default=16)
     parser.add_argument("--refresh-every", type=int, default=100)
+    parser.add_argument("--reward-ranks", type=int, nargs="+",
+                        help="ranks of the fixed-projection reward runs (default: --ranks; those that fit)")
     parser.add_argument("--parallel", type=int, default=2)
+    add_reward_option(parser)
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--share-projection", action="store_true",
                         help="also measure one Rademacher A per input (sketch.share_projection) beside one per matrix")
@@ -129,14 +133,15 @@ def _label(row: dict) -> str:
 
 def reward_runs(args: argparse.Namespace) -> list[dict]:
     width = 128  # the embedded model's hidden size: every sketch there needs rank < 128
+    ranks = args.reward_ranks or args.ranks
     runs = [dict(name=f"rank {r}, fixed rademacher", rank=r, distribution="rademacher", refresh=None)
-            for r in args.ranks if r < width]
+            for r in ranks if r < width]
     runs += [dict(name=f"rank {args.design_rank}, refreshed {d}", rank=args.design_rank, distribution=d,
                   refresh=args.refresh_every) for d in ("rademacher", "gaussian")]
     if args.share_projection:
         runs.append(dict(name=f"rank {args.design_rank}, fixed rademacher, one A per input", rank=args.design_rank,
                          distribution="rademacher", refresh=None, shared=True))
-    skipped = [r for r in args.ranks if r >= width]
+    skipped = [r for r in ranks if r >= width]
     if skipped:
         print(f"reward runs: ranks {skipped} do not fit the embedded model's {width}-wide matrices",
               file=sys.stderr)
@@ -148,8 +153,9 @@ def run_command(run: dict, args: argparse.Namespace) -> list[str]:
     # A fixed projection is the config's own setting (refresh_every: null), which the command line cannot restate.
     refresh = [] if run["refresh"] is None else [f"{sketch}optimizer.refresh_every", str(run["refresh"])]
     shared = [f"{sketch}share_projection", "true"] if run.get("shared") else []
+    reward = ["--model.reward_timeout_s", "null"] if args.reward_in_trainer else []
     return cli_command("tiny_arith.yaml", args.steps, args.runs_dir, _log_name(run), f"{sketch}rank", str(run["rank"]),
-                       f"{sketch}distribution", run["distribution"], *refresh, *shared)
+                       f"{sketch}distribution", run["distribution"], *refresh, *shared, *reward)
 
 
 def _log_name(run: dict) -> str:

@@ -3,7 +3,7 @@ load and against the sparse bf16 delta other frameworks send, and a server that 
 the update journal against a full load.
 
     python bench/remote.py                      # Qwen2.5-0.5B shape (full depth, random weights), bf16 and fp32
-    python bench/remote.py --quick              # the shipped tiny model, fp32: a minute
+    python bench/remote.py --quick              # the shipped tiny model, fp32, served eager: about 40 s
 
 One invocation starts one `lightning-logra serve` per dtype on 127.0.0.1 (vLLM's CPU backend here) and keeps it in
 step with `RemoteEngine`, the trainer's side, over loopback TCP:
@@ -21,6 +21,9 @@ step with `RemoteEngine`, the trainer's side, over loopback TCP:
   initializer std 0.02, about the scale of a trained Qwen's projections.
 - **catch-up**: the server 1, 10 and 100 updates behind (rank 64, the last dtype): replaying them (each posted as
   the journal would) against one full load, bytes and seconds; `RemoteEngine` picks the fewer bytes.
+
+The server compiles its model (torch.compile) at the start unless `--enforce-eager` (on with `--quick`) passes vLLM's
+own option: nothing here generates, so only the start-up differs (compiling the tiny model took 35 s of its minute).
 
 The 7B and 32B rows are computed from the published shapes (no model is built): the seed sync's bytes Σ d·r·4 over
 the sketched matrices plus each matrix's header (as measured at 0.5B), the full load's Σ numel·2 (bf16), and the
@@ -63,7 +66,10 @@ PUBLISHED = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the shipped tiny model (fp32, rank 16), a minute")
+    parser.add_argument("--quick", action="store_true",
+                        help="the shipped tiny model (fp32, rank 16), served eager: about 40 s")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="serve without torch.compile (vLLM's --enforce-eager): a faster start, the same syncs")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--ranks", default="64,256")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per method (the median is reported)")
@@ -74,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.dtypes, args.ranks, args.behind, args.memory, args.repeats = "float32", "16", "1,10", 0.1, 2
+        args.enforce_eager = True
     args.dtypes, args.ranks = args.dtypes.split(","), [int(r) for r in args.ranks.split(",")]
     args.behind = [int(n) for n in args.behind.split(",")]
     return args
@@ -91,8 +98,10 @@ def save_model(directory: Path, quick: bool, dtype: torch.dtype, seed: int) -> N
         shutil.copy(TINY_MODEL / name, directory / name)
 
 
-def serve(model_dir: Path, dtype: str, memory: float, token: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`lightning-logra serve` on a free port; returns once it answers (or raises with the end of its log)."""
+def serve(model_dir: Path, dtype: str, memory: float, token: str, log_path: Path,
+          eager: bool = False) -> tuple[subprocess.Popen, str]:
+    """`lightning-logra serve` on a free port (`eager`: with vLLM's --enforce-eager); returns once it answers (or
+    raises with the end of its log)."""
     import requests
 
     with socket.socket() as sock:
@@ -101,7 +110,7 @@ def serve(model_dir: Path, dtype: str, memory: float, token: str, log_path: Path
     positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
     command = [sys.executable, "-m", "lightning_logra.rollout.server", "--model", str(model_dir), "--port", str(port),
                "--dtype", dtype, "--gpu-memory-utilization", str(memory), "--max-model-len", str(positions),
-               "--max-body-mib", "4096"]
+               "--max-body-mib", "4096"] + (["--", "--enforce-eager"] if eager else [])
     with open(log_path, "wb") as out:
         process = subprocess.Popen(command, env={**os.environ, "LOGRA_SERVER_TOKEN": token}, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             dtype = getattr(torch, dtype_name)
             model_dir = tmp / dtype_name
             save_model(model_dir, args.quick, dtype, args.seed)
-            process, url = serve(model_dir, dtype_name, args.memory, token, args.out_dir / f"serve_{dtype_name}.log")
+            process, url = serve(model_dir, dtype_name, args.memory, token, args.out_dir / f"serve_{dtype_name}.log",
+                                 args.enforce_eager)
             engine = RemoteEngine(urls=[url], start_timeout_s=900, request_timeout_s=1800, journal_steps=1)
             try:
                 engine.start(str(model_dir), 0, [])

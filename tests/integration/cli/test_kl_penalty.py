@@ -81,9 +81,9 @@ def one_step(module, precision="32-true", moved=False, checkpoint=None):
         rollouts.append(rollout)
         return rollout
 
-    def counted_logprobs(model, prompt_ids, *args):
+    def counted_logprobs(model, prompt_ids, *args, **kwargs):
         forwarded.append(("reference" if model is module.reference else "policy", prompt_ids.shape[0]))
-        return completion_logprobs(model, prompt_ids, *args)
+        return completion_logprobs(model, prompt_ids, *args, **kwargs)
 
     grads = GradientsBeforeStep()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,

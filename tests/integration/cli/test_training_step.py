@@ -54,9 +54,9 @@ def step(tiny_arith_model):
         rollouts.append(rollout)
         return rollout
 
-    def counted_logprobs(policy, prompt_ids, *args):
+    def counted_logprobs(policy, prompt_ids, *args, **kwargs):
         forwarded.append(prompt_ids.shape[0])
-        return completion_logprobs(policy, prompt_ids, *args)
+        return completion_logprobs(policy, prompt_ids, *args, **kwargs)
 
     grads = GradientsBeforeStep()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,

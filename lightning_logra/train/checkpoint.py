@@ -70,6 +70,9 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
     if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (train/lora.py)
         differences.append(f"trainer.strategy.init_args.lora: the checkpoint's adapters are {saved.get('lora')}, "
                            f"this run's {current.get('lora')}")
+    if saved.get("optimizer") != current.get("optimizer"):  # model.optimizer's class (None: AdamW)
+        differences.append(f"model.optimizer: the checkpoint's state is {saved.get('optimizer') or 'AdamW'}'s, this "
+                           f"run's optimizer {current.get('optimizer') or 'AdamW'}")
     if differences:
         raise ValueError("cannot resume: " + "; ".join(differences) + ". Resume with the checkpoint's settings, or "
                          "start a new run from its weights (export them with model.export_dir, then train from that "

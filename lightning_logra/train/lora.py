@@ -109,10 +109,6 @@ class LoRAConfig:
             param.requires_grad_(id(param) in adapters)
         return layers
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = [p for layer in adapted_layers(model).values() for p in adapter_parameters(layer)]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-
 
 @contextmanager
 def _named_keys() -> Iterator[None]:

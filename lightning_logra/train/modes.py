@@ -37,6 +37,8 @@ from lightning_logra.sketch.install import select_targets, sketch_carriers, sket
 from lightning_logra.train import lora
 from lightning_logra.train.lora import CONFIG_KEY as LORA_KEY
 from lightning_logra.train.lora import LoRAConfig
+from lightning_logra.train.optimizers import CONFIG_KEY as OPTIMIZER_KEY
+from lightning_logra.train.optimizers import OptimizerSpec, build_optimizer
 from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
@@ -193,14 +195,16 @@ class _DenseSteps(TrainingMode):
 
 
 class DenseMode(_DenseSteps):
-    """Every parameter the module trains (all of them, or `model.target_modules`' weights) by AdamW: the baseline."""
+    """Every parameter the module trains (all of them, or `model.target_modules`' weights) by AdamW, or by the
+    optimizer `model.optimizer` names: the baseline, and the peer optimizers the benchmarks compare."""
 
     record = "densely"
 
-    def __init__(self, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule) -> None:
+    def __init__(self, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule,
+                 optimizer: OptimizerSpec | None) -> None:
         super().__init__(collectives)
         self.lr, self.weight_decay, self.target_modules = hparams.lr, hparams.weight_decay, hparams.target_modules
-        self.lr_schedule = lr_schedule
+        self.lr_schedule, self.optimizer = lr_schedule, optimizer
 
     def install(self, policy: nn.Module, fitting: bool) -> None:
         super().install(policy, fitting)
@@ -218,11 +222,17 @@ class DenseMode(_DenseSteps):
 
     def build_optimizers(self, policy: nn.Module) -> Optimizers:
         params = [p for p in policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        optimizer = build_optimizer(self.optimizer, policy, params, self.lr, self.weight_decay)
         return [optimizer], [self.lr_schedule.scheduler(optimizer)]
 
+    def stamp(self) -> dict[str, Any]:
+        return _with_optimizer(super().stamp(), self.optimizer)
+
+    def hparams(self) -> dict[str, Any]:
+        return _optimizer_hparams(self.optimizer)
+
     def config_key(self, index: int, key: str) -> str:
-        return f"model.{key}"
+        return _optimizer_key(self.optimizer, key, f"model.{key}")
 
 
 class LoRAMode(_DenseSteps):
@@ -232,9 +242,9 @@ class LoRAMode(_DenseSteps):
     record = lora.TRAINING
     description = "the LoRA strategy"
 
-    def __init__(self, collectives: Collectives, config: LoRAConfig) -> None:
+    def __init__(self, collectives: Collectives, config: LoRAConfig, optimizer: OptimizerSpec | None) -> None:
         super().__init__(collectives)
-        self.config = config
+        self.config, self.optimizer = config, optimizer
         self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the adapters at the step's start
 
     def install(self, policy: nn.Module, fitting: bool) -> None:
@@ -245,24 +255,26 @@ class LoRAMode(_DenseSteps):
             self.config.install(policy)
 
     def build_optimizers(self, policy: nn.Module) -> Optimizers:
-        optimizer = self.config.build_optimizer(policy)
+        params = [p for layer in lora.adapted_layers(policy).values() for p in lora.adapter_parameters(layer)]
+        optimizer = build_optimizer(self.optimizer, policy, params, self.config.lr, self.config.weight_decay)
         return [optimizer], [self.config.lr_schedule.scheduler(optimizer)]
 
     def ignored_module_settings(self) -> dict[str, str]:
-        return {key: f"{LORA_KEY}.{key}" for key in _DENSE_ONLY}
+        return {key: f"{LORA_KEY}.{key}" for key in _DENSE_ONLY if key != "optimizer"}  # the adapters' optimizer
 
     def check_settings(self, skeleton: nn.Module | None) -> None:
         if skeleton is not None:
             self.config.check_targets(skeleton)
 
     def stamp(self) -> dict[str, Any]:
-        return {**super().stamp(), "lora": self.config.record()}  # the adapters' settings: export and resume need them
+        # the adapters' settings: export and resume need them
+        return _with_optimizer({**super().stamp(), "lora": self.config.record()}, self.optimizer)
 
     def hparams(self) -> dict[str, Any]:
-        return self.config.hparams()
+        return {**self.config.hparams(), **_optimizer_hparams(self.optimizer)}
 
     def config_key(self, index: int, key: str) -> str:
-        return f"{LORA_KEY}.{key}"
+        return _optimizer_key(self.optimizer, key, f"{LORA_KEY}.{key}")
 
     def engine_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
         return lora.engine_tensors(policy)  # each adapted matrix merged, under its own name
@@ -388,15 +400,35 @@ _DENSE_ONLY = {
     "weight_decay": f"{SKETCH_KEY}.rest_weight_decay (parameters trained densely)",
     "lr_schedule": f"{SKETCH_KEY}.lr_schedule",
     "target_modules": f"{SKETCH_KEY}.target_modules",
+    "optimizer": f"{SKETCH_KEY}.optimizer (the sketch optimizer; parameters trained densely take an AdamW)",
 }
+
+
+def _with_optimizer(stamp: dict[str, Any], optimizer: OptimizerSpec | None) -> dict[str, Any]:
+    """A checkpoint of a run with `model.optimizer` records its class: another's state would be misread on resume
+    (AdamW, the default, records nothing, as checkpoints always did)."""
+    return stamp if optimizer is None else {**stamp, "optimizer": optimizer.class_path}
+
+
+def _optimizer_hparams(optimizer: OptimizerSpec | None) -> dict[str, Any]:
+    return {} if optimizer is None else {"optimizer": optimizer.class_path,
+                                         **{f"optimizer_{k}": v for k, v in optimizer.init_args.items()}}
+
+
+def _optimizer_key(optimizer: OptimizerSpec | None, key: str, otherwise: str) -> str:
+    """Where the config sets `key` of a dense or LoRA run's optimizer: its init_args when they set it."""
+    mode_sets_it = optimizer is None or (key in ("lr", "weight_decay") and key not in optimizer.init_args)
+    return otherwise if mode_sets_it else f"{OPTIMIZER_KEY}.init_args.{key}"
 
 
 def training_mode(strategy: Any, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule) -> TrainingMode:
     """The run's training mode, by the settings its strategy carries: a `SketchConfig` trains with sketches, a
-    `LoRAConfig` with adapters, none (Lightning's own strategies) densely with the module's AdamW."""
+    `LoRAConfig` with adapters, none (Lightning's own strategies) densely with the module's AdamW (or the optimizer
+    `model.optimizer` names, as the adapters' under LoRA)."""
     config = getattr(strategy, "config", None)
     if isinstance(config, SketchConfig):
         return SketchMode(collectives, config)
+    optimizer = OptimizerSpec.parse(hparams.get("optimizer"))
     if isinstance(config, LoRAConfig):
-        return LoRAMode(collectives, config)
-    return DenseMode(collectives, hparams, lr_schedule)
+        return LoRAMode(collectives, config, optimizer)
+    return DenseMode(collectives, hparams, lr_schedule, optimizer)

@@ -61,6 +61,7 @@ from lightning_logra.train.digests import write_sums
 from lightning_logra.train.dynamic_sampling import Drawn, DynamicSampling
 from lightning_logra.train.evaluation import sample_metrics
 from lightning_logra.train.modes import TrainingMode, training_mode
+from lightning_logra.train.optimizers import OptimizerSpec
 from lightning_logra.train.policy import (
     completions_table,
     encode_prompts,
@@ -107,6 +108,7 @@ def _check_settings(hp: Any) -> None:
     check_positive("model.reward_timeout_s", hp.reward_timeout_s, "number of seconds", null="no deadline")
     check_positive("model.max_unlearnable_steps", hp.max_unlearnable_steps, "number of steps", integer=True,
                    null="never stop")
+    OptimizerSpec.parse(hp.get("optimizer"))  # the class imports and takes its init_args
     if hp.target_modules is not None and not hp.target_modules:
         raise ValueError("model.target_modules is empty: name the linear layers the dense baseline trains, e.g. "
                          "[q_proj, v_proj], or leave it null to train every parameter")
@@ -153,6 +155,7 @@ class RLVRModule(LightningModule):
         micro_batch_size: int = 8,
         lr: float = 1e-6,
         weight_decay: float = 0.0,
+        optimizer: dict[str, Any] | str | None = None,
         lr_schedule: LRSchedule = LRSchedule(),
         target_modules: list[str] | None = None,
         max_grad_norm: float | None = 1.0,
@@ -212,6 +215,11 @@ class RLVRModule(LightningModule):
                 and `sketch.rest_lr` act.
             weight_decay: the dense AdamW's weight decay (the baseline); under a sketch strategy
                 `sketch.rest_weight_decay` acts instead.
+            optimizer: another torch optimizer for the dense baseline, or for the adapters under the LoRA strategy,
+                by `class_path` and `init_args` (`galore_torch.GaLoreAdamW`, `apollo_torch.APOLLOAdamW`,
+                `transformers.optimization.Adafactor`, `bitsandbytes.optim.AdamW8bit`, ...;
+                `lightning_logra.train.optimizers`); init_args without `lr` / `weight_decay` take the mode's. None:
+                AdamW. A sketch strategy refuses it (`sketch.optimizer` acts).
             lr_schedule: warm-up and decay of the dense AdamW's learning rate, by applied update
                 (`lightning_logra.base.schedule.LRSchedule`); under a sketch strategy `sketch.lr_schedule` acts instead.
             target_modules: the dense baseline trains only the weights of these nn.Linear layers (named as

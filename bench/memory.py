@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+import peers  # bench/peers.py (this script's folder is on sys.path)
 from lightning_logra.algo.advantages import group_advantages
 from lightning_logra.algo.kl import intended_kl, predicted_kl, realized_kl, step_scale
 from lightning_logra.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
@@ -69,11 +70,16 @@ from lightning_logra.base.batch import Rollout
 from lightning_logra.callbacks.memory import GIB, StepSampler, cuda_allocated_reader, process_rss_reader
 from lightning_logra.sketch import SketchAdam, SketchOptimizer, SketchSGD, sketched_layers
 from lightning_logra.sketch.config import DEFAULT_TARGETS, SketchConfig
-from lightning_logra.sketch.memory import saved_activation_bytes
+from lightning_logra.sketch.memory import memory_breakdown, saved_activation_bytes
 from lightning_logra.sketch.rounding import LOW_PRECISION
-from plotting import pyplot, save_figure  # bench/plotting.py (this script's folder is on sys.path)
+from plotting import pyplot, save_figure  # bench/plotting.py
 
 METHODS = ("dense_adamw", "dense_adamw_targets", "lora", "galore", "logra", "logra_adam")
+# The optimizers a user would pick instead (bench/peers.py: each at its paper's settings, on the target matrices),
+# LoRA at ranks 16 and 1, and GaLore's layer-wise mode; `--methods peers` runs them beside dense AdamW and LoGRA.
+PEER_METHODS = ("galore_layerwise", *[name for name in peers.PEERS if name != "galore"], "lora_r16", "lora_r1")
+PEERS_RUN = ("dense_adamw", "dense_adamw_targets", "lora_r16", "lora_r1", "galore", *PEER_METHODS[:-2], "logra",
+             "logra_adam")
 # Not in the default run: `logra` again, but each step driven by a Lightning Trainer (SketchStrategy) and measured
 # by lightning_logra.callbacks.MemoryProfiler instead of this script's loop: its numbers beside `logra`'s check the
 # profiler. `logra_ddp` and `logra_fsdp` run it on `--processes` processes (SketchDDPStrategy: every rank holds the
@@ -83,7 +89,7 @@ LIGHTNING_METHODS = ("logra_lightning", "logra_ddp", "logra_fsdp")
 # Also not in the default run: LoGRA with one projection per input (sketch.share_projection), to set beside
 # `logra` / `logra_adam`; and `dense_adamw_meta`, dense AdamW's floor counted on the meta device (for shapes where it
 # cannot run).
-EXTRA_METHODS = (*LIGHTNING_METHODS, "logra_shared", "logra_adam_shared", "dense_adamw_meta")
+EXTRA_METHODS = (*LIGHTNING_METHODS, "logra_shared", "logra_adam_shared", "dense_adamw_meta", *PEER_METHODS)
 LOGRA_METHODS = ("logra", "logra_adam", "logra_shared", "logra_adam_shared")
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
@@ -98,6 +104,8 @@ SHAPES = {
                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -107,7 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=SHAPES, default="0.5b")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated, from " + ", ".join(METHODS + EXTRA_METHODS))
+                        help="comma-separated, from " + ", ".join(METHODS + EXTRA_METHODS) + "; or `peers`: "
+                        + ", ".join(PEERS_RUN))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every row this many times, each round in another order (the rows rotated), and "
+                             "report each row's spread: a row run later in a process tree measures slower")
+    parser.add_argument("--at-shapes", help="comma-separated shapes (7b,32b): no step is run; each method's state "
+                        "bytes per trained matrix are counted from one real optimizer step on one matrix of each "
+                        "shape, and the weights, gradients and states of the whole model added up")
     # A sketch's rank must stay below every target's in_features (LoRA and GaLore need it below both sides:
     # k_proj and v_proj are only 128 rows in 0.5B, 2 kv heads × 64, and 64 in tiny).
     parser.add_argument("--rank", type=int, help="of LoRA, GaLore and the sketches; default 64, 16 for tiny")
@@ -143,14 +158,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rank = args.rank or (16 if args.shape == "tiny" else 64)
-    args.methods = args.methods.split(",")
+    args.methods = list(PEERS_RUN) if args.methods == "peers" else args.methods.split(",")
     unknown = sorted(set(args.methods) - set(METHODS + EXTRA_METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     if args.batch % args.group or args.batch % args.micro_batch:
         parser.error("--batch must be a multiple of --group and of --micro-batch")
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
     if not 0 <= args.kl_check <= args.batch:
         parser.error(f"--kl-check must be between 0 and --batch ({args.batch}), got {args.kl_check}")
     if args.saved_bytes_only:
@@ -183,8 +198,8 @@ def qwen2_model(shape: str, dtype: torch.dtype, max_positions: int, device: str 
         torch.set_default_dtype(default)
 
 
-# Methods whose optimizer steps the weights themselves with AdamW: in bf16 they keep fp32 master weights.
-FP32_MASTER = ("dense_adamw", "dense_adamw_targets", "galore")
+# Methods whose optimizer steps the weights themselves (AdamW and the peers): in bf16 they keep fp32 master weights.
+FP32_MASTER = ("dense_adamw", "dense_adamw_targets", "galore", *[m for m in PEER_METHODS if not m.startswith("lora")])
 
 
 def weights_kind(method: str, dtype: str) -> str:
@@ -241,15 +256,16 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
         sketch = SketchConfig(rank=args.rank, optimizer=partial(optimizer, lr=args.lr),
                               share_projection=method.endswith("_shared"))
         return model, sketch.build_optimizers(model, sketch.install(model))
-    if method == "lora":
+    if method.startswith("lora"):
         from peft import LoraConfig, get_peft_model
 
-        # get_peft_model freezes everything but the adapters.
-        lora = LoraConfig(r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, target_modules=list(DEFAULT_TARGETS))
+        # get_peft_model freezes everything but the adapters. lora_r16 / lora_r1: that rank, whatever --rank says.
+        rank = int(method.removeprefix("lora_r")) if method != "lora" else args.rank
+        lora = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=list(DEFAULT_TARGETS))
         peft_model = get_peft_model(model, lora)
         trainable = [p for p in peft_model.parameters() if p.requires_grad]
         return peft_model, [torch.optim.AdamW(trainable, lr=args.lr)]
-    # dense_adamw_targets and galore: the target matrices only, everything else frozen.
+    # dense_adamw_targets and the peers: the target matrices only, everything else frozen.
     targets = []
     for name, param in model.named_parameters():
         param.requires_grad_(is_target(name))
@@ -257,12 +273,9 @@ def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
             targets.append(param)
     if method == "dense_adamw_targets":
         return model, [torch.optim.AdamW(targets, lr=args.lr)]
-    from galore_torch import GaLoreAdamW
-
-    # update_proj_gap and scale are GaLore's published defaults; the projection is recomputed (an SVD) only every
-    # 200 steps, so within this benchmark it is computed once, in the warm-up step.
-    group = dict(params=targets, rank=args.rank, update_proj_gap=200, scale=0.25, proj_type="std")
-    return model, [GaLoreAdamW([group], lr=args.lr)]
+    # GaLore's projection is recomputed (an SVD) every 200 steps (update_proj_gap): within this benchmark once, in
+    # the warm-up step; APOLLO's random projection likewise.
+    return model, [peers.build(method, model, targets, args.rank, args.lr)]
 
 
 def policy_loss(policy: torch.nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
@@ -469,8 +482,12 @@ def run_worker(args: argparse.Namespace) -> dict | None:
         saved = saved_activation_bytes(lambda: policy_loss(policy, micro, args.logprob_chunk), policy.parameters())
     row = dict(method=args.method, weights=weights_kind(args.method, args.dtype))
     if not args.saved_bytes_only:
+        # What the optimizers hold after the steps, counted from their tensors (a sketch optimizer's d×r moments,
+        # projectors, 8-bit states and their scales).
+        breakdown = memory_breakdown(policy, optimizers)
         row.update(peak_gib=max(peaks) / GIB, avg_gib=statistics.mean(measured(averages)) / GIB,
-                   step_s=statistics.median(measured(seconds)))
+                   step_s=statistics.median(measured(seconds)),
+                   state_mib=(breakdown.sketch_optimizer_state + breakdown.dense_optimizer_state) / 2**20)
     if kl is not None and not args.saved_bytes_only:
         shares = [k / s for k, s in zip(measured(kl_seconds), measured(seconds))]
         row.update(kl_s=statistics.median(measured(kl_seconds)), kl_share=statistics.median(shares))
@@ -491,6 +508,9 @@ def worker_env() -> dict[str, str]:
 
 def run_method(method: str, argv: list[str], timeout_s: float | None = None) -> dict:
     """One method's row, measured in a worker subprocess; an `error` row if it fails or runs past `timeout_s`."""
+    if reason := peers.missing(method):
+        print(f"{method} not run: {reason}", file=sys.stderr, flush=True)
+        return dict(method=method, error=f"not run here: {reason}")
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--method", method, "--worker"]
     print(f"running {method} ...", file=sys.stderr, flush=True)
     try:
@@ -509,6 +529,31 @@ def run_method(method: str, argv: list[str], timeout_s: float | None = None) -> 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run_rounds(methods: list[str], argv: list[str], rounds: int) -> list[dict]:
+    """Every method's row, measured `rounds` times, round i in the order of `methods` rotated by i/rounds of its
+    length, so that no row always runs first or last; one row per method (`combine`)."""
+    measured_rows: dict[str, list[dict]] = {method: [] for method in methods}
+    for round_ in range(rounds):
+        shift = round_ * len(methods) // rounds
+        for method in methods[shift:] + methods[:shift]:
+            measured_rows[method].append(run_method(method, argv))
+    return [combine(rows) for rows in measured_rows.values()]
+
+
+def combine(rows: list[dict]) -> dict:
+    """One method's rounds as one row: the largest peak, the mean average, the median of the rounds' median step
+    times with every round's (`step_s_rounds`); an error row when no round ran."""
+    ran = [row for row in rows if "error" not in row]
+    if len(rows) == 1 or not ran:
+        return rows[0]
+    row = dict(ran[0])
+    row.update(peak_gib=max(r["peak_gib"] for r in ran), avg_gib=statistics.mean(r["avg_gib"] for r in ran),
+               rounds=len(ran))
+    if "step_s" in row:
+        row.update(step_s=statistics.median(r["step_s"] for r in ran), step_s_rounds=[r["step_s"] for r in ran])
+    return row
+
+
 def ratio(value: float | None, reference: dict | None, key: str) -> str:
     if value is None or reference is None or key not in reference:
         return "–"
@@ -525,18 +570,21 @@ def markdown_table(rows: list[dict]) -> str:
     reference = reference or next((row for row in rows if row["method"] == "dense_adamw_meta"), None)
     name = reference["method"] if reference else "dense_adamw"
     lines = [
-        f"| method | weights | peak GiB | avg GiB | median step s | KL check share of step "
-        f"| saved for backward, MiB per micro-batch | peak vs {name} | step time vs {name} |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| method | weights | peak GiB | avg GiB | median step s (rounds: min–max) | optimizer state MiB "
+        f"| KL check share of step | saved for backward, MiB per micro-batch | peak vs {name} "
+        f"| step time vs {name} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['method']} | | error: {row['error']} | | | | | | |")
+            lines.append(f"| {row['method']} | | error: {row['error']} | | | | | | | |")
             continue
+        spread = (f" ({min(row['step_s_rounds']):.2f}–{max(row['step_s_rounds']):.2f})"
+                  if "step_s_rounds" in row else "")
         lines.append(
             f"| {row['method']} | {row.get('weights', '')} | {_number(row, 'peak_gib')} | {_number(row, 'avg_gib')} "
-            f"| {_number(row, 'step_s')} | {_number(row, 'kl_share')} | {_number(row, 'saved_bytes', 2**20)} "
-            f"| {ratio(row.get('peak_gib'), reference, 'peak_gib')} "
+            f"| {_number(row, 'step_s')}{spread} | {_number(row, 'state_mib')} | {_number(row, 'kl_share')} "
+            f"| {_number(row, 'saved_bytes', 2**20)} | {ratio(row.get('peak_gib'), reference, 'peak_gib')} "
             f"| {ratio(row.get('step_s'), reference, 'step_s')} |"
         )
     return "\n".join(lines)
@@ -563,6 +611,79 @@ def plot(rows: list[dict], title: str, path: Path, device: str = "cpu") -> None:
     save_figure(fig, title, path)
 
 
+# ---------------------------------------------------------------- --at-shapes: the 7B and 32B states, counted
+
+GB = 1e9  # GPU sizes are sold in these
+AT_SHAPES = ("dense_adamw_targets", "lora_r16", "lora_r1", "galore", "galore_layerwise", *PEER_METHODS[1:-2],
+             "logra", "logra_adam")
+
+
+def target_shapes(shape: str) -> dict[tuple[int, int], int]:
+    """{(out, in): how many} of a Qwen2.5 shape's target matrices, from its config on the meta device."""
+    model = qwen2_model(shape, torch.bfloat16, 16, "meta")
+    counts: dict[tuple[int, int], int] = {}
+    for name, param in model.named_parameters():
+        if is_target(name):
+            counts[tuple(param.shape)] = counts.get(tuple(param.shape), 0) + 1
+    return counts
+
+
+def at_shape_row(method: str, shape: str, rank: int) -> dict:
+    """GB of the whole model for `method` at `shape`, as the GPU configs hold it (bf16 weights, `bf16-true`), before
+    activations: the weights, the trained matrices' gradients (bf16; layer-wise: one matrix at a time), and the
+    optimizer state, counted per distinct matrix shape from one real step (`peers.matrix_state_bytes`)."""
+    shapes = target_shapes(shape)
+    total = sum(p.numel() for p in qwen2_model(shape, torch.bfloat16, 16, "meta").parameters())
+    trained = sum(out * inp * n for (out, inp), n in shapes.items())
+    weights, gradients, state = 2 * total, 2 * trained, 0
+    if method.startswith("logra"):
+        # no gradient of a target matrix: its fp32 d×r sketch, and sketch Adam's two fp32 d×r moments
+        gradients = sum(4 * out * rank * n for (out, _), n in shapes.items())
+        state = 2 * gradients if method == "logra_adam" else 0
+    elif method.startswith("lora"):
+        r = int(method.removeprefix("lora_r"))
+        adapters = sum(r * (out + inp) * n for (out, inp), n in shapes.items())
+        gradients, state = 4 * adapters, 8 * adapters  # fp32 adapters (peft), their gradients, AdamW's m and v
+        weights += 4 * adapters
+    else:
+        name = "adamw" if method == "dense_adamw_targets" else method
+        state = sum(n * peers.matrix_state_bytes(name, matrix, rank, torch.bfloat16) for matrix, n in shapes.items())
+        if method == "galore_layerwise":
+            gradients = 2 * max(out * inp for out, inp in shapes)
+    # A dense optimizer on bf16 weights rounds each step to nearest (most of an RL step is lost): users keep an fp32
+    # master copy of what it trains. LoGRA merges with stochastic rounding; LoRA's adapters are fp32 already.
+    masters = 4 * trained if not method.startswith(("logra", "lora")) else 0
+    return dict(method=method, shape=shape, weights_gb=weights / GB, gradients_gb=gradients / GB,
+                state_gb=state / GB, total_gb=(weights + gradients + state) / GB,
+                with_masters_gb=(weights + gradients + state + masters) / GB)
+
+
+def at_shapes(args: argparse.Namespace) -> None:
+    rows = []
+    for shape in args.at_shapes.split(","):
+        for method in AT_SHAPES:
+            if reason := peers.missing(method):
+                rows.append(dict(method=method, shape=shape, error=f"not run here: {reason}"))
+                continue
+            print(f"counting {method} at {shape} ...", file=sys.stderr, flush=True)
+            rows.append(at_shape_row(method, shape, args.rank))
+    print("| shape | method | weights GB | gradients GB | optimizer state GB | total GB | fits 24 / 48 / 80 GB "
+          "| + fp32 master weights GB | per GPU of 8 (FSDP), GB |\n|---|---|---:|---:|---:|---:|---|---:|---:|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['shape']} | {row['method']} | error: {row['error']} | | | | | | |")
+            continue
+        fits = " / ".join("yes" if row["total_gb"] <= size else "no" for size in (24, 48, 80))
+        masters = f"{row['with_masters_gb']:.1f}" if row["with_masters_gb"] > row["total_gb"] else "—"
+        print(f"| {row['shape']} | {row['method']} | {row['weights_gb']:.1f} | {row['gradients_gb']:.2f} "
+              f"| {row['state_gb']:.2f} | {row['total_gb']:.1f} | {fits} | {masters} "
+              f"| {row['with_masters_gb'] / 8:.1f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows, "settings": {"at_shapes": args.at_shapes, "rank": args.rank}},
+                                   indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -574,9 +695,12 @@ def main(argv: list[str] | None = None) -> None:
     settings = {key: getattr(args, key) for key in (
         "shape", "dtype", "rank", "batch", "group", "micro_batch", "prompt_len", "completion_len", "steps", "lr",
         "seed", "logprob_chunk", "layers", "gradient_checkpointing", "device", "kl_check", "kl_budget",
-        "saved_bytes_only", "processes")}
+        "saved_bytes_only", "processes", "rounds")}
     settings["torch_threads"] = torch.get_num_threads()
-    rows = [run_method(method, argv) for method in args.methods]
+    if args.at_shapes:
+        at_shapes(args)
+        return
+    rows = run_rounds(args.methods, argv, args.rounds)
     print(markdown_table(rows))
     if any("state_gib" in row for row in rows):
         print("\n| method | processes | weights + gradients + sketches + optimizer state, GiB per rank |")

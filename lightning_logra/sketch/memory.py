@@ -51,6 +51,27 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def state_nbytes(value: object, seen: set[int] | None = None) -> int:
+    """The bytes of every tensor in an optimizer's state entry, each storage once: tensors inside dicts, lists and
+    tuples, and the attributes of objects some optimizers keep there (GaLore's, Fira's and APOLLO's projectors hold
+    their projection matrix so)."""
+    seen = set() if seen is None else seen
+    if torch.is_tensor(value):
+        local = value.to_local() if isinstance(value, DTensor) else value
+        key = local.untyped_storage().data_ptr() if local.device.type != "meta" else id(local)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return _nbytes(value)
+    if isinstance(value, dict):
+        return sum(state_nbytes(v, seen) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_nbytes(v, seen) for v in value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return state_nbytes(vars(value), seen)
+    return 0
+
+
 def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> MemoryBreakdown:
     out = MemoryBreakdown()
     layers = [m for m in model.modules() if isinstance(m, SketchedLinear)]
@@ -75,8 +96,7 @@ def memory_breakdown(model: nn.Module, optimizers: Iterable[torch.optim.Optimize
             out.sketch_optimizer_state += sum(per_layer * len(range(layer.out_features)[layer.rows]) * layer.rank
                                               * _FP32 for layer in optimizer.layers)
         else:
-            for state in optimizer.state.values():
-                out.dense_optimizer_state += sum(_nbytes(v) for v in state.values() if torch.is_tensor(v))
+            out.dense_optimizer_state += state_nbytes(list(optimizer.state.values()))
     return out
 
 

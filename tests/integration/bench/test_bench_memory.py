@@ -37,7 +37,7 @@ def test_memory_bench_writes_rows_and_plot(tmp_path):
     rows = {row["method"]: row for row in report["rows"]}
     assert list(rows) == ["dense_adamw", "logra_lightning"]  # the last: a Trainer + MemoryProfiler
     for row in rows.values():
-        assert set(row) - {"saved_bytes"} == {"method", "weights", "peak_gib", "avg_gib", "step_s"}, row
+        assert set(row) - {"saved_bytes", "state_mib"} == {"method", "weights", "peak_gib", "avg_gib", "step_s"}, row
         assert row["peak_gib"] > 0 and row["avg_gib"] > 0 and row["step_s"] > 0
         assert row["avg_gib"] <= row["peak_gib"]
     assert rows["dense_adamw"]["weights"] == "fp32 master + bf16 autocast"
@@ -96,3 +96,61 @@ def test_sharded_ranks_hold_less_than_ddp_ranks(tmp_path):
     assert rows["logra_ddp"]["processes"] == rows["logra_fsdp"]["processes"] == 2
     assert rows["logra_fsdp"]["state_gib"] < 0.7 * rows["logra_ddp"]["state_gib"]
     assert all(row["peak_gib"] > 0 and row["avg_gib"] <= row["peak_gib"] for row in rows.values())
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script
+    import memory
+
+    return memory
+
+
+def test_rounds_rotate_the_order_and_report_each_rows_spread(memory, monkeypatch):
+    calls = []
+
+    def run_method(method, argv, timeout_s=None):  # a row run later measures slower, as on these 2 cores
+        calls.append(method)
+        position = len(calls) % 3
+        return dict(method=method, peak_gib=1.0 + position, avg_gib=1.0, step_s=1.0 + 0.1 * position)
+
+    monkeypatch.setattr(memory, "run_method", run_method)
+    rows = memory.run_rounds(["a", "b", "c"], [], rounds=3)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # each row first, middle and last once
+    for row in rows:
+        assert sorted(row["step_s_rounds"]) == pytest.approx([1.0, 1.1, 1.2]) and row["rounds"] == 3
+        assert row["step_s"] == pytest.approx(1.1) and row["peak_gib"] == 3.0
+    assert "(1.00–1.20)" in memory.markdown_table(rows)
+
+
+def test_peer_rows_count_the_state_their_optimizers_hold(tmp_path):
+    # Tiny shape, rank 16, the 14 target matrices (393,216 weights): 8-bit AdamW two bytes per weight (plus its
+    # block scales), GaLore layer-wise its rank-16 moments and projections, APOLLO-Mini rank-1 ones, SGD on sketches
+    # none. Counted from the optimizers' tensors, not measured: exact orderings, not noise.
+    rows = {row["method"]: row for row in _bench(tmp_path, "fp32", ["galore_layerwise", "adamw_8bit", "apollo_mini",
+                                                                      "logra"])["rows"]}
+    assert not any("error" in row for row in rows.values()), rows
+    state = {method: row["state_mib"] for method, row in rows.items()}
+    assert state["logra"] == 0 < state["apollo_mini"] < state["galore_layerwise"] < state["adamw_8bit"]
+    assert 2 * 393_216 / 2**20 < state["adamw_8bit"] < 2.1 * 393_216 / 2**20
+    assert rows["galore_layerwise"]["weights"] == "fp32"
+
+
+def test_at_shapes_adds_up_each_methods_state_without_a_model(memory, tmp_path):
+    out = tmp_path / "at.json"
+    memory.main(["--at-shapes", "tiny", "--rank", "16", "--out", str(out)])
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    shapes = memory.target_shapes("tiny")  # per layer q, o 128×128; k, v 64×128; gate, up 384×128; down 128×384
+    assert shapes == {(128, 128): 4, (64, 128): 4, (384, 128): 4, (128, 384): 2}
+    trained = sum(d * k * n for (d, k), n in shapes.items())
+    gb = {method: {key: row[key] * 1e9 for key in row if key.endswith("_gb")} for method, row in rows.items()}
+    # torch's AdamW on bf16 weights: two bf16 moments and a 4-byte step count per matrix
+    assert gb["dense_adamw_targets"]["state_gb"] == pytest.approx(4 * trained + 4 * 14)
+    assert gb["dense_adamw_targets"]["gradients_gb"] == pytest.approx(2 * trained)
+    assert gb["galore_layerwise"]["gradients_gb"] == pytest.approx(2 * 384 * 128)  # one matrix at a time
+    assert gb["galore_layerwise"]["state_gb"] == gb["galore"]["state_gb"] < gb["dense_adamw_targets"]["state_gb"]
+    sketches = sum(4 * d * 16 * n for (d, _), n in shapes.items())
+    assert gb["logra"]["gradients_gb"] == pytest.approx(sketches) and gb["logra"]["state_gb"] == 0
+    assert gb["logra_adam"]["state_gb"] == pytest.approx(2 * sketches)
+    assert gb["lora_r1"]["state_gb"] == pytest.approx(8 * sum((d + k) * n for (d, k), n in shapes.items()))
+    assert rows["logra"]["with_masters_gb"] == rows["logra"]["total_gb"]  # its merge rounds stochastically

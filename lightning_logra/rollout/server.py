@@ -325,9 +325,11 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def vllm_arguments(ours: argparse.Namespace) -> list[str]:
+def vllm_arguments(ours: argparse.Namespace, cpu_backend: bool = False) -> list[str]:
     """vLLM's `serve` command line for our options: the worker extension, log-probs at the sampling temperature (as
-    the trainer computes them), and the options above; then whatever followed `--`."""
+    the trainer computes them), and the options above; then whatever followed `--`. On the CPU backend the model
+    runs eager unless what followed `--` says otherwise, as `VLLMEngine`'s does: the CPU has no CUDA graphs to
+    capture, and vLLM's torch.compile would lengthen every start (about 35 s of a minute's start here)."""
     from lightning_logra.rollout.vllm import WORKER_EXTENSION
 
     args = ["--model", ours.model, "--host", ours.host, "--port", str(ours.port), "--dtype", ours.dtype,
@@ -338,6 +340,8 @@ def vllm_arguments(ours: argparse.Namespace) -> list[str]:
     if ours.max_model_len is not None:
         args += ["--max-model-len", str(ours.max_model_len)]
     extra = ours.vllm_args[1:] if ours.vllm_args[:1] == ["--"] else ours.vllm_args
+    if cpu_backend and not any(arg.split("=")[0] in ("--enforce-eager", "--no-enforce-eager") for arg in extra):
+        args.append("--enforce-eager")
     return args + extra
 
 
@@ -376,10 +380,11 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cli_env_setup()
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_arguments(ours))
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_arguments(ours, current_platform.is_cpu()))
     validate_parsed_serve_args(args)
     uvloop.run(_serve(args, token, ours.max_body_mib * 2**20))
 

@@ -1,11 +1,12 @@
 """The reward–KL frontier on add3: what each method reaches for the distance it moves the policy from its start.
 
     python bench/frontier.py            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
-                                        # LoGRA row), 46 runs: about 1 h 46 min alone on 2 cores
+                                        # LoGRA row), 46 runs: about 1 h 46 min alone on 2 cores; and the 7 peers
+                                        # at one learning rate, 21 runs more (--peers "" leaves them out)
     python bench/frontier.py --quick    # every kind of row at 4 steps, 1 seed, 64 held-out items, the reward
                                         # scored in the trainer's process: checks the script (CI); of the rows
                                         # that differ only by a number, dense at 1e-4, LoGRA uncontrolled at 1e-3,
-                                        # and δ 0.1× and 1×: 11 runs, not 15
+                                        # δ 0.1× and 1×, and one peer (GaLore): 12 runs, not 22
 
 `bench/quality.py` compares methods at equal steps, each at its best learning rate. RL methods are compared on the
 frontier instead: greedy pass@1 and sampled reward against KL(π_t ‖ π_0), measured every `--every` steps by
@@ -28,7 +29,11 @@ Rows (learning rates: bench/quality.py's best per method on the same task):
   remaining steps), set to what the best constant-δ row spent: the budget form that needs no per-step δ, against the
   hand-tuned one;
 - the paper's pair, done fairly: LoRA at a constant 2e-4 against LoGRA under a total budget equal to LoRA's measured
-  Σ `kl/realized` (mean over seeds), both placed on the frontier by their measured KL(π_t ‖ π_0).
+  Σ `kl/realized` (mean over seeds), both placed on the frontier by their measured KL(π_t ‖ π_0);
+- the optimizers a user would pick instead (`--peers`, bench/peers.py: GaLore, Fira, APOLLO, APOLLO-Mini, Flora,
+  Adafactor, 8-bit AdamW at their papers' settings, rank --rank where they have one), each through `model.optimizer`
+  on the target matrices at `--peer-lrs` (default dense's 1e-4), uncontrolled as dense is; a peer whose package does
+  not import here is left out, saying so.
 
 Reported per row (mean ± std over seeds): where it ends (KL from π_0, greedy pass@1, sampled reward over the last
 tenth), Σ `kl/realized`, and pass@1's paired difference from dense **at equal measured KL**: for each seed, dense's
@@ -49,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
+import peers  # bench/peers.py: the optimizers users would pick instead  # noqa: E402
 import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
 from plotting import pyplot, save_figure  # noqa: E402
 from runs import ROOT, add_reward_option  # noqa: E402
@@ -79,12 +85,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="4 steps, 1 seed, 64 held-out items, 16 KL prompts; of the rows that differ only by a "
                              f"number, dense at {DENSE_LR:g}, LoGRA uncontrolled at {LOGRA_LR:g} and δ "
                              + " and ".join(f"{f:g}×" for f in QUICK_FRACTIONS) + "; --reward-in-trainer")
+    parser.add_argument("--peers", default=",".join(peers.PEERS),
+                        help="comma-separated, from " + ", ".join(peers.PEERS) + " (--quick: galore); empty: none")
+    parser.add_argument("--peer-lrs", default=f"{DENSE_LR:g}", help="comma-separated learning rates of every peer")
     add_reward_option(parser)
     grid.add_options(parser, ROOT / "bench" / "out" / "frontier.json", ROOT / "bench" / "out" / "frontier_runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.every, args.seeds, args.more_seeds = 4, 2, 1, 1
         args.eval_limit, args.prompts, args.reward_in_trainer = args.eval_limit or 64, 16, True
+        args.peers = "galore"
+    args.peers = [name for name in args.peers.split(",") if name]
+    unknown = sorted(set(args.peers) - set(peers.PEERS))
+    if unknown:
+        raise SystemExit(f"--peers: unknown {unknown}; choose from {', '.join(peers.PEERS)}")
+    args.peer_lrs = [float(lr) for lr in args.peer_lrs.split(",")]
     grid.positive(args, "steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel")
     if args.steps % args.every:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
@@ -113,6 +128,10 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
         budget_callback(run)]
     if run.get("beta"):
         config["model"]["beta"] = run["beta"]
+    if run.get("peer"):
+        peer = peers.spec(run["peer"], run["rank"])
+        config["model"]["optimizer"] = {"class_path": peer.class_path, "init_args": {**peer.init_args,
+                                                                                      "lr": run["lr"]}}
     return config
 
 
@@ -138,6 +157,12 @@ def first_rows(args: argparse.Namespace) -> list[dict]:
                      delta=fraction * UNCONTROLLED_KL)
     for lr in [LOGRA_LR] if args.quick else LOGRA_GRID:
         runs += spec(f"logra_lr{lr:g}", "logra", seeds, lr=lr, rank=args.rank)
+    for name in args.peers:
+        if reason := peers.missing(name):
+            print(f"peer {name} left out: {reason}", file=sys.stderr)
+            continue
+        for lr in args.peer_lrs:
+            runs += spec(f"peer_{name}_lr{lr:g}", "dense_targets", seeds, lr=lr, rank=args.rank, peer=name)
     return runs
 
 
@@ -229,6 +254,8 @@ def label(row: str, entry: dict) -> str:
         return LABELS[row]
     if row.startswith("logra_delta"):
         return f"LoGRA r16, δ {entry['delta']:.1e}"
+    if row.startswith("peer_"):
+        return f"{row.removeprefix('peer_').rsplit('_lr', 1)[0]} (model.optimizer), targets"
     return f"LoGRA r16, uncontrolled, lr {entry['lr']:g}"
 
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import ROOT
 
 SCRIPT = ROOT / "bench" / "frontier.py"
-ROWS = ["pair_lora", "dense", "lora", "lora_rank1", "logra_delta0.1", "logra_delta1", "logra_lr0.001", "logra_total",
-        "pair_logra_total", "dense_beta"]
+ROWS = ["pair_lora", "dense", "lora", "lora_rank1", "logra_delta0.1", "logra_delta1", "logra_lr0.001",
+        "peer_galore_lr0.0001", "logra_total", "pair_logra_total", "dense_beta"]
 
 
 def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
@@ -38,6 +38,8 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
                key=lambda row: report["summary"][row]["pass_at_1"][0])
     assert runs["logra_total"]["total"] == pytest.approx(report["summary"][best]["kl_sum"][0])
     assert runs["dense_beta"]["beta"] == 0.04
+    config = (runs_dir / "configs" / "peer_galore_lr0.0001_seed0.yaml").read_text()
+    assert "class_path: galore_torch.GaLoreAdamW" in config  # a peer through model.optimizer, on the frontier too
     # how much of the gradient a sketch sees: about √(r/(r+k)) (docs/results.md), so more at rank 64 than at 16
     cosines = report["sketch_cosines"]
     assert 0.25 < cosines["16"] < 0.4 and cosines["16"] < cosines["64"] < 0.7

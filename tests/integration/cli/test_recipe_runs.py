@@ -6,6 +6,7 @@ import glob
 import json
 import math
 
+import pytest
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -37,12 +38,13 @@ def test_dynamic_sampling_draws_more_rounds_and_a_resumed_run_equals_the_uninter
     assert _scalars(tmp_path / "c", "rollout/generation_rounds") == rounds[2:]
 
 
-def test_truncated_completions_masked_and_penalized_with_the_entropy_bonus(run_cli, tmp_path):
+@pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_bf16"])  # bf16: the weights and the bonus's gradient
+def test_truncated_completions_masked_and_penalized_with_the_entropy_bonus(run_cli, tmp_path, config):
     reward = {"model": {"reward": ["conftest.odd_first_digit", {
         "class_path": "lightning_logra.rewards.OverlongPenalty", "init_args": {"max_length": 3, "buffer": 2}}],
         "reward_weights": [1.0, 0.5]}}
     (tmp_path / "reward.yaml").write_text(yaml.safe_dump(reward))
-    run_cli("tiny_arith", "--config", str(tmp_path / "reward.yaml"), "--model.max_new_tokens", "3",
+    run_cli(config, "--config", str(tmp_path / "reward.yaml"), "--model.max_new_tokens", "3",
             "--model.mask_truncated_completions", "true", "--model.entropy_coef", "0.01", root=tmp_path)
     penalty = _scalars(tmp_path, "reward/OverlongPenalty/mean")
     clipped = _scalars(tmp_path, "completions/clipped_ratio")

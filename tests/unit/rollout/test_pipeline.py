@@ -211,3 +211,31 @@ def test_after_a_signal_stopped_the_engine_a_checkpoint_keeps_the_batches_it_fin
         p.take({"prompt": ["prompt of step 3"]}, 3)
     assert stop.value.code == 143
     p.close()
+
+
+def test_dynamic_samplings_later_rounds_are_drawn_with_the_steps_own_weights_even_after_a_lost_engine():
+    # k = 1: a step's first round was drawn a step behind; its later rounds (call_now) come after every update sent
+    # so far, so with the trainer's own weights of that step. The engine lost in one of them is reloaded with those.
+    engine, reloads = Engine(), []
+    trainer_version = [0]
+
+    def reload():
+        reloads.append(threading.current_thread().name)
+        engine.version = trainer_version[0]
+
+    p, _ = pipeline(engine, 1, reload=reload)
+    lightning = batches()
+    first, later = [], []
+    for step in range(4):
+        rollout, version, _ = p.take(next(lightning), step)
+        first.append((step, version))
+        if step == 2:
+            engine.fail_step = 2  # the next call of step 2 meets a lost engine
+        extra = p.call_now(engine.generate({"prompt": ["more"]}, step), step)
+        later.append(extra.completion_ids.tolist())
+        p.send(Update())
+        trainer_version[0] = step + 1
+    assert first == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    assert later == [[[step, step]] for step in range(4)]
+    assert reloads == [threading.main_thread().name]
+    p.close()

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_logra.base.settings import check_positive
+
 CONFIG_KEY = "model.optimizer"
 _PROJECTOR = "__projector__"  # the key under which a checkpoint keeps a projector's class
 
@@ -110,14 +112,11 @@ class OptimizerSpec:
             if not takes_any and key not in allowed:
                 raise ValueError(f"{CONFIG_KEY}.init_args.{key}: {self.class_path} takes no such argument (it takes "
                                  f"{', '.join(sorted(allowed))})")
-        if "lr" in self.init_args and not (isinstance(self.init_args["lr"], (int, float))
-                                           and self.init_args["lr"] > 0):
-            raise ValueError(f"{CONFIG_KEY}.init_args.lr must be a positive number (a learning-rate schedule scales "
-                             f"it), got {self.init_args['lr']!r}")
-        rank = self.init_args.get("rank")
-        if self.family and not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
-            raise ValueError(f"{CONFIG_KEY}.init_args.rank: {self.class_path} projects matrices to a rank, which must "
-                             f"be set to a positive integer (its paper's: 128 to 512 for 1B+ models), got {rank!r}")
+        if "lr" in self.init_args:
+            check_positive(f"{CONFIG_KEY}.init_args.lr", self.init_args["lr"], why="model.lr_schedule scales it")
+        if self.family:
+            check_positive(f"{CONFIG_KEY}.init_args.rank", self.init_args.get("rank"), integer=True,
+                           why=f"{self.class_path} projects matrices to this rank (e.g. 128; APOLLO-Mini 1)")
 
     def build(self, policy: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float
               ) -> torch.optim.Optimizer:

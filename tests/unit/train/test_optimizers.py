@@ -71,7 +71,8 @@ def test_the_projected_matrices_are_the_linear_weights_wider_than_the_rank_and_n
 def test_a_rank_family_without_a_rank_is_refused():
     if importlib.util.find_spec("galore_torch") is None:
         pytest.skip("galore_torch is not installed (the peers extra: pip install -e .[peers])")
-    with pytest.raises(ValueError, match=r"model\.optimizer\.init_args\.rank: galore_torch\.GaLoreAdamW projects"):
+    with pytest.raises(ValueError, match=r"model\.optimizer\.init_args\.rank must be a positive integer, got None: "
+                                         r"galore_torch\.GaLoreAdamW projects"):
         OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"lr": 1e-3}})
 
 

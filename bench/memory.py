@@ -667,21 +667,34 @@ def at_shapes(args: argparse.Namespace) -> None:
                 continue
             print(f"counting {method} at {shape} ...", file=sys.stderr, flush=True)
             rows.append(at_shape_row(method, shape, args.rank))
-    print("| shape | method | weights GB | gradients GB | optimizer state GB | total GB | fits 24 / 48 / 80 GB "
-          "| + fp32 master weights GB | per GPU of 8 (FSDP), GB |\n|---|---|---:|---:|---:|---:|---|---:|---:|")
-    for row in rows:
-        if "error" in row:
-            print(f"| {row['shape']} | {row['method']} | error: {row['error']} | | | | | | |")
-            continue
-        fits = " / ".join("yes" if row["total_gb"] <= size else "no" for size in (24, 48, 80))
-        masters = f"{row['with_masters_gb']:.1f}" if row["with_masters_gb"] > row["total_gb"] else "—"
-        print(f"| {row['shape']} | {row['method']} | {row['weights_gb']:.1f} | {row['gradients_gb']:.2f} "
-              f"| {row['state_gb']:.2f} | {row['total_gb']:.1f} | {fits} | {masters} "
-              f"| {row['with_masters_gb'] / 8:.1f} |")
+    print(at_shapes_table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "settings": {"at_shapes": args.at_shapes, "rank": args.rank}},
                                    indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
+
+
+def per_gpu_gb(row: dict, gpus: int = 8) -> float:
+    """A row's GB per GPU when FSDP shards it over `gpus`: weights, gradients and state split by rows, except
+    LoGRA's d×r sketches, which every rank holds whole until the reduction (configs/qwen32b_fsdp.yaml's header)."""
+    sharded = row["weights_gb"] + row["state_gb"]
+    gradients = row["gradients_gb"] if row["method"].startswith("logra") else row["gradients_gb"] / gpus
+    return sharded / gpus + gradients
+
+
+def at_shapes_table(rows: list[dict]) -> str:
+    lines = ["| shape | method | weights GB | gradients (LoGRA: sketches) GB | optimizer state GB | total GB "
+             "| fits 24 / 48 / 80 GB | with fp32 master weights GB | per GPU of 8 under FSDP, GB |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['method']} | error: {row['error']} | | | | | | |")
+            continue
+        fits = " / ".join("yes" if row["total_gb"] <= size else "no" for size in (24, 48, 80))
+        masters = f"{row['with_masters_gb']:.1f}" if row["with_masters_gb"] > row["total_gb"] else "—"
+        lines.append(f"| {row['shape']} | {row['method']} | {row['weights_gb']:.1f} | {row['gradients_gb']:.2f} "
+                     f"| {row['state_gb']:.2f} | {row['total_gb']:.1f} | {fits} | {masters} | {per_gpu_gb(row):.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -88,6 +88,28 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cl
     assert _scalars(tmp_path / "2", "fsdp/sketch_reduce_scatter_bytes") == [2 * 1152 * 16 * 4] * 3
 
 
+@pytest.mark.long  # a sharded run with one process beside it, about a minute
+def test_dynamic_sampling_sharded_keeps_and_trains_what_one_process_does(run_cli, tmp_path):
+    # Two completions per prompt: about half the groups are all-equal and left out, so steps take more rounds and
+    # the ranks keep different numbers of groups. Every forward and backward under FSDP is a collective: the rank
+    # with fewer micro-batches runs the rest on a row whose tokens count zero, and the KL controller's subset is
+    # drawn over the rows the ranks actually hold, as one process draws it from the same groups.
+    extra = ("--model.dynamic_sampling", "true", "--model.max_generation_rounds", "3", "--model.num_generations",
+             "2", "--model.micro_batch_size", "2")
+    single = _fit(run_cli, _config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 2, *extra,
+                  wait=False)
+    _fit(run_cli, _config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 2, *extra)
+    assert single.wait(timeout=600) == 0, (tmp_path / "1" / "out.log").read_text()[-3000:]
+    rounds = _scalars(tmp_path / "1", "rollout/generation_rounds")
+    assert len(rounds) == 2 and max(rounds) > 1  # the steps drew more prompts
+    for tag in ("rollout/generation_rounds", "rollout/filtered_groups", "rollout/missing_groups",
+                "train/reward_mean", "kl/q", "kl/alpha"):
+        assert _scalars(tmp_path / "2", tag) == pytest.approx(_scalars(tmp_path / "1", tag), rel=1e-5), tag
+    single, sharded = (load_file(tmp_path / run / "out" / "model.safetensors") for run in ("1", "2"))
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], rtol=0, atol=1e-6, msg=name)
+
+
 @pytest.mark.long  # three sharded runs, about a minute
 def test_a_resumed_sharded_run_equals_the_uninterrupted_one(run_cli, tmp_path):
     from lightning_logra.export import export_checkpoint

@@ -180,7 +180,8 @@ def junit_outcomes(path: Path) -> list[dict]:
 
 def cuda_tests(plan: Plan, progress: Progress) -> dict:
     """The tests that need CUDA: those in files that ask `torch.cuda.is_available()`, selected by name (cuda or gpu).
-    They import cli.py, which needs jsonargparse; without it they fail to collect (counted as errors)."""
+    They import the CLI (lightning_logra.cli), which needs jsonargparse; without it they fail to collect (counted as
+    errors)."""
     files = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
                    if "cuda.is_available" in path.read_text())
     if not files:  # pytest given no file would run the whole suite

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from cli import main
+from lightning_logra.cli import main
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.sketch.config import SketchConfig

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM
 
-from lightning_logra.cli import main
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.cli import main
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.train.module import RLVRModule

@@ -113,11 +113,11 @@ def matrix_state_bytes(name: str, shape: tuple[int, int], rank: int, dtype: torc
     """The state the peer allocates for one trained matrix of `shape` in `dtype`: one real step on a random gradient
     (GaLore's SVD included), counted from the tensors. What 7B and 32B shapes need, without their models. `name`
     "adamw": torch's AdamW, the baseline."""
+    if name in LAYERWISE:  # the same optimizer per matrix, stepped from the backward: the same state
+        return matrix_state_bytes(LAYERWISE[name], shape, rank, dtype)
     weight = nn.Linear(shape[1], shape[0], bias=False, dtype=dtype)
     holder = nn.Sequential(weight)
     gradient = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    if name in LAYERWISE:  # the same optimizer per matrix, stepped from the backward: the same state
-        return matrix_state_bytes(LAYERWISE[name], shape, rank, dtype)
     peer = OptimizerSpec("torch.optim.AdamW") if name == "adamw" else spec(name, rank)
     optimizer = peer.build(holder, [weight.weight], 1e-6, 0.0)
     weight.weight.grad = gradient

@@ -175,8 +175,30 @@ class TrainingMode(ABC):
 
 
 class _DenseSteps(TrainingMode):
-    """A mode whose every optimizer steps parameters densely (AdamW): their steps are held back as the proposal when
-    a controller measures it, and taken at α."""
+    """A mode whose every optimizer steps parameters densely (AdamW, or `model.optimizer`'s): their steps are held
+    back as the proposal when a controller measures it, and taken at α."""
+
+    def __init__(self, collectives: Collectives, optimizer: OptimizerSpec | None) -> None:
+        super().__init__(collectives)
+        self.optimizer = optimizer
+
+    def stamp(self) -> dict[str, Any]:
+        # A checkpoint of a run with `model.optimizer` records its class: another's state would be misread on resume
+        # (AdamW, the default, records nothing, as checkpoints always did).
+        stamp = super().stamp()
+        return stamp if self.optimizer is None else {**stamp, "optimizer": self.optimizer.class_path}
+
+    def hparams(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {}
+        return {"optimizer": self.optimizer.class_path,
+                **{f"optimizer_{k}": v for k, v in self.optimizer.init_args.items()}}
+
+    def _optimizer_key(self, key: str, otherwise: str) -> str:
+        """Where the config sets `key` of the optimizer: `model.optimizer`'s init_args when they set it (or when it
+        is a setting of its own), else the mode's key `otherwise`."""
+        mode_sets_it = self.optimizer is None or (key in ("lr", "weight_decay") and key not in self.optimizer.init_args)
+        return otherwise if mode_sets_it else f"{OPTIMIZER_KEY}.init_args.{key}"
 
     def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
         if not self._begin(grad_norm, measured):
@@ -202,9 +224,9 @@ class DenseMode(_DenseSteps):
 
     def __init__(self, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule,
                  optimizer: OptimizerSpec | None) -> None:
-        super().__init__(collectives)
+        super().__init__(collectives, optimizer)
         self.lr, self.weight_decay, self.target_modules = hparams.lr, hparams.weight_decay, hparams.target_modules
-        self.lr_schedule, self.optimizer = lr_schedule, optimizer
+        self.lr_schedule = lr_schedule
 
     def install(self, policy: nn.Module, fitting: bool) -> None:
         super().install(policy, fitting)
@@ -225,14 +247,8 @@ class DenseMode(_DenseSteps):
         optimizer = build_optimizer(self.optimizer, policy, params, self.lr, self.weight_decay)
         return [optimizer], [self.lr_schedule.scheduler(optimizer)]
 
-    def stamp(self) -> dict[str, Any]:
-        return _with_optimizer(super().stamp(), self.optimizer)
-
-    def hparams(self) -> dict[str, Any]:
-        return _optimizer_hparams(self.optimizer)
-
     def config_key(self, index: int, key: str) -> str:
-        return _optimizer_key(self.optimizer, key, f"model.{key}")
+        return self._optimizer_key(key, f"model.{key}")
 
 
 class LoRAMode(_DenseSteps):
@@ -243,8 +259,8 @@ class LoRAMode(_DenseSteps):
     description = "the LoRA strategy"
 
     def __init__(self, collectives: Collectives, config: LoRAConfig, optimizer: OptimizerSpec | None) -> None:
-        super().__init__(collectives)
-        self.config, self.optimizer = config, optimizer
+        super().__init__(collectives, optimizer)
+        self.config = config
         self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the adapters at the step's start
 
     def install(self, policy: nn.Module, fitting: bool) -> None:
@@ -267,14 +283,13 @@ class LoRAMode(_DenseSteps):
             self.config.check_targets(skeleton)
 
     def stamp(self) -> dict[str, Any]:
-        # the adapters' settings: export and resume need them
-        return _with_optimizer({**super().stamp(), "lora": self.config.record()}, self.optimizer)
+        return {**super().stamp(), "lora": self.config.record()}  # the adapters' settings: export and resume need them
 
     def hparams(self) -> dict[str, Any]:
-        return {**self.config.hparams(), **_optimizer_hparams(self.optimizer)}
+        return {**self.config.hparams(), **super().hparams()}
 
     def config_key(self, index: int, key: str) -> str:
-        return _optimizer_key(self.optimizer, key, f"{LORA_KEY}.{key}")
+        return self._optimizer_key(key, f"{LORA_KEY}.{key}")
 
     def engine_tensors(self, policy: nn.Module) -> dict[str, torch.Tensor]:
         return lora.engine_tensors(policy)  # each adapted matrix merged, under its own name
@@ -402,23 +417,6 @@ _DENSE_ONLY = {
     "target_modules": f"{SKETCH_KEY}.target_modules",
     "optimizer": f"{SKETCH_KEY}.optimizer (the sketch optimizer; parameters trained densely take an AdamW)",
 }
-
-
-def _with_optimizer(stamp: dict[str, Any], optimizer: OptimizerSpec | None) -> dict[str, Any]:
-    """A checkpoint of a run with `model.optimizer` records its class: another's state would be misread on resume
-    (AdamW, the default, records nothing, as checkpoints always did)."""
-    return stamp if optimizer is None else {**stamp, "optimizer": optimizer.class_path}
-
-
-def _optimizer_hparams(optimizer: OptimizerSpec | None) -> dict[str, Any]:
-    return {} if optimizer is None else {"optimizer": optimizer.class_path,
-                                         **{f"optimizer_{k}": v for k, v in optimizer.init_args.items()}}
-
-
-def _optimizer_key(optimizer: OptimizerSpec | None, key: str, otherwise: str) -> str:
-    """Where the config sets `key` of a dense or LoRA run's optimizer: its init_args when they set it."""
-    mode_sets_it = optimizer is None or (key in ("lr", "weight_decay") and key not in optimizer.init_args)
-    return otherwise if mode_sets_it else f"{OPTIMIZER_KEY}.init_args.{key}"
 
 
 def training_mode(strategy: Any, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule) -> TrainingMode:

@@ -175,21 +175,23 @@ class PredictedKLBudget(Callback, StepSizeController):
     # ---- the module asks for α once the step's update is proposed (lightning_logra.algo.step_size) ---------------
 
     def _select(self, rollout: Rollout, context: StepContext) -> Rollout:
-        """This rank's rows of the step's subset D. D is drawn from the global batch (every rank's rows, rank-major,
-        as one process holds them), so that 1 and several processes measure q on the same responses; a rank none of
-        whose rows were drawn still runs the check's forward passes (a collective under FSDP) on one row whose tokens
-        all count zero."""
-        n = rollout.completion_ids.shape[0]  # this rank's rows (dynamic sampling may keep more on some ranks)
+        """This rank's rows of the step's subset D. D is drawn from the global batch as one process holds it (every
+        rank's rows rank-major, or where `context.positions` places them), so that 1 and several processes measure q
+        on the same responses; a rank none of whose rows were drawn still runs the check's forward passes (a
+        collective under FSDP) on one row whose tokens all count zero."""
         device = rollout.completion_ids.device
+        positions = context.positions
+        n = rollout.completion_ids.shape[0] if positions is None else positions.numel()  # this rank's rows
         counts = torch.zeros(context.world_size, dtype=torch.float64, device=device)
         counts[context.rank] = n
         if context.world_size > 1:
             counts = context.sum_over_ranks(counts)
-        first, total = int(counts[: context.rank].sum()), int(counts.sum())
+        if positions is None:
+            positions = int(counts[: context.rank].sum()) + torch.arange(n)
+        total = int(counts.sum())
         size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * total))
         drawn = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + context.step))
-        drawn = drawn[:size]
-        mine = drawn[(drawn >= first) & (drawn < first + n)].sort().values - first
+        mine = torch.isin(positions.cpu(), drawn[:size]).nonzero().squeeze(-1)  # ascending: in one process's order
         chosen = rollout.select((mine if mine.numel() else torch.zeros(1, dtype=torch.int64)).to(device))
         if not mine.numel():
             chosen.completion_mask = torch.zeros_like(chosen.completion_mask)

@@ -32,6 +32,9 @@ class StepContext:
     rank: int
     world_size: int
     sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]  # a collective every rank calls at the same point
+    # (N,) where each of this rank's rows stands in the step's global batch as one process holds it (dynamic
+    # sampling: `Drawn.positions`); None: rank-major
+    positions: torch.Tensor | None = None
 
 
 class StepSizeController(ABC):

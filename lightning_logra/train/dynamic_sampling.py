@@ -9,7 +9,8 @@ process would hold them (round by round, in each round rank by rank, each rank's
 that keeps none trains one group whose tokens all count zero, so that every rank still runs the step's passes (the
 micro-batch loop evens the number of passes out: `RLVRModule.accumulate_gradients`). A step none of whose groups is
 learnable on any rank trains on its first round as drawn (advantages of zero: `model.max_unlearnable_steps` counts
-it).
+it). Each kept row carries its place in one process's order (`Drawn.positions`): the KL controller draws its subset
+by it, so that one and several processes measure q on the same responses.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Drawn:
     rewards: torch.Tensor  # (N,) the total rewards
     per_reward: torch.Tensor  # (N, F) each reward's, NaN where it returned None
     staleness: torch.Tensor  # (N,) how many updates older than the step's the weights that drew each row were
+    # (N,) each row's place in the step's global batch as one process holds it; None: rank-major (every rank's rows
+    # in rank order, as a step without dynamic sampling holds them); empty on a rank whose rows all count zero
+    positions: torch.Tensor | None = None
 
     def groups(self, keep: torch.Tensor, group_size: int) -> Drawn:
         """The groups at indices `keep` (ascending), their rows in order."""
@@ -57,6 +61,16 @@ def kept_per_round(counts: torch.Tensor, rank: int, target: int) -> torch.Tensor
     before = flat.cumsum(0) - flat  # learnable groups ahead of each (round, rank) cell
     mine = counts[:, rank]
     return (target - before.view_as(counts)[:, rank]).clamp(min=0).minimum(mine)
+
+
+def kept_positions(counts: torch.Tensor, rank: int, keep: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(rows,) where this rank's kept rows stand in one process's order: round by round, in each round rank by rank.
+    A (round, rank) cell that keeps any group comes after cells that keep all theirs (`kept_per_round`), so its
+    groups start at the number of learnable groups ahead of it."""
+    flat = counts.reshape(-1)
+    ahead = (flat.cumsum(0) - flat).view_as(counts)[:, rank]  # (R,) groups ahead of this rank's cell in each round
+    groups = torch.cat([start + torch.arange(k) for start, k in zip(ahead.tolist(), keep.tolist())])
+    return (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)
 
 
 def concat_drawn(parts: list[Drawn]) -> Drawn:
@@ -104,11 +118,14 @@ class DynamicSampling:
         parts = [drawn.groups(mask.nonzero().squeeze(-1)[:k], self.group_size)
                  for drawn, mask, k in zip(rounds, masks, keep.tolist()) if k > 0]
         if parts:
-            return concat_drawn(parts), metrics
+            kept = concat_drawn(parts)
+            kept.positions = kept_positions(counts, self.rank, keep, self.group_size)
+            return kept, metrics
         # Others keep groups, this rank none: one group whose tokens count zero keeps its passes in step with theirs
         idle = first.groups(torch.zeros(1, dtype=torch.long), self.group_size)
         idle.rollout.completion_mask = torch.zeros_like(idle.rollout.completion_mask)
         idle.per_reward = torch.full_like(idle.per_reward, float("nan"))  # no reward of it reaches the metrics
+        idle.positions = torch.zeros(0, dtype=torch.long)  # none of its rows is in one process's batch
         return idle, metrics
 
     def _count(self, mask: torch.Tensor) -> int:

@@ -421,7 +421,7 @@ class RLVRModule(LightningModule):
         loss, mismatch, metrics = self.accumulate_gradients(trained, advantages)
         grad_norm = self.mode.reduce_and_clip(hp.max_grad_norm)
         proposal = self.mode.propose(grad_norm, measured=self.controller is not None)  # None: skipped
-        alpha = self.step_size(proposal, trained, step)
+        alpha = self.step_size(proposal, trained, step, drawn.positions)
         lr = self.mode.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
         update_s = time.perf_counter() - scored - score_s
@@ -625,14 +625,16 @@ class RLVRModule(LightningModule):
         return BackwardStats(loss.detach(), binds.sum().float(), (token_entropy.detach() * mask).sum(), mask.sum(),
                              kl_sum, mismatch)
 
-    def step_size(self, proposal: Update | None, rollout: Rollout, step: int) -> float:
-        """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""
+    def step_size(self, proposal: Update | None, rollout: Rollout, step: int,
+                  positions: torch.Tensor | None = None) -> float:
+        """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped).
+        `positions`: where the rows stand in one process's batch (dynamic sampling's `Drawn.positions`)."""
         if proposal is None:
             return math.nan
         if self.controller is None:
             return 1.0
         context = StepContext(self.policy, self.hparams.temperature, step, self.global_rank, self.trainer.world_size,
-                              self.sum_over_ranks)
+                              self.sum_over_ranks, positions)
         return self.controller.choose_alpha(proposal, rollout, context)
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:

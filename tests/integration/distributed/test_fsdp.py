@@ -89,10 +89,6 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cl
 
 
 @pytest.mark.long  # a sharded run with one process beside it, about a minute
-@pytest.mark.xfail(strict=True, reason="known bug, found 2026-12-03: with dynamic sampling under SketchFSDPStrategy "
-                   "the rounds, filtered groups and rewards equal one process's, but step 2's kl/q does not (0.012 "
-                   "against 0.024); likely the KL subset numbering rows rank-major where one process holds them "
-                   "round by round")
 def test_dynamic_sampling_sharded_keeps_and_trains_what_one_process_does(run_cli, tmp_path):
     # Two completions per prompt: about half the groups are all-equal and left out, so steps take more rounds and
     # the ranks keep different numbers of groups. Every forward and backward under FSDP is a collective: the rank

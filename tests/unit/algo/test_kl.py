@@ -202,6 +202,36 @@ def test_the_subset_is_drawn_from_the_global_batch_whatever_the_number_of_proces
     assert counted == drawn
 
 
+@pytest.mark.parametrize("subset", [6, 0.25, 2])
+def test_the_subset_is_drawn_by_where_one_process_holds_the_rows(subset):
+    # Dynamic sampling keeps groups where they were drawn, round by round: rank 0 may hold one process's rows 0-3 and
+    # 8-11, rank 1 rows 4-7 and 12-15, and rank 2 none (it trains one row whose tokens count zero). Numbered
+    # rank-major, the same index named different responses on 1 and 3 processes (kl/q 0.012 against 0.024).
+    from lightning_logra.algo.step_size import StepContext
+    from lightning_logra.base.batch import Rollout
+
+    total, width = 16, 3
+    ids = torch.arange(total)[:, None].repeat(1, width)
+    ones = torch.ones(total, width, dtype=torch.long)
+    control = PredictedKLBudget(subset=subset, seed=5)
+    one = control._select(Rollout(ids, ones, ids, ones, torch.zeros(total, width)),
+                          StepContext(None, 1.0, 4, 0, 1, lambda t: t))
+    drawn = one.completion_ids[:, 0].tolist()
+    held = [torch.tensor([0, 1, 2, 3, 8, 9, 10, 11]), torch.tensor([4, 5, 6, 7, 12, 13, 14, 15]),
+            torch.zeros(0, dtype=torch.long)]
+    counts_of_all = torch.tensor([8.0, 8.0, 0.0], dtype=torch.float64)
+    counted = []
+    for rank, positions in enumerate(held):
+        rows = positions if positions.numel() else torch.zeros(1, dtype=torch.long)  # the idle rank's one row
+        context = StepContext(None, 1.0, 4, rank, 3, lambda t: counts_of_all.clone(), positions)
+        part = control._select(Rollout(ids[rows], ones[rows], ids[rows], ones[rows], torch.zeros(len(rows), width)),
+                               context)
+        counts = part.completion_mask.sum(1)
+        assert (counts == width).all() or (len(counts) == 1 and counts.item() == 0)
+        counted += part.completion_ids[counts > 0, 0].tolist()
+    assert sorted(counted) == drawn and 0 < len(drawn) < total
+
+
 def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
     # At η = 1e-6 a bf16 forward pass cannot hold the perturbation (8 significant bits); the estimate must be the
     # one an fp32 evaluation of the same bf16 weights gives (it read 14× too high when evaluated in bf16).

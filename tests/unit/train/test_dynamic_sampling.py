@@ -101,6 +101,15 @@ def test_two_ranks_keep_what_one_process_keeps_and_run_as_many_rounds():
     order = lambda name: (name[1], name[3], name[5])  # noqa: E731  (round, rank, index): one process's order
     assert sorted(kept, key=order) == ["r0k0i0", "r1k0i0", "r1k0i1", "r1k1i1"]
     assert metrics["rollout/generation_rounds"] == 2.0 and metrics["rollout/filtered_groups"] == 4.0
+    # each kept row knows where one process holds it (the KL controller's subset is drawn by it)
+    placed = {}
+    for rank in (0, 1):
+        part = results[rank][0]
+        for row, position in enumerate(part.positions.tolist()):
+            placed[position] = (part.batch["prompt"][row // G], int(part.rollout.completion_ids[row, 0]))
+    assert sorted(placed) == list(range(4 * G)) and single.positions.tolist() == list(range(4 * G))
+    assert [placed[p][0] for p in range(0, 4 * G, G)] == ["r0k0i0", "r1k0i0", "r1k0i1", "r1k1i1"]
+    assert [placed[p][1] % 100 for p in range(4 * G)] == [0, 1, 0, 1, 2, 3, 2, 3]  # sample i of its group, in order
 
 
 def test_a_rank_that_keeps_no_group_trains_one_whose_tokens_count_zero():
@@ -116,6 +125,7 @@ def test_a_rank_that_keeps_no_group_trains_one_whose_tokens_count_zero():
     kept, metrics = sampler.fill(drawn(0, rounds[0, 1], 1), lambda r: pytest.fail("no second round"))
     assert metrics["rollout/generation_rounds"] == 1.0 and len(kept.batch["prompt"]) == 1
     assert kept.rollout.completion_mask.sum() == 0 and kept.rollout.completion_ids.shape[0] == G
+    assert kept.positions.numel() == 0  # none of its rows is in the step's batch
 
 
 def test_concat_pads_prompts_left_and_completions_right():

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_logra.base.settings import check_positive
 
@@ -149,12 +150,20 @@ def build_optimizer(spec: OptimizerSpec | None, policy: nn.Module, params: list[
 
 def projected_matrices(policy: nn.Module, params: list[nn.Parameter], rank: int) -> list[nn.Parameter]:
     """The matrices a low-rank family projects: each trained weight of an nn.Linear other than the output head, with
-    both sides above `rank` (a narrower one has nothing to gain)."""
+    both sides above `rank` (a narrower one has nothing to gain). Each must be held whole: a projection of one
+    process's shard (FSDP) is not the projection of the matrix, and the ranks' projections would differ."""
     trained = {id(p) for p in params}
     head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
     head_weight = getattr(head, "weight", None)
-    return [m.weight for m in policy.modules() if isinstance(m, nn.Linear) and id(m.weight) in trained
-            and m.weight is not head_weight and min(m.weight.shape) > rank]
+    layers = [(name, m) for name, m in policy.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in trained
+              and m.weight is not head_weight and min(m.in_features, m.out_features) > rank]
+    for name, m in layers:
+        if isinstance(m.weight, DTensor) or tuple(m.weight.shape) != (m.out_features, m.in_features):
+            raise ValueError(f"{CONFIG_KEY}: {name}.weight is sharded ({type(m.weight).__name__} of local shape "
+                             f"{tuple(getattr(m.weight, 'to_local', lambda: m.weight)().shape)}), and a low-rank "
+                             "family projects each matrix's whole gradient: train it on one device or with DDP "
+                             "(whole weights on every rank), or pick an optimizer without a projection")
+    return [m.weight for _, m in layers]
 
 
 def _projectors_to_dicts(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

@@ -68,6 +68,31 @@ def test_the_projected_matrices_are_the_linear_weights_wider_than_the_rank_and_n
     assert all("self_attn" in names[id(p)] for p in projected_matrices(model, frozen, 16))
 
 
+def test_a_sharded_matrix_is_not_projected():
+    # Under FSDP a rank holds some rows of each matrix: GaLore's SVD of them would differ from rank to rank and from
+    # the whole matrix's. Refused, whether the shard is a DTensor (FSDP2; its .shape is the whole matrix's) or a
+    # plain tensor of the shard's shape.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = make_tiny_qwen2()
+    layer = model.model.layers[0].mlp.up_proj
+    whole = layer.weight
+    layer.weight = torch.nn.Parameter(whole.detach()[: whole.shape[0] // 2].clone())
+    with pytest.raises(ValueError, match=r"model\.optimizer: model\.layers\.0\.mlp\.up_proj\.weight is sharded "
+                                         r"\(Parameter of local shape \(64, 64\)\).*one device or with DDP"):
+        projected_matrices(model, list(model.parameters()), 16)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layer.weight = torch.nn.Parameter(distribute_tensor(whole.detach(), mesh, [Shard(0)]))
+        assert tuple(layer.weight.shape) == (layer.out_features, layer.in_features)  # the whole matrix's
+        with pytest.raises(ValueError, match=r"up_proj\.weight is sharded \(DTensor of local shape \(128, 64\)\)"):
+            projected_matrices(model, list(model.parameters()), 16)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_a_rank_family_without_a_rank_is_refused():
     if importlib.util.find_spec("galore_torch") is None:
         pytest.skip("galore_torch is not installed (the peers extra: pip install -e .[peers])")

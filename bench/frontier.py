@@ -40,12 +40,19 @@ tenth), Σ `kl/realized`, and pass@1's paired difference from dense **at equal m
 frontier there: the best pass@1 any dense row (1e-4; 3e-4, to carry it further out; 1e-4 with the KL penalty; a
 point every `--every` steps from the start's (0, pass@1₀)) reached within the row's final KL from π_0, between
 measurements interpolated along each curve; a row that moved further than dense ever did is compared with dense's best
-point and marked. JSON and plot under bench/out/.
+point and marked. With peer rows, also the paired difference from the peers' frontier at equal measured KL (the best
+any of the other peer rows reached there, found the same way): "within 0.02 of the best of them" is a statement about
+it. JSON and plot under bench/out/.
+
+    python bench/frontier.py --rows 'logra_total,peer_*' --total-budget 2.2 --more-seeds 3
+                                        # a subset: the peers against dense's rows (which always run) and LoGRA's
+                                        # total budget at the Σ docs/results.md's constant-δ rows set, 33 runs
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import statistics
@@ -88,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", default=",".join(peers.PEERS),
                         help="comma-separated, from " + ", ".join(peers.PEERS) + " (--quick: galore); empty: none")
     parser.add_argument("--peer-lrs", default=f"{DENSE_LR:g}", help="comma-separated learning rates of every peer")
+    parser.add_argument("--rows", default="*",
+                        help="comma-separated patterns (fnmatch) of the rows to run, e.g. 'logra_total,peer_*'; "
+                             "dense's rows always run, since every row is placed against their frontier")
+    parser.add_argument("--total-budget", type=float, default=None,
+                        help="the total-budget row's Σ, for --rows without the constant-δ rows it is otherwise set "
+                             "from (docs/results.md: 2.2)")
     add_reward_option(parser)
     grid.add_options(parser, ROOT / "bench" / "out" / "frontier.json", ROOT / "bench" / "out" / "frontier_runs")
     args = parser.parse_args(argv)
@@ -100,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         raise SystemExit(f"--peers: unknown {unknown}; choose from {', '.join(peers.PEERS)}")
     args.peer_lrs = [float(lr) for lr in args.peer_lrs.split(",")]
+    args.rows = args.rows.split(",")
+    if selected("logra_total", args) and not selected("logra_delta0.3", args) and args.total_budget is None:
+        raise SystemExit("--rows: logra_total without the logra_delta* rows needs --total-budget (its Σ)")
     grid.positive(args, "steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel")
     if args.steps % args.every:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
@@ -108,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- the runs -------------------------------------------------------------------------------------------------------
+
+def selected(row: str, args: argparse.Namespace) -> bool:
+    return row in DENSE_ROWS or any(fnmatch.fnmatchcase(row, pattern) for pattern in args.rows)
+
 
 def budget_callback(run: dict) -> dict:
     """The run's PredictedKLBudget: a constant δ, a total, or (uncontrolled) one that never binds and only logs."""
@@ -163,22 +183,28 @@ def first_rows(args: argparse.Namespace) -> list[dict]:
             continue
         for lr in args.peer_lrs:
             runs += spec(f"peer_{name}_lr{lr:g}", "dense_targets", seeds, lr=lr, rank=args.rank, peer=name)
-    return runs
+    return [run for run in runs if selected(run["row"], args)]
 
 
 def second_rows(args: argparse.Namespace, measured: dict[str, list[dict]]) -> list[dict]:
-    """The best constant-δ row's extra seeds, the total budget at what it spent, the pair's LoGRA at LoRA's Σ, and
-    dense with the KL penalty."""
-    best = best_controlled(measured)
-    delta = measured[best][0]["delta"]
-    runs = [run for run in spec(best, "logra", args.more_seeds, lr=LOGRA_LR, rank=args.rank, delta=delta)
-            if run["seed"] >= args.seeds]
-    spent = statistics.fmean(r["kl_sum"] for r in measured[best])
-    runs += spec("logra_total", "logra", args.seeds, lr=LOGRA_LR, rank=args.rank, total=spent)
-    lora_spent = statistics.fmean(r["kl_sum"] for r in measured["pair_lora"])
-    runs += spec("pair_logra_total", "logra", args.seeds, lr=LOGRA_LR, rank=args.rank, total=lora_spent)
+    """The best constant-δ row's extra seeds, the total budget at what it spent (or at --total-budget), the pair's
+    LoGRA at LoRA's Σ, and dense with the KL penalty: those of them --rows selects and whose references ran."""
+    constant = [row for row in measured if row.startswith("logra_delta")]
+    runs, spent = [], args.total_budget
+    if constant:
+        best = best_controlled(measured)
+        delta = measured[best][0]["delta"]
+        runs += [run for run in spec(best, "logra", args.more_seeds, lr=LOGRA_LR, rank=args.rank, delta=delta)
+                 if run["seed"] >= args.seeds]
+        if spent is None:
+            spent = statistics.fmean(r["kl_sum"] for r in measured[best])
+    if spent is not None:
+        runs += spec("logra_total", "logra", args.seeds, lr=LOGRA_LR, rank=args.rank, total=spent)
+    if "pair_lora" in measured:
+        lora_spent = statistics.fmean(r["kl_sum"] for r in measured["pair_lora"])
+        runs += spec("pair_logra_total", "logra", args.seeds, lr=LOGRA_LR, rank=args.rank, total=lora_spent)
     runs += spec("dense_beta", "dense_targets", args.seeds, lr=DENSE_LR, beta=BETA)
-    return runs
+    return [run for run in runs if selected(run["row"], args)]
 
 
 def best_controlled(measured: dict[str, list[dict]]) -> str:
@@ -216,25 +242,35 @@ def frontier_at(curves: list[tuple[list[float], list[float]]], kl: float) -> tup
     return best, beyond
 
 
-def dense_frontier(measured: dict[str, list[dict]], seed: int, kl: float) -> tuple[float, bool]:
-    """Dense's frontier at KL `kl` on seed `seed`: the best pass@1 its rows (both learning rates, or the one --quick
-    runs, and the KL penalty's) reached within that distance of the start (`frontier_at`)."""
-    return frontier_at([(r["kl_curve"], r["pass_curve"]) for row in DENSE_ROWS for r in measured.get(row, [])
+def frontier_of(measured: dict[str, list[dict]], rows: list[str], seed: int, kl: float) -> tuple[float, bool]:
+    """The frontier of `rows` at KL `kl` on seed `seed`: the best pass@1 any of their runs reached within that
+    distance of the start (`frontier_at`)."""
+    return frontier_at([(r["kl_curve"], r["pass_curve"]) for row in rows for r in measured.get(row, [])
                         if r["seed"] == seed], kl)
 
 
 def summarize(measured: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per row: its ends over seeds and its paired difference from dense's frontier (its rows: both learning rates,
+    or the one --quick runs, and the KL penalty's) at the row's own final KL; with peer rows, also from the peers'
+    frontier (the best any optimizer a user would pick instead reached within that distance, the row's own left
+    out)."""
     seeds = {r["seed"] for r in measured["dense"]}
+    peer_rows = [row for row in measured if row.startswith("peer_")]
     summary = {}
     for row, results in measured.items():
-        differences, beyond = [], 0
+        differences, beyond, from_peers = [], 0, []
+        others = [peer for peer in peer_rows if peer != row]
         for r in results:
             if r["seed"] not in seeds:
                 continue
-            value, past = dense_frontier(measured, r["seed"], r["kl_from_start"])
+            value, past = frontier_of(measured, DENSE_ROWS, r["seed"], r["kl_from_start"])
             differences.append(r["pass_at_1"] - value)
             beyond += past
+            if others:
+                from_peers.append(r["pass_at_1"] - frontier_of(measured, others, r["seed"], r["kl_from_start"])[0])
         entry = {"seeds": len(results), "vs_dense_at_kl": grid.mean_se(differences), "beyond_dense": beyond}
+        if from_peers:
+            entry["vs_peers_at_kl"] = grid.mean_se(from_peers)
         entry |= grid.over_seeds(results, ("pass_at_1", "kl_from_start", "reward_last", "kl_sum"))
         for key in ("lr", "delta", "total", "beta", "rank"):
             if results[0].get(key) is not None:
@@ -297,14 +333,20 @@ def kept_sketch_cosines(args: argparse.Namespace) -> dict[int, float]:
 
 
 def table(summary: dict[str, dict], start: float, args: argparse.Namespace) -> str:
+    peers_ran = any("vs_peers_at_kl" in e for e in summary.values())
     rows = []
     for row, e in summary.items():
         setting = ", ".join(f"{k} {e[k]:.3g}" for k in ("lr", "delta", "total", "beta") if k in e)
         mark = f" ({e['beyond_dense']} beyond dense's reach)" if e["beyond_dense"] else ""
-        rows.append([label(row, e), setting, str(e["seeds"]), grid.pm(e["kl_from_start"]), grid.pm(e["kl_sum"]),
-                     grid.pm(e["pass_at_1"]), grid.pm(e["vs_dense_at_kl"]) + mark, grid.pm(e["reward_last"])])
+        cells = [label(row, e), setting, str(e["seeds"]), grid.pm(e["kl_from_start"]), grid.pm(e["kl_sum"]),
+                 grid.pm(e["pass_at_1"]), grid.pm(e["vs_dense_at_kl"]) + mark]
+        if peers_ran:
+            cells.append(grid.pm(e["vs_peers_at_kl"]) if "vs_peers_at_kl" in e else "")
+        rows.append([*cells, grid.pm(e["reward_last"])])
     header = ["row", "setting", "seeds", f"KL(π_{args.steps} ‖ π_0)", "Σ kl/realized", "greedy pass@1",
-              "vs dense at equal KL, paired (± s.e.)", "sampled reward, last tenth"]
+              "vs dense at equal KL, paired (± s.e.)"]
+    header += ["vs the peers' frontier at equal KL"] if peers_ran else []
+    header.append("sampled reward, last tenth")
     return "\n".join([f"greedy pass@1 at the start: {start:.3f}", "", *grid.markdown(header, rows, left=2)])
 
 

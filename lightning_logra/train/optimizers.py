@@ -158,9 +158,10 @@ def projected_matrices(policy: nn.Module, params: list[nn.Parameter], rank: int)
     layers = [(name, m) for name, m in policy.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in trained
               and m.weight is not head_weight and min(m.in_features, m.out_features) > rank]
     for name, m in layers:
-        if isinstance(m.weight, DTensor) or tuple(m.weight.shape) != (m.out_features, m.in_features):
+        local = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
+        if local is not m.weight or tuple(local.shape) != (m.out_features, m.in_features):
             raise ValueError(f"{CONFIG_KEY}: {name}.weight is sharded ({type(m.weight).__name__} of local shape "
-                             f"{tuple(getattr(m.weight, 'to_local', lambda: m.weight)().shape)}), and a low-rank "
+                             f"{tuple(local.shape)}), and a low-rank "
                              "family projects each matrix's whole gradient: train it on one device or with DDP "
                              "(whole weights on every rank), or pick an optimizer without a projection")
     return [m.weight for _, m in layers]

@@ -66,3 +66,32 @@ def test_dense_frontier_is_the_best_reached_within_a_distance():
     assert frontier_at([overshoot, steady], 0.25) == (pytest.approx(0.7), False)
     assert frontier_at([overshoot, steady], 0.2) == (pytest.approx(0.6), False)  # steady's point at 0.2 beats 0.5
     assert frontier_at([overshoot, steady], 0.5) == (0.7, True)  # beyond every curve: the best point, marked
+
+
+def test_a_subset_of_rows_runs_against_dense_and_the_peers_frontier():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import frontier
+
+    # --rows picks rows by pattern; dense's rows always run (every row is placed against them), and the total
+    # budget's Σ comes from --total-budget when the constant-δ rows it is otherwise set from do not run
+    args = frontier.parse_args(["--rows", "logra_total,peer_galore*", "--total-budget", "2.2", "--peers",
+                                "galore,adafactor"])
+    assert {run["row"] for run in frontier.first_rows(args)} == {"dense", "dense_lr0.0003", "peer_galore_lr0.0001"}
+    second = frontier.second_rows(args, {"dense": []})
+    assert sorted({run["row"] for run in second}) == ["dense_beta", "logra_total"]
+    assert {run["total"] for run in second if run["row"] == "logra_total"} == {2.2}
+    with pytest.raises(SystemExit, match="logra_total without the logra_delta\\* rows needs --total-budget"):
+        frontier.parse_args(["--rows", "logra_total"])
+
+    def run(row, pass_at_1, kl):  # one seed's measurements: the start, then the row's end
+        return {"row": row, "seed": 0, "kl_curve": [0.0, kl], "pass_curve": [0.2, pass_at_1], "pass_at_1": pass_at_1,
+                "kl_from_start": kl, "reward_last": 0.5, "kl_sum": 1.0}
+
+    measured = {"dense": [run("dense", 0.6, 0.4)], "peer_a": [run("peer_a", 0.5, 0.2)],
+                "peer_b": [run("peer_b", 0.7, 0.5)], "logra_total": [run("logra_total", 0.55, 0.3)]}
+    summary = frontier.summarize(measured)
+    # at KL 0.3: peer_a's end (0.5) and peer_b's curve interpolated (0.2 + 0.5·0.3/0.5 = 0.5); dense's 0.5 too
+    assert summary["logra_total"]["vs_peers_at_kl"][0] == pytest.approx(0.05)
+    assert summary["logra_total"]["vs_dense_at_kl"][0] == pytest.approx(0.55 - (0.2 + 0.4 * 0.3 / 0.4))
+    assert summary["peer_a"]["vs_peers_at_kl"][0] == pytest.approx(0.5 - (0.2 + 0.5 * 0.2 / 0.5))  # b's alone
+    assert "vs_peers_at_kl" not in frontier.summarize({"dense": measured["dense"]})["dense"]

@@ -626,7 +626,7 @@ class RLVRModule(LightningModule):
                              kl_sum, mismatch)
 
     def step_size(self, proposal: Update | None, rollout: Rollout, step: int,
-                  positions: torch.Tensor | None = None) -> float:
+                  positions: torch.Tensor | None) -> float:
         """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped).
         `positions`: where the rows stand in one process's batch (dynamic sampling's `Drawn.positions`)."""
         if proposal is None:

@@ -161,9 +161,9 @@ def projected_matrices(policy: nn.Module, params: list[nn.Parameter], rank: int)
         local = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
         if local is not m.weight or tuple(local.shape) != (m.out_features, m.in_features):
             raise ValueError(f"{CONFIG_KEY}: {name}.weight is sharded ({type(m.weight).__name__} of local shape "
-                             f"{tuple(local.shape)}), and a low-rank "
-                             "family projects each matrix's whole gradient: train it on one device or with DDP "
-                             "(whole weights on every rank), or pick an optimizer without a projection")
+                             f"{tuple(local.shape)}), and a low-rank family projects each matrix's whole gradient: "
+                             "train it on one device or with DDP (whole weights on every rank), or pick an optimizer "
+                             "without a projection")
     return [m.weight for _, m in layers]
 
 

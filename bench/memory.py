@@ -322,12 +322,17 @@ class KLCheck:
 
 def train_step(policy: torch.nn.Module, optimizers: list, batch: dict[str, torch.Tensor], micro_batch: int,
                backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, chunk_tokens: int = 0,
-               kl: KLCheck | None = None, reduce: Callable[[], None] | None = None) -> None:
+               kl: KLCheck | None = None, reduce: Callable[[], None] | None = None, mixed: bool = False) -> None:
     """Forward and backward over the micro-batches, `reduce` (the gradients' sum over processes), the steps (with
-    `kl`: the sketch optimizer's asks the KL check for α)."""
+    `kl`: the sketch optimizer's asks the KL check for α). `mixed`: the forward alone under bf16 autocast, as
+    `bf16-mixed` runs it; the optimizers step the fp32 weights outside it, so their states stay fp32 (inside it, a
+    projecting optimizer's matmuls would return bf16 and its moments would be kept in bf16)."""
+    device_type = next(policy.parameters()).device.type
     for start in range(0, batch["coef"].shape[0], micro_batch):
         micro = {key: value[start:start + micro_batch] for key, value in batch.items()}
-        backward(policy_loss(policy, micro, chunk_tokens))
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=mixed):
+            loss = policy_loss(policy, micro, chunk_tokens)
+        backward(loss)
     if reduce is not None:
         reduce()
     for optimizer in optimizers:
@@ -465,8 +470,7 @@ def run_worker(args: argparse.Namespace) -> dict | None:
         start = time.perf_counter()
         if kl is not None:
             kl.seconds = 0.0
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
-            train_step(policy, optimizers, batch, args.micro_batch, chunk_tokens=args.logprob_chunk, kl=kl)
+        train_step(policy, optimizers, batch, args.micro_batch, chunk_tokens=args.logprob_chunk, kl=kl, mixed=mixed)
         if cuda:
             torch.cuda.synchronize(device)  # kernels run asynchronously: the step ends when the GPU is done
         seconds.append(time.perf_counter() - start)

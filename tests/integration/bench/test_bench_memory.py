@@ -136,6 +136,13 @@ def test_peer_rows_count_the_state_their_optimizers_hold(tmp_path):
     assert rows["galore_layerwise"]["weights"] == "fp32"
 
 
+def test_a_peer_under_bf16_mixed_keeps_the_state_it_keeps_in_fp32(tmp_path):
+    # bf16-mixed autocasts the forward alone: GaLore steps the fp32 weights outside it, so its projection and moments
+    # are fp32 as in an fp32 run (a step inside the autocast kept its moments in bf16: 134 MiB against 241 at 0.5B).
+    state = {dtype: _bench(tmp_path, dtype, ["galore"])["rows"][0]["state_mib"] for dtype in ("fp32", "bf16")}
+    assert state["bf16"] == state["fp32"] > 0, state
+
+
 def test_at_shapes_adds_up_each_methods_state_without_a_model(memory, tmp_path):
     out = tmp_path / "at.json"
     memory.main(["--at-shapes", "tiny", "--rank", "16", "--out", str(out)])

@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,16 +60,21 @@ def run_all(runs: list[dict], command: Callable[[dict], list[str]], parallel: in
         while pending and len(active) < parallel:
             run = pending.pop(0)
             print(f"training {run['name']} ...", file=sys.stderr, flush=True)
-            process = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
-            active.append((run, process, time.perf_counter()))
+            # stderr into a file, read at the end: a pipe read only then fills (64 KiB) during a long run's logging
+            # and stops the run at its next write
+            log = tempfile.TemporaryFile("w+")
+            process = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                                       text=True)
+            active.append((run, process, log, time.perf_counter()))
         time.sleep(1.0)
         for item in list(active):
-            run, process, start = item
+            run, process, log, start = item
             if process.poll() is None:
                 continue
             active.remove(item)
-            stderr = process.stderr.read().strip()
+            log.seek(0)
+            stderr = log.read().strip()
+            log.close()
             result = {**run, "minutes": (time.perf_counter() - start) / 60}
             if process.returncode != 0:
                 result["error"] = stderr.splitlines()[-1] if stderr else "failed"

@@ -2,7 +2,8 @@
 
 The package, the face at its root and the rest by what it is (the layers point down: `tests/unit/test_layers.py`):
 
-    cli, checks, export, paths   the face: the command line, what it checks before loading, exports, shipped files
+    cli, checks, export,         the face: the command line, what it checks before loading, exports, pretrained models
+    fetch, paths                 from the package index, shipped files
     train/                       the Lightning module, training modes, strategies, checkpoints, the policy's loading
     rewards/                     the built-in rewards, the processes rewards run in, their resolution and scoring
     rollout/                     rollout engines (in-process, vLLM) and keeping their weights in step

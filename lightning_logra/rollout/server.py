@@ -330,7 +330,7 @@ def vllm_arguments(ours: argparse.Namespace, cpu_backend: bool = False) -> list[
     the trainer computes them), and the options above; then whatever followed `--`. On the CPU backend the model
     runs eager unless what followed `--` says otherwise, as `VLLMEngine`'s does: the CPU has no CUDA graphs to
     capture, and vLLM's torch.compile would lengthen every start (about 35 s of a minute's start here)."""
-    from lightning_logra.rollout.vllm import WORKER_EXTENSION
+    from lightning_logra.rollout.vllm import WORKER_EXTENSION, whole_prefills
 
     args = ["--model", ours.model, "--host", ours.host, "--port", str(ours.port), "--dtype", ours.dtype,
             "--gpu-memory-utilization", str(ours.gpu_memory_utilization),
@@ -340,8 +340,16 @@ def vllm_arguments(ours: argparse.Namespace, cpu_backend: bool = False) -> list[
     if ours.max_model_len is not None:
         args += ["--max-model-len", str(ours.max_model_len)]
     extra = ours.vllm_args[1:] if ours.vllm_args[:1] == ["--"] else ours.vllm_args
-    if cpu_backend and not any(arg.split("=")[0] in ("--enforce-eager", "--no-enforce-eager") for arg in extra):
+    given = {arg.split("=")[0] for arg in extra}
+    if cpu_backend and not given & {"--enforce-eager", "--no-enforce-eager"}:
         args.append("--enforce-eager")
+    if cpu_backend and not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+        # Prompts prefilled whole, as VLLMEngine's on the CPU backend (`whole_prefills` says why); a budget given
+        # after `--` is the user's (vLLM refuses one below max_model_len)
+        args.append("--no-enable-chunked-prefill")
+        if "--max-num-batched-tokens" not in given:
+            tokens = whole_prefills({"max_model_len": ours.max_model_len}, ours.model)["max_num_batched_tokens"]
+            args += ["--max-num-batched-tokens", str(tokens)]
     return args + extra
 
 

@@ -25,6 +25,7 @@ every weight, as TRL's colocate mode and verl do; the ranks of a group generate 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -232,6 +234,8 @@ class VLLMEngine(RolloutEngine):
 
         options = dict(self.options)
         options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
+        if current_platform.is_cpu():
+            options.update(whole_prefills(options, self.model_path))
         if self.in_trainer_ranks:
             # The trainer's ranks are the workers: vLLM joins the trainer's torch.distributed world (RANK,
             # LOCAL_RANK and WORLD_SIZE as the launcher set them) and builds its tensor-parallel groups from it.
@@ -569,6 +573,34 @@ def _set_environment(values: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+# vLLM's budget of tokens per scheduling step on the CPU backend (its LLM class's default there)
+CPU_BATCHED_TOKENS = 4096
+
+
+def whole_prefills(options: dict, model: str) -> dict:
+    """The scheduling options of an engine on the CPU backend: every prompt prefilled whole, never in chunks, unless
+    the options say otherwise (`enable_chunked_prefill`).
+
+    Why: when a step's prompts hold more tokens than the step's budget (max_num_batched_tokens, 4096), vLLM prefills
+    a prompt in chunks and discards the token sampled after a partial chunk; for a seeded request it then winds the
+    request's generator back, which a CPU generator cannot do ("CPU Generator does not use offset"): the engine died
+    at the first batch of 64 real prompts. Without chunks, the budget must hold the longest prompt (max_model_len)."""
+    if "enable_chunked_prefill" in options:
+        return {}
+    context = options.get("max_model_len") or model_context(model)
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(options.get("max_num_batched_tokens") or CPU_BATCHED_TOKENS, context)}
+
+
+def model_context(model: str) -> int:
+    """A local model folder's context length (its config's max_position_embeddings); 0 when it states none, or is not
+    a local folder (vLLM then refuses a max_model_len beyond the budget, naming both)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return 0
+    return int(json.loads(config.read_text()).get("max_position_embeddings") or 0)
 
 
 def eager_by_default(enforce_eager: bool | None, cpu_backend: bool) -> bool:

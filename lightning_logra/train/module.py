@@ -71,6 +71,7 @@ from lightning_logra.train.policy import (
     stop_token_ids,
 )
 from lightning_logra.train.strategies.base import Collectives, collectives_of
+from lightning_logra.train.task_metrics import TaskTally, task_index, task_means
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +329,8 @@ class RLVRModule(LightningModule):
         # flight, until the fit starts it.
         self.pipeline: RolloutPipeline | None = None
         self._in_flight: list[dict[str, Any]] = []
+        # An evaluation set's metrics per task, summed over its batches (data whose rows name their task)
+        self.tally: TaskTally | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -437,7 +440,8 @@ class RLVRModule(LightningModule):
             # sync, logging); train/rollout_s is wait + score, as the trainer sees generation.
             "train/rollout_s": wait_s + score_s, "train/wait_s": wait_s, "train/score_s": score_s,
             "train/update_s": update_s, **self.staleness_metrics(drawn.staleness, rollout), **sampled,
-            **mismatch, **self.mode.metrics, **self.collectives.reduction_metrics(), **synced, **controlled})
+            **self.task_rewards(batch, rollout, rewards), **mismatch, **self.mode.metrics,
+            **self.collectives.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
     def rollouts(self, batch: dict[str, list[Any]], step: int) -> tuple[Rollout, int, float]:
@@ -657,6 +661,22 @@ class RLVRModule(LightningModule):
             for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
                 scheduler.step()
 
+    def task_names(self) -> list[str]:
+        """The tasks the data's rows belong to (`RLVRDataModule.task_names`); empty: one task."""
+        datamodule = self.trainer.datamodule
+        return datamodule.task_names() if hasattr(datamodule, "task_names") else []
+
+    def task_rewards(self, batch: dict[str, list[Any]], rollout: Rollout, rewards: torch.Tensor
+                     ) -> dict[str, torch.Tensor]:
+        """`reward/<task>/mean` over every rank's samples of each task (`train.task_metrics`), for data whose rows
+        name their task; NaN for a task the step drew no prompt of."""
+        names = self.task_names()
+        if not names:
+            return {}
+        index = task_index(names, batch["task"], self.device).repeat_interleave(self.hparams.num_generations)
+        real = rollout.completion_mask.sum(-1) > 0  # not a row dynamic sampling left this rank without tokens
+        return task_means(names, index[real], rewards[real], self.sum_over_ranks, "reward/<task>/mean")
+
     def log_step(self, rollout: Rollout, rewards: torch.Tensor, per_reward: torch.Tensor, step: int, step_s: float,
                  metrics: dict[str, Any]) -> None:
         """The step's metrics (TRL's names where TRL has them), and every `log_completions_every` steps a few
@@ -698,23 +718,37 @@ class RLVRModule(LightningModule):
 
     def evaluate(self, batch: dict[str, list[Any]], stage: str) -> None:
         """`model.eval_num_samples` completions of each prompt at `model.eval_temperature`, scored: `<stage>/pass@1`
-        for one, and with more, pass@k for k = 1, 2, 4, … and mean@k, maj@k (`evaluation.sample_metrics`)."""
+        for one, and with more, pass@k for k = 1, 2, 4, … and mean@k, maj@k (`evaluation.sample_metrics`); for data
+        whose rows name their task, each also per task at the set's end (`<stage>/<task>/pass@1`)."""
         n = self.hparams.eval_num_samples
         rollout = self.generate(batch, n, self.eval_sampling, EVAL_STEP)
         rewards, _ = self.score(batch, rollout, n)
         if n == 1:
-            self.log(f"{stage}/pass@1", rewards.mean(), prog_bar=True, batch_size=len(rewards), sync_dist=True)
-            return
-        texts = self.tokenizer.batch_decode(completion_token_lists(rollout), skip_special_tokens=True)
-        for key, values in sample_metrics(rewards.view(-1, n), texts, stage).items():
+            per_prompt = {f"{stage}/pass@1": rewards}
+        else:
+            texts = self.tokenizer.batch_decode(completion_token_lists(rollout), skip_special_tokens=True)
+            per_prompt = sample_metrics(rewards.view(-1, n), texts, stage)  # {key: (prompts,)}
+        for key, values in per_prompt.items():
             self.log(key, values.mean().to(self.device), prog_bar=key == f"{stage}/pass@1", batch_size=len(values),
                      sync_dist=True)
+        if self.tally is not None:
+            self.tally.add(task_index(self.tally.names, batch["task"]), per_prompt)
 
     def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
         self.evaluate(batch, "val")
 
     def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
         self.evaluate(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_task_metrics()
+
+    def on_test_epoch_end(self) -> None:
+        self._log_task_metrics()
+
+    def _log_task_metrics(self) -> None:
+        if self.tally is not None:  # already reduced over ranks: every rank logs the same values
+            self.log_dict(self.tally.compute(self.sum_over_ranks, self.device))
 
     # ---- export ---------------------------------------------------------------------------------------------------
 
@@ -739,6 +773,10 @@ class RLVRModule(LightningModule):
             raise ValueError("model.dynamic_sampling draws its extra prompts from the data module's training set: "
                              "give a data module of lightning_logra.data (data.class_path), or set "
                              "model.dynamic_sampling: false")
+        clash = set(self.task_names()) & {reward.key for reward in self.rewards}
+        if clash:
+            raise ValueError(f"data: the tasks {sorted(clash)} have the names of rewards of model.reward, and "
+                             "reward/<name>/mean would log both: rename the reward function or class")
         # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
         self.controller = find_controller(self.trainer.callbacks)
         self._find_weight_sync()
@@ -767,10 +805,12 @@ class RLVRModule(LightningModule):
             self.pipeline.drain()
         self._find_weight_sync()
         self._attach_engine()
+        self.tally = TaskTally(self.task_names()) if self.task_names() else None
 
     def on_test_start(self) -> None:
         self._find_weight_sync()
         self._attach_engine()
+        self.tally = TaskTally(self.task_names()) if self.task_names() else None
 
     def _start_pipeline(self) -> None:
         """With model.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now on

@@ -61,7 +61,9 @@ def encode_prompts(tokenizer: Any, prompts: list[str] | list[list[dict[str, str]
                    ) -> list[list[int]]:
     """The token ids the rollout engine receives for each prompt. A conversation (a list of {"role", "content"}
     messages, TRL's conversational format) goes through the tokenizer's chat template whole, a system message
-    included; a text prompt goes in as it is, or as the one user message of a chat with `chat_template`."""
+    included; a text prompt goes in as it is, or as the one user message of a chat with `chat_template`. A
+    conversation that ends with an assistant message is that message begun (an answer prefix): the template renders
+    it open, and generation continues it (TRL's `continue_final_message`)."""
     if not chat_template and all(isinstance(p, str) for p in prompts):
         return tokenizer(prompts)["input_ids"]
     if getattr(tokenizer, "chat_template", None) is None:
@@ -71,8 +73,9 @@ def encode_prompts(tokenizer: Any, prompts: list[str] | list[list[dict[str, str]
                          f"(and data.val) text prompts, turn model.chat_template off, or use a model whose tokenizer "
                          f"has one (an instruct model's)")
     chats = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-    return [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for chat in chats]
+    return [tokenizer.apply_chat_template(chat, add_generation_prompt=not begun, continue_final_message=begun,
+                                          tokenize=True, return_dict=False)
+            for chat in chats for begun in [chat[-1]["role"] == "assistant"]]
 
 
 def completions_table(tokenizer: Any, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,

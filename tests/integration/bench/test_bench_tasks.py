@@ -1,0 +1,48 @@
+"""bench/tasks.py --quick end to end on the real model: the survey of candidate tasks (two of them), then every row
+of the comparison (LoGRA, dense AdamW, LoRA, APOLLO-Mini) for one step through the CLI, and the report holds, per row
+and per task, pass@1 and pass@8 before and after, the KL from the start, peak memory and seconds per step."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "bench" / "tasks.py"
+TASKS = ["basic_arithmetic", "letter_counting", "syllogism"]  # configs/smollm2_reasoning.yaml's
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "tasks.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--plot",
+                             str(tmp_path / "tasks.png"), "--runs-dir", str(tmp_path / "runs"), *args],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_quick_mode_surveys_the_candidates_and_reports_every_row_per_task(smollm2_model, tmp_path):
+    pytest.importorskip("apollo_torch", reason="the APOLLO-Mini row needs the peers extra")
+    table = _run(tmp_path, "--survey")
+    survey = json.loads((tmp_path / "tasks_survey.json").read_text())["survey"]
+    assert set(survey) == {"all", "basic_arithmetic", "syllogism"}
+    assert all(0 <= survey[task]["pass@1"] <= survey[task]["pass@8"] <= 1 for task in survey)
+    assert "| task | settings | pass@1 | pass@8 |" in table and (tmp_path / "tasks_survey.png").stat().st_size > 0
+
+    table = _run(tmp_path)
+    report = json.loads((tmp_path / "tasks.json").read_text())
+    assert list(report["summary"]) == ["start", "logra", "dense", "lora", "apollo_mini"]
+    for row, entry in report["summary"].items():
+        for task in ["all", *TASKS]:
+            assert 0 <= entry[f"{task}/pass@1"][0] <= entry[f"{task}/pass@8"][0] <= 1, (row, task)
+        if row == "start":
+            continue
+        assert entry["kl_from_start"][0] >= 0 and entry["peak_gib"][0] > 0.5, row  # 135M fp32 weights: 0.5 GiB
+        assert entry["step_s"][0] > 0 and math.isfinite(entry["update_s"][0]), row
+    runs = {run["row"]: run for run in report["runs"]}
+    assert set(runs["logra"]["task_rewards"]) == set(TASKS) and len(runs["dense"]["rewards"]) == 1
+    assert "| LoGRA (sketch Adam, rank 16, total KL budget) |" in table
+    assert (tmp_path / "tasks.png").stat().st_size > 0

@@ -1,0 +1,105 @@
+"""reasoning-gym's tasks as a data module: the mix's shares, items that are a function of the seed, a held-out set
+apart from the training questions, the prompts' forms and columns, and bad tasks or settings refused by key."""
+
+import pytest
+
+from lightning_logra.data.reasoning_gym import (
+    DEFAULT_INSTRUCTION,
+    DEFAULT_PREFIX,
+    ReasoningGymDataModule,
+    ReasoningTask,
+    shares,
+)
+
+ARITHMETIC = {"name": "basic_arithmetic", "settings": {"min_terms": 2, "max_terms": 2, "max_digits": 2,
+                                                       "allow_parentheses": False, "allow_negation": False}}
+MIX = [ARITHMETIC, {"name": "spell_backward", "weight": 3.0, "settings": {"min_word_len": 3, "max_word_len": 6}}]
+
+
+def _module(**settings) -> ReasoningGymDataModule:
+    return ReasoningGymDataModule(**{"tasks": MIX, "size": 40, "eval_size": 10, **settings})
+
+
+def _rows(dataset) -> list[dict]:
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def test_items_are_a_function_of_the_seed_and_the_mix_follows_the_weights():
+    first, again, other = _module(seed=3), _module(seed=3), _module(seed=4)
+    rows = _rows(first.make_train_set())
+    assert rows == _rows(again.make_train_set())
+    assert rows != _rows(other.make_train_set())
+    tasks = [row["task"] for row in rows]
+    assert (tasks.count("basic_arithmetic"), tasks.count("spell_backward")) == (10, 30)  # weights 1 : 3 of 40
+    assert _rows(first.make_eval_set("validate")) == _rows(again.make_eval_set("test"))
+    assert first.task_names() == ["basic_arithmetic", "spell_backward"]
+
+
+@pytest.mark.parametrize("weights, size, expected", [
+    ([1, 1, 1], 10, [4, 3, 3]), ([2, 1], 3, [2, 1]), ([0.1, 0.3, 0.6], 7, [1, 2, 4]), ([1], 5, [5])])
+def test_shares_add_up_to_the_size_and_stay_within_one_of_the_exact_share(weights, size, expected):
+    tasks = [ReasoningTask(f"t{i}", weight) for i, weight in enumerate(weights)]
+    counts = shares(tasks, size)
+    assert counts == expected and sum(counts) == size
+    for count, weight in zip(counts, weights):
+        assert abs(count - size * weight / sum(weights)) < 1
+
+
+def test_the_evaluation_set_is_held_out_from_the_training_questions():
+    # 2-term additions of 1-digit numbers: 200 distinct questions, so 150 training items take most of them
+    small = {"name": "basic_arithmetic", "settings": {**ARITHMETIC["settings"], "max_digits": 1}}
+    module = ReasoningGymDataModule([small], size=150, eval_size=40, seed=0)
+    train = {row["prompt"][-2]["content"] for row in _rows(module.make_train_set())}
+    held_out = _rows(module.make_eval_set("validate"))
+    assert 0 < len(held_out) < 40  # those that repeat a training question are left out
+    assert not train & {row["prompt"][-2]["content"] for row in held_out}
+    additions = {"name": "basic_arithmetic", "settings": {**small["settings"], "operators": ["+"]}}  # 100 questions
+    everything = ReasoningGymDataModule([additions], size=2000, eval_size=10, seed=0)
+    with pytest.raises(ValueError, match="every evaluation item of basic_arithmetic is also a training question"):
+        everything.make_eval_set("validate")
+
+
+def test_a_row_is_a_chat_with_the_instruction_and_the_answer_begun_and_the_columns_the_reward_reads():
+    row = _module().make_train_set()[0]
+    user, assistant = row["prompt"]
+    entry = row["entry"]
+    assert user == {"role": "user", "content": f"{entry['question'].rstrip()}\n\n{DEFAULT_INSTRUCTION}"}
+    assert assistant == {"role": "assistant", "content": DEFAULT_PREFIX}
+    assert row["task"] == entry["metadata"]["source_dataset"] == "basic_arithmetic"
+    assert row["answer"] == str(entry["answer"])
+
+
+def test_a_system_prompt_no_prefix_and_plain_text():
+    chat = _module(system_prompt="Be brief.", answer_prefix=None).make_train_set()[0]["prompt"]
+    assert [m["role"] for m in chat] == ["system", "user"] and chat[0]["content"] == "Be brief."
+    text = _module(chat_template=False, instruction="Answer: <answer>x</answer>").make_train_set()[0]
+    assert isinstance(text["prompt"], str)
+    assert text["prompt"].endswith(f"{text['entry']['question'].rstrip()}\n\nAnswer: <answer>x</answer>\n<answer>")
+
+
+@pytest.mark.parametrize("tasks, message", [
+    ([], "data.tasks is empty"),
+    ([{"name": "basic_arithmetik"}], r"data.tasks\[0\].name: 'basic_arithmetik' is not a reasoning-gym task "
+                                     r"\(did you mean basic_arithmetic or "),
+    ([ARITHMETIC, ARITHMETIC], r"data.tasks\[1\].name: 'basic_arithmetic' is in data.tasks twice"),
+    ([{"name": "gcd", "weight": 0}], r"data.tasks\[0\].weight must be a positive number"),
+    ([{"name": "gcd", "weight": float("nan")}], r"data.tasks\[0\].weight must be a positive number"),
+    ([{"name": "gcd", "settings": {"max_digits": 3}}], r"data.tasks\[0\].settings.max_digits: gcd has no such "
+                                                        r"setting; its settings are min_numbers, max_numbers"),
+    ([{"name": "gcd", "settings": {"seed": 3}}], r"data.tasks\[0\].settings.seed: the data module sets it"),
+    ([{"name": "gcd", "settings": {"min_value": 50, "max_value": 10}}], r"data.tasks\[0\].settings: gcd refuses"),
+])
+def test_bad_tasks_and_settings_are_refused_naming_the_key(tasks, message):
+    with pytest.raises(ValueError, match=message):
+        ReasoningGymDataModule(tasks)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"size": 0}, "data.size must be a positive number of items"),
+    ({"size": 1}, "data.size=1 is less than one item for each of the 2 tasks"),
+    ({"eval_size": -1}, "data.eval_size must be a positive number of items per task"),
+    ({"eval_seed": 1.5}, "data.eval_seed must be a whole number"),
+])
+def test_bad_sizes_are_refused_naming_the_key(settings, message):
+    with pytest.raises(ValueError, match=message):
+        _module(**settings)

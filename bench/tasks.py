@@ -1,22 +1,25 @@
 """A real pretrained model on several reasoning tasks: LoGRA against dense AdamW, LoRA and a low-memory peer.
 
-    python bench/tasks.py --survey     # the base model's pass@8 on a dozen candidate tasks (one `validate`, ~15 min)
-    python bench/tasks.py              # the comparison on configs/smollm2_reasoning.yaml's tasks (see --steps)
+    python bench/tasks.py --survey     # the base model's pass@8 on 14 candidate tasks (one `validate`, ~10 min)
+    python bench/tasks.py              # the comparison on configs/smollm2_reasoning.yaml's tasks (60 steps a row,
+                                       # one seed)
     python bench/tasks.py --quick      # 2 candidate tasks, and every row for 1 step on 2 held-out items per task,
                                        # the policy generating (no vLLM engine): checks the script (CI)
 
 The model is SmolLM2-135M-Instruct (`lightning-logra fetch smollm2-135m-instruct`; Q4_1 weights dequantized), the
-tasks reasoning-gym's (`lightning_logra.data.reasoning_gym`), each scored by its own scorer on the answer inside
-<answer></answer> (`rewards.ReasoningGymScore`, 0/1). Every run is `python cli.py` of a config built from
+tasks reasoning-gym's (`lightning_logra.data.reasoning_gym`), each scored by its own scorer on the answer the
+completion states after "The answer is", which the prompt begins (`rewards.ReasoningGymScore`, 0/1), sampled at the
+config's temperature (0.7). Every run is `python cli.py` of a config built from
 `configs/smollm2_reasoning.yaml` (written beside the runs; `--reuse` keeps the runs already finished with the same
 config), one at a time, alone, with both cores, so that seconds per step compare.
 
 `--survey`: one `validate` of the base model on CANDIDATES (easy settings of arithmetic, string, counting and logic
-tasks), `--survey-size` held-out items each, 8 samples at temperature 1: pass@1 and pass@8 per task. The tasks RL can
+tasks), `--survey-size` held-out items each, 8 samples each: pass@1 and pass@8 per task. The tasks RL can
 move are those where pass@8 is neither near 0 (no sample is ever right: nothing to learn from) nor near 1.
 
 The comparison, each row training the same matrices (q, k, v, o, gate, up, down of every layer) for `--steps` steps
-on the config's tasks, with the config's batch, sampling, engine and seed:
+on the config's tasks, with the config's batch, sampling, engine (vLLM's CPU engine, in the trainer's process) and
+seed:
 - `logra`: the config itself: sketches at rank 16, sketch Adam, the predicted-KL controller under its total budget;
 - `dense`: dense AdamW at `--dense-lr`;
 - `lora`: LoRA adapters at rank 16 (alpha 32) at `--lora-lr`;
@@ -24,13 +27,15 @@ on the config's tasks, with the config's batch, sampling, engine and seed:
   full-parameter peer whose peak memory came closest to LoGRA's among those a `model.optimizer` can run (layer-wise
   GaLore steps inside the backward pass, which the trainer's accumulated, clipped and controlled step does not allow),
   at `--apollo-lr`.
-The rows other than LoGRA have no KL control; a budget that never binds logs their per-step KL. Every row measures,
-at its last validation, KL(π_t ‖ π_0) on held-out completions (`KLFromStart`). Before any step, one `validate` measures
-the base model (the `start`).
+The rows other than LoGRA have no KL control; a budget that never binds logs their per-step KL. Their learning rates
+put their KL per step near LoGRA's (see the options' defaults), so that the rows compare at about equal movement.
+Every row measures, at its last validation, KL(π_t ‖ π_0) on held-out completions (`KLFromStart`). Before any step,
+one `validate` measures the base model (the `start`).
 
-Reported per row and per task: validation pass@1 and pass@8 (8 samples at temperature 1) before and after, the reward
-curve (`train/reward_mean`, `reward/<task>/mean`), KL(π‖π₀) at the end, peak memory (`memory/peak_gib`), and the
-median seconds per step with its parts (generation, the update, the weight sync). One seed unless `--seeds`. JSON,
+Reported per row and per task: validation pass@1 and pass@8 (8 samples) before and after, the reward curve
+(`train/reward_mean`, `reward/<task>/mean`), KL(π‖π₀) at the end, peak memory (`memory/peak_gib`: the process's
+resident memory, the engine's included, since it runs in the process), and the median seconds per step with its parts
+(generation, the update, the weight sync). One seed unless `--seeds`. JSON,
 markdown and a plot under bench/out/.
 """
 
@@ -82,13 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--survey", action="store_true", help="measure the base model on the candidate tasks instead")
     parser.add_argument("--survey-size", type=int, default=24, help="held-out items per candidate task")
-    parser.add_argument("--steps", type=int, default=100, help="training steps of every row")
+    parser.add_argument("--steps", type=int, default=60, help="training steps of every row")
     parser.add_argument("--seeds", type=int, default=1, help="paired seeds per row (0, 1, ...)")
     parser.add_argument("--eval-size", type=int, default=32, help="held-out items per task")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
-    parser.add_argument("--dense-lr", type=float, default=1e-6)
-    parser.add_argument("--lora-lr", type=float, default=2e-5)
-    parser.add_argument("--apollo-lr", type=float, default=1e-6)
+    # Each at about LoGRA's KL per step (~1e-3): 8-step pilots measured 4.3e-3 for dense at 3e-6, 5.6e-3 for LoRA at
+    # 1e-4 and 5.7e-3 for APOLLO-Mini at 3e-6, and the KL of a step grows as the square of its learning rate.
+    parser.add_argument("--dense-lr", type=float, default=1.5e-6)
+    parser.add_argument("--lora-lr", type=float, default=4e-5)
+    parser.add_argument("--apollo-lr", type=float, default=1.5e-6)
     parser.add_argument("--kl-prompts", type=int, default=64, help="held-out prompts of the KL(π‖π₀) measurement")
     parser.add_argument("--quick", action="store_true", help="see above")
     grid.add_options(parser, ROOT / "bench" / "out" / "tasks.json", ROOT / "bench" / "out" / "tasks_runs")
@@ -231,8 +238,10 @@ def survey(args: argparse.Namespace) -> None:
     order = sorted(names, key=lambda name: -result[name]["pass@8"])
     rows = [[name + (" (chosen)" if name in chosen else ""), f"{CANDIDATES[name]}", f"{result[name]['pass@1']:.3f}",
              f"{result[name]['pass@8']:.3f}"] for name in order]
-    table = "\n".join([f"SmolLM2-135M-Instruct before training: {args.survey_size} held-out items per task, 8 samples "
-                       "at temperature 1, the answer inside <answer></answer> (0/1, the task's scorer)", "",
+    model = yaml.safe_load(BASE_CONFIG.read_text())["model"]
+    table = "\n".join([f"SmolLM2-135M-Instruct before training: {args.survey_size} held-out items per task, "
+                       f"{model['eval_num_samples']} samples at temperature {model['eval_temperature']}, the answer "
+                       "stated after 'The answer is' (0/1, the task's scorer)", "",
                        *grid.markdown(["task", "settings", "pass@1", "pass@8"], rows, left=2)])
     print(table)
     grid.write_report(args.out, {"survey": result, "candidates": CANDIDATES, "settings": grid.arguments(args)})
@@ -277,7 +286,7 @@ def summarize(results: list[dict], tasks: list[str]) -> dict[str, dict]:
 
 
 def tables(summary: dict[str, dict], tasks: list[str], args: argparse.Namespace) -> str:
-    start = summary["start"]
+    start, model = summary["start"], yaml.safe_load(BASE_CONFIG.read_text())["model"]
     header = ["row", "lr"] + [f"{task} pass@1 / pass@8" for task in ["all", *tasks]]
     rows = []
     for row, e in summary.items():
@@ -295,7 +304,8 @@ def tables(summary: dict[str, dict], tasks: list[str], args: argparse.Namespace)
              f"{e['sync_mib'][0]:.1f}"] for row, e in summary.items() if row != "start"]
     return "\n".join([
         f"SmolLM2-135M-Instruct, {args.steps} steps, {args.seeds} seed(s); validation on {args.eval_size} held-out "
-        "items per task, 8 samples at temperature 1 (change from the base model in brackets)", "",
+        f"items per task, {model['eval_num_samples']} samples at temperature {model['eval_temperature']} (change from "
+        "the base model in brackets)", "",
         *grid.markdown(header, rows, left=2), "",
         *grid.markdown(["row", "reward, first tenth", "reward, last tenth", "KL(π‖π₀) at the end", "KL per step",
                         "peak GiB", "s / step", "generation s", "update s", "sync s", "sync MiB"], cost)])

@@ -122,6 +122,11 @@ def odd_first_digit(prompts: list[str], completions: list[str], **_) -> list[flo
     return [1.0 if c[:1] in "13579" else 0.0 for c in completions]
 
 
+def odd(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """`odd_first_digit` under the name of one of `TaskedArithDataModule`'s tasks."""
+    return odd_first_digit(prompts, completions)
+
+
 def output_overrides(root: Path) -> list[str]:
     """Logs and checkpoints under `root`, no progress bar, no model summary: what every test run of a config gets."""
     return ["--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root),

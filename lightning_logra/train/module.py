@@ -747,8 +747,8 @@ class RLVRModule(LightningModule):
         self._log_task_metrics()
 
     def _log_task_metrics(self) -> None:
-        if self.tally is not None:  # already reduced over ranks: every rank logs the same values
-            self.log_dict(self.tally.compute(self.sum_over_ranks, self.device))
+        if self.tally is not None:  # reduced over ranks already: every rank logs the same values (their mean)
+            self.log_dict(self.tally.compute(self.sum_over_ranks, self.device), sync_dist=True)
 
     # ---- export ---------------------------------------------------------------------------------------------------
 

@@ -97,3 +97,10 @@ def test_data_whose_rows_name_their_task_log_the_reward_and_pass_at_k_per_task(r
     for key in ("pass@1", "pass@2", "pass@4", "mean@4", "maj@4"):
         combined = sum(share[task] * metrics[f"val/{task}/{key}"] for task in share if share[task])
         assert combined == pytest.approx(metrics[f"val/{key}"], abs=1e-6), key
+
+
+def test_a_task_named_as_a_reward_is_refused_before_the_first_step(run_cli, tmp_path):
+    # both would log reward/odd/mean
+    with pytest.raises(ValueError, match=r"the tasks \['odd'\] have the names of rewards of model.reward"):
+        run_cli("tiny_arith", "--data.class_path", "conftest.TaskedArithDataModule", "--model.reward", "conftest.odd",
+                root=tmp_path)

@@ -58,13 +58,16 @@ def observe(root: Path, model: str | Path, export: Path, keys: tuple[str, ...] =
 
 def cpu_kernels() -> str:
     """The kind of CPU kernels torch runs here, as far as they round bf16 products differently: torch's capability
-    ("AVX2", "AVX512"), with "+bf16" where the CPU has AVX-512's bf16 instructions (oneDNN computes with them)."""
+    ("AVX2", "AVX512"), with "+bf16" where the CPU has AVX-512's bf16 instructions (oneDNN computes with them) and
+    "+AMX" where it also has AMX's bf16 tiles (oneDNN takes those instead, and rounds differently again)."""
     capability = torch.backends.cpu.get_cpu_capability()
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        flags = ""
-    return capability + "+bf16" if capability.startswith("AVX512") and "avx512_bf16" in flags else capability
+        flags = set()
+    if not capability.startswith("AVX512") or "avx512_bf16" not in flags:
+        return capability
+    return capability + "+bf16" + ("+AMX" if "amx_bf16" in flags else "")
 
 
 def for_these_kernels(recorded: dict[str, dict]) -> dict:

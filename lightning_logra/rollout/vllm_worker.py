@@ -290,6 +290,11 @@ class LogRAWorkerExtension:
         for name in names:
             slot = self._logra_slot(name)
             col = 0 if slot.cols is None else slot.cols.start
-            value = slot.tensor if seed is None else fingerprint(slot.tensor, seed, col)
+            tensor = slot.tensor
+            if slot.layer is not None and hasattr(slot.layer, "params_dtype"):
+                # On CPUs with AMX, vLLM's kernel for small GEMMs keeps a bf16 layer's bias in float32: the same
+                # numbers (every write here copies bf16 values in), answered in the dtype the trainer holds.
+                tensor = tensor.to(slot.layer.params_dtype)
+            value = tensor if seed is None else fingerprint(tensor, seed, col)
             out[f"{name}|{slot.rows.start}|{col}"] = value.clone()
         return pack_tensors(out)

@@ -65,7 +65,9 @@ GOLDEN = {
 # with bf16 instructions computes them, and a step's gradient norm moves by 1%): one recording per kind of machine
 # this project runs on (`golden.cpu_kernels`). The AVX2 numbers were recorded 2026-12-02 from main at 89031cb; the
 # AVX-512 ones on 2026-12-03 from main at 52683aa, whose step reproduces the AVX2 numbers to the last digit when
-# torch runs AVX2 kernels (ATEN_CPU_CAPABILITY=avx2).
+# torch runs AVX2 kernels (ATEN_CPU_CAPABILITY=avx2). The AVX-512 ones with AMX on 2026-12-05 from main at 044c6d9,
+# whose step reproduces the AVX-512 numbers' losses, norms and weights exactly when oneDNN is kept off AMX
+# (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16).
 GOLDEN_BF16 = {
     "AVX2": {
         "steps": [
@@ -92,6 +94,20 @@ GOLDEN_BF16 = {
         ],
         "delta_weighted_sum": -0.02745802357553845,
         "delta_norm": 0.06712832708817393,
+        "lr": 5e-06,
+        "sum_tolerance": 0.001,
+    },
+    "AVX512+bf16+AMX": {
+        "steps": [
+            {"train/reward_mean": 0.5, "train/loss": -0.17343062162399292, "train/grad_norm": 2.6251630783081055,
+             "kl/q": 6.237105935724685e-06, "kl/alpha": 4.0},
+            {"train/reward_mean": 0.3125, "train/loss": -0.18608373403549194, "train/grad_norm": 1.5894615650177002,
+             "kl/q": 2.4585579012637027e-06, "kl/alpha": 4.0},
+            {"train/reward_mean": 0.359375, "train/loss": -0.20639611780643463, "train/grad_norm": 2.245227098464966,
+             "kl/q": 3.2755342544987798e-06, "kl/alpha": 4.0},
+        ],
+        "delta_weighted_sum": -0.027768130107595816,
+        "delta_norm": 0.06714289949904373,
         "lr": 5e-06,
         "sum_tolerance": 0.001,
     },

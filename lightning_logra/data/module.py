@@ -170,7 +170,7 @@ class RLVRDataModule(LightningDataModule):
 
     def task_names(self) -> list[str]:
         """The tasks its rows belong to, each row naming its own in a `task` column: the module then logs the reward
-        and the evaluation metrics per task (`train.task_metrics`). None here: one task."""
+        and the evaluation metrics per task (`train.task_metrics`). Empty here: one task."""
         return []
 
     def setup(self, stage: str) -> None:

@@ -11,7 +11,7 @@ question is also in the training set. Each row holds:
   `system_prompt` if one is given), which the model's chat template renders; with `answer_prefix`, the assistant's
   turn is begun with it (a last assistant message that generation continues, as TRL continues one). With
   `chat_template: false`, the same as plain text;
-- `answer`: the item's reference answer (text), which maj@k and a reader use;
+- `answer`: the item's reference answer (text), for a reader (the reward scores with `entry`);
 - `task`: the task's name: the module logs `reward/<task>/mean` every step and every evaluation metric per task
   (`val/<task>/pass@k`);
 - `entry`: the item as reasoning-gym made it (question, answer, metadata), which the task's scorer reads.
@@ -194,8 +194,10 @@ class ReasoningGymDataModule(RLVRDataModule):
         if eval_seed is not None and not is_number(eval_seed, integer=True):
             raise ValueError(f"data.eval_seed must be a whole number (or null: derived from data.seed), got "
                              f"{eval_seed!r}")
-        if size < len(tasks):
-            raise ValueError(f"data.size={size} is less than one item for each of the {len(tasks)} tasks")
+        empty = [i for i, count in enumerate(shares(tasks, size)) if count == 0]
+        if empty:
+            raise ValueError(f"data.size={size} shared by weight gives data.tasks[{empty[0]}] ({tasks[empty[0]].name}, "
+                             f"weight {tasks[empty[0]].weight:g}) no items: raise data.size or that task's weight")
         self.tasks, self.size, self.eval_size = tasks, size, eval_size
         self.eval_seed = eval_seed
         self.format = dict(instruction=instruction, system_prompt=system_prompt, answer_prefix=answer_prefix,

@@ -103,7 +103,7 @@ class ReasoningGymScore:
         return [answer, answer[:-1].rstrip()] if answer.endswith(".") else [answer]
 
     def __call__(self, prompts: list, completions: list[Completion], task: list[str], entry: list[dict[str, Any]],
-                 **_: object) -> list[float | None]:
+                 **_: object) -> list[float]:
         scores = []
         for prompt, completion, name, item in zip(prompts, completions, task, entry, strict=True):
             score = max([self._score(name, answer, item) for answer in self.answers(prompt, completion)], default=0.0)
@@ -112,8 +112,9 @@ class ReasoningGymScore:
 
     @staticmethod
     def _score(task: str, answer: str, item: dict[str, Any]) -> float:
+        score = _scorer(task)  # outside the try: a missing reasoning-gym or an unknown task fails, not scores 0
         try:
-            return float(_scorer(task)(answer, item))
+            return float(score(answer, item))
         except Exception:  # an answer the scorer cannot even read (a parse that raises) is not a right one
             return 0.0
 

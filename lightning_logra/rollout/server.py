@@ -306,7 +306,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="Any other vLLM server option goes after `--`, e.g. `-- --max-num-seqs 64 --api-key KEY`. "
                "The server binds 127.0.0.1 unless --host says otherwise; docs/vllm.md says what an exposed server "
                "allows.")
-    parser.add_argument("--model", required=True, help="the model folder (or hub id) the trainer starts from")
+    parser.add_argument("--model", required=True,
+                        help="the model the trainer starts from: a folder, a hub id or a fetched model's short name")
     parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="the port to listen on (default: %(default)s)")
     parser.add_argument("--token-file", help=f"a file whose first line is the shared token (else ${TOKEN_ENV})")
@@ -379,7 +380,13 @@ async def _serve(args: argparse.Namespace, token: str, max_body_bytes: int) -> N
 
 
 def main(argv: list[str] | None = None) -> None:
+    from lightning_logra.paths import model_path
+
     ours = parser().parse_args(argv)
+    try:
+        ours.model = model_path(ours.model)  # a fetched model's short name is its folder in the cache
+    except FileNotFoundError as error:
+        raise SystemExit(f"lightning-logra serve --model: {error}") from None
     token = read_token(ours.token_file)
     if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):
         raise SystemExit("lightning-logra serve: VLLM_SERVER_DEV_MODE is set; it opens vLLM's /collective_rpc, /pause "

@@ -25,7 +25,6 @@ every weight, as TRL's colocate mode and verl do; the ranks of a group generate 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import os
@@ -33,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -585,8 +583,8 @@ def whole_prefills(options: dict, model: str) -> dict:
 
     Why: when a step's prompts hold more tokens than the step's budget (max_num_batched_tokens, 4096), vLLM prefills
     a prompt in chunks and discards the token sampled after a partial chunk; for a seeded request it then winds the
-    request's generator back, which a CPU generator cannot do ("CPU Generator does not use offset"): the engine died
-    at the first batch of 64 real prompts. Without chunks, the budget must hold the longest prompt (max_model_len)."""
+    request's generator back, which a CPU generator cannot do ("CPU Generator does not use offset") and the engine
+    dies. Without chunks, the budget must hold the longest prompt (max_model_len)."""
     if "enable_chunked_prefill" in options:
         return {}
     context = options.get("max_model_len") or model_context(model)
@@ -595,12 +593,16 @@ def whole_prefills(options: dict, model: str) -> dict:
 
 
 def model_context(model: str) -> int:
-    """A local model folder's context length (its config's max_position_embeddings); 0 when it states none, or is not
-    a local folder (vLLM then refuses a max_model_len beyond the budget, naming both)."""
-    config = Path(model) / "config.json"
-    if not config.is_file():
+    """The model's context length (max_position_embeddings of its config, or of its text model's), read as vLLM
+    reads it, from a folder or a hub id's files in the cache (never the network: a start need not wait on the hub).
+    0 when its config states none or is not here (vLLM then refuses a max_model_len beyond the budget, naming both)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True).get_text_config()
+    except (OSError, ValueError):  # no such folder, no hub here, an architecture transformers does not know
         return 0
-    return int(json.loads(config.read_text()).get("max_position_embeddings") or 0)
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
 def eager_by_default(enforce_eager: bool | None, cpu_backend: bool) -> bool:

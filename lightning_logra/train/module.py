@@ -805,12 +805,17 @@ class RLVRModule(LightningModule):
             self.pipeline.drain()
         self._find_weight_sync()
         self._attach_engine()
-        self.tally = TaskTally(self.task_names()) if self.task_names() else None
+        self.tally = self._new_tally()
 
     def on_test_start(self) -> None:
         self._find_weight_sync()
         self._attach_engine()
-        self.tally = TaskTally(self.task_names()) if self.task_names() else None
+        self.tally = self._new_tally()
+
+    def _new_tally(self) -> TaskTally | None:
+        """An evaluation's metrics per task, when the data names tasks."""
+        names = self.task_names()
+        return TaskTally(names) if names else None
 
     def _start_pipeline(self) -> None:
         """With model.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now on

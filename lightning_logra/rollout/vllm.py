@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_logra.algo.update import Update
-from lightning_logra.base.batch import Rollout, left_pad
+from lightning_logra.base.batch import Rollout
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
 from lightning_logra.base.stop import STOP
 from lightning_logra.base.waits import waiting_for
@@ -45,11 +45,11 @@ from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, incompatibility
+from lightning_logra.rollout.vllm_outputs import SEED_MASK, assemble_blocks, samples_to_rollout
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "lightning_logra.rollout.vllm_worker.LogRAWorkerExtension"
-SEED_MASK = (1 << 62) - 1  # vLLM gives sample i of a request the seed (seed + i): keep clear of int64 overflow
 # What torchrun, Lightning's launchers and torch.distributed put in a trainer's environment. An engine started with
 # them would take the trainer's rank and rendezvous for its own (vLLM reads LOCAL_RANK and RANK; torch's env://
 # reads MASTER_ADDR and MASTER_PORT) and try to join the trainer's process group.
@@ -550,21 +550,6 @@ class VLLMEngine(RolloutEngine):
         return blocks
 
 
-def samples_to_rollout(prompt_ids: list[list[int]], n: int, completions: list[list[int]],
-                       logprobs: list[list[float]], pad_token_id: int) -> Rollout:
-    """The n completions of each prompt (tokens, ending with the stop token, and the sampler's log-probs) as a batch."""
-    prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], pad_token_id, "cpu")
-    width = max(1, max(len(c) for c in completions))
-    ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(completions), width), dtype=torch.long)
-    sampler = torch.zeros((len(completions), width), dtype=torch.float32)
-    for row, (tokens, lps) in enumerate(zip(completions, logprobs)):
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, : len(tokens)] = 1  # vLLM's output keeps the stop token, as the trainer's convention does
-        sampler[row, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-    return Rollout(prompt, prompt_mask, ids, mask, sampler)
-
-
 def _set_environment(values: dict[str, str | None]) -> None:
     for name, value in values.items():
         if value is None:
@@ -621,29 +606,3 @@ def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> Iterable[dict[str, 
         size += nbytes
     if chunk:
         yield chunk
-
-
-def assemble_blocks(blocks: dict[str, torch.Tensor], add_columns: bool) -> dict[str, torch.Tensor]:
-    """Put workers' blocks keyed "name|row|col" back together: blocks of rows side by side; blocks of columns
-    side by side (`add_columns=False`, whole weights) or summed (`add_columns=True`, fingerprints W[:, cols]·v)."""
-    by_name: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    for key, block in blocks.items():
-        name, row, col = key.rsplit("|", 2)
-        by_name.setdefault(name, []).append((int(row), int(col), block))
-    out = {}
-    for name, parts in by_name.items():
-        rows = max(r + b.shape[0] for r, _, b in parts)
-        if parts[0][2].dim() == 1:
-            full = torch.zeros(rows, dtype=parts[0][2].dtype)
-            for r, _, b in parts:
-                if add_columns:
-                    full[r : r + b.shape[0]] += b
-                else:
-                    full[r : r + b.shape[0]] = b
-        else:
-            cols = max(c + b.shape[1] for _, c, b in parts)
-            full = torch.zeros(rows, cols, dtype=parts[0][2].dtype)
-            for r, c, b in parts:
-                full[r : r + b.shape[0], c : c + b.shape[1]] = b
-        out[name] = full
-    return out

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,10 +35,8 @@ from lightning_logra.algo.losses import (
 from lightning_logra.algo.step_size import StepContext, StepSizeController, find_controller
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
-from lightning_logra.base.hashing import prompt_seeds
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
-from lightning_logra.base.stop import StopRequested
 from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import (
     DEFAULT_MEMORY_GIB,
@@ -51,8 +47,7 @@ from lightning_logra.rewards import (
     reward_setting,
 )
 from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
-from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
-from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
+from lightning_logra.rollout import RolloutEngine, SamplingParams
 from lightning_logra.train import resume
 from lightning_logra.train.backward_stats import BackwardStats
 from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
@@ -67,9 +62,10 @@ from lightning_logra.train.policy import (
     encode_prompts,
     load_policy,
     load_reference,
-    pad_token_id,
     stop_token_ids,
 )
+from lightning_logra.train.rollouts import Rollouts
+from lightning_logra.train.step_times import StepTimes
 from lightning_logra.train.strategies.base import Collectives, collectives_of
 from lightning_logra.train.task_metrics import TaskTally, task_index, task_means
 
@@ -139,6 +135,124 @@ def check_penalty_placement(beta: float, collectives: Collectives) -> None:
 
 
 class RLVRModule(LightningModule):
+    """RLVR on a causal language model: each training step generates, scores, and trains every selected weight
+    (`training_step`); validate and test sample and score (`evaluate`). How the weights train (dense, LoGRA's
+    sketches, LoRA) is the Trainer's strategy's; where the samples come from, `Rollouts`.
+
+    Args:
+        model: a transformers causal LM: a local directory or a hub name. A path inside the package
+            (`lightning_logra/data/tiny_arith`, the embedded model) is found from any working directory.
+        reward: a built-in reward name (`exact_match`, `math_answer`), a dotted path to a function
+            `fn(prompts, completions, completion_ids, **columns) -> list[float | None]` (TRL's reward
+            signature), or a component, `class_path` and `init_args`, whose instances are called so
+            (`lightning_logra.rewards.MathAnswer`); or a list of these, whose rewards are summed with
+            `reward_weights`. The config's parser checks the names, imports the paths or the classes, and checks
+            the init_args against the classes, before anything runs.
+        reward_weights: one weight per reward of the list (None: 1.0 each); the total reward of a completion is
+            Σ w_i·r_i over the rewards that did not return None for it (TRL's `reward_weights`).
+        num_generations: completions sampled per prompt (the group size G).
+        temperature: the sampling temperature of the rollouts; the loss's log-probs are taken at it too.
+        top_p: nucleus sampling of the rollouts: sample from the smallest set of tokens with this much
+            probability (1 samples from all).
+        max_new_tokens: the longest completion sampled in training.
+        loss_type: the policy-gradient loss, one of `lightning_logra.algo.losses.LOSSES`: `dapo` (token-level
+            mean over the batch), `grpo` (mean per sequence, then over sequences), `dr_grpo` (sum over tokens /
+            (sequences × max_new_tokens)), `gspo` (a clipped sequence-level ratio to the sampler, grpo's mean) or
+            `cispo` (capped token ratios to the sampler, dapo's mean).
+        scale_rewards: what each group's mean-centered rewards are divided by (TRL's `scale_rewards`, one of
+            `lightning_logra.algo.advantages.ADVANTAGES`): `group` (true: the group's reward standard deviation,
+            GRPO), `batch` (the whole batch's), or `none` (false: nothing, Dr. GRPO).
+        micro_batch_size: completions per forward/backward pass; their gradients accumulate into one update.
+        lr: the learning rate of the dense AdamW of a run without a sketch strategy (the baseline); with a
+            sketch strategy the CLI refuses it, and `trainer.strategy.init_args.sketch.optimizer.init_args.lr`
+            and `sketch.rest_lr` act.
+        weight_decay: the dense AdamW's weight decay (the baseline); under a sketch strategy
+            `sketch.rest_weight_decay` acts instead.
+        optimizer: another torch optimizer for the dense baseline, or for the adapters under the LoRA strategy,
+            by `class_path` and `init_args` (`galore_torch.GaLoreAdamW`, `apollo_torch.APOLLOAdamW`,
+            `transformers.optimization.Adafactor`, `bitsandbytes.optim.AdamW8bit`, ...;
+            `lightning_logra.train.optimizers`); init_args without `lr` / `weight_decay` take the mode's. None:
+            AdamW. A sketch strategy refuses it (`sketch.optimizer` acts).
+        lr_schedule: warm-up and decay of the dense AdamW's learning rate, by applied update
+            (`lightning_logra.base.schedule.LRSchedule`); under a sketch strategy `sketch.lr_schedule` acts instead.
+        target_modules: the dense baseline trains only the weights of these nn.Linear layers (named as
+            `sketch.target_modules`: `q_proj` selects every `...self_attn.q_proj`), the parameters a sketch or
+            LoRA run trains, and freezes the rest; None trains every parameter.
+        max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
+        eval_temperature: the sampling temperature of validate/test; 0 (the default) is greedy decoding, whose
+            one completion per prompt gives greedy pass@1.
+        eval_num_samples: completions per prompt in validate/test (k, verl's `val_kwargs.n`; needs
+            eval_temperature > 0 when above 1): each set then logs the unbiased pass@k (Chen et al. 2021) for k
+            = 1, 2, 4, … up to it and at it, mean@k (the mean reward) and maj@k (the reward of the most frequent
+            answer; `lightning_logra.train.evaluation`).
+        eval_max_new_tokens: the longest completion in validate/test; None takes max_new_tokens.
+        dtype: the dtype the policy's weights are loaded in (`bfloat16` with `trainer.precision: bf16-true`).
+        chat_template: wrap each text prompt as a user message with the tokenizer's chat template (a
+            conversational prompt, a list of messages, always goes through the template); rewards then get each
+            completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
+        gradient_checkpointing: recompute activations in the backward pass instead of keeping them (less
+            memory, more compute).
+        seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
+        export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
+            exports later with `python -m lightning_logra.export`).
+        export_every: also export every this many steps, to `export_dir/step-NNNNNN` (needs export_dir).
+        logprob_chunk_tokens: completion log-probs are computed this many tokens at a time, so that the
+            micro-batch's full-vocabulary logits never exist at once (forward and backward); None builds them
+            as one (m, C, V) tensor.
+        engine: the rollout engine; None generates in this process with the policy itself. An engine with its
+            own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
+        is_cap: the sampler correction's cap: with the default `is_mode`, truncated importance sampling, each
+            token's loss is weighted by min(π_θ/π_sampler, is_cap), correcting for a sampler whose log-probs differ
+            from the trainer's (another engine, other kernels, bf16, a stale engine). None turns the correction
+            off; the mismatch is logged either way (`rollout/*`, `sampling/importance_sampling_ratio/*`).
+        is_mode: the correction's ratio and what happens past the cap (TRL's `vllm_importance_sampling_mode`, one
+            of `lightning_logra.algo.losses.CORRECTIONS`): `token_truncate` (the default here; TRL's is
+            `sequence_mask`), `token_mask` (a token past the cap weighs 0), `sequence_truncate`,
+            `sequence_mask` (the sequence's ratio, the product of its token ratios, on all its tokens). gspo and
+            cispo take no correction: their ratio is against the sampler already.
+        epsilon: gspo's clip range, [1 − epsilon, 1 + epsilon_high] around its sequence ratio (TRL's `epsilon`;
+            the GSPO paper's is 3e-4 with epsilon_high 4e-4).
+        epsilon_high: the upper end of gspo's clip range (None: epsilon); for cispo the cap on its token ratio
+            itself, as in TRL (None: 5.0).
+        max_staleness: 0 (the default) generates each step's samples with the weights the step trains. k > 0
+            overlaps generation with the update: the engine draws step t's samples from the weights of step
+            max(0, t − k) while the trainer computes the updates between, so that neither waits on the other.
+            Needs an engine that runs beside the trainer (VLLMEngine with its own process); with the in-process
+            engine the steps stay serial. The sampler correction (or gspo / cispo's ratio) weighs the stale
+            samples towards π_θ; `rollout/staleness` logs how stale they were (docs/overlap.md).
+        beta: the weight β of a KL penalty to the starting policy (TRL's `beta`): each completion token's loss
+            gains β·kl_t, the k3 estimate exp(r_t − l_t) − (r_t − l_t) − 1 between the policy's log-prob l_t and
+            a frozen reference's r_t (`losses.reference_kl`), weighted per token as `loss_type` weighs the
+            policy-gradient term (not by the advantage, nor the importance weight); `train/kl` logs its mean per
+            token, and `train/loss` includes the penalty. 0 (the default) turns it off and loads nothing. With
+            β > 0 a fit keeps the reference, a frozen copy of the starting weights loaded from `model` (a resumed
+            run's too): one more copy of the weights in the policy's dtype on every process, and one more forward
+            pass of it per micro-batch; every sample goes through the backward passes (a zero advantage no
+            longer means a zero gradient). Refused under `SketchFSDPStrategy`, where the reference would be a
+            whole, unsharded copy on every rank.
+        reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
+            many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
+            this process without a deadline.
+        reward_memory_gib: the address space, in GiB, that process may map beyond what it holds once started
+            (default: 8, or a quarter of the machine's memory if less); a batch that needs more scores None and
+            the process is replaced, as at the deadline. None: no limit (a reward that runs on a GPU may need it).
+        max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
+            (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
+            about when no completion got a usable reward at all.
+        log_completions_every: every this many steps, log a few prompts, completions and rewards as text
+            (TensorBoard's Text tab); None never does.
+        dynamic_sampling: DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose rewards are all
+            equal are left out and more prompts generated until the step has data.batch_size learnable groups
+            (`lightning_logra.train.dynamic_sampling`); logs `rollout/generation_rounds`, `prompts_drawn`,
+            `filtered_groups` and `missing_groups`. Needs a data module of `lightning_logra.data`.
+        max_generation_rounds: the most rounds of generation a step makes with dynamic_sampling (verl's
+            `max_num_gen_batches`), the first included; then the step trains on the learnable groups it has.
+        mask_truncated_completions: completions cut at max_new_tokens (no stop token) count for nothing in the
+            loss (TRL's `mask_truncated_completions`); they still take part in their group's advantages.
+        entropy_coef: the weight of an entropy bonus (verl's `entropy_coeff`): the loss subtracts
+            entropy_coef × the policy's token entropy, weighed per token as the policy-gradient term, its
+            gradient taken from the same chunks as the log-probs (no full-vocabulary logits). 0: off.
+    """
     def __init__(
         self,
         model: str,
@@ -186,121 +300,6 @@ class RLVRModule(LightningModule):
         entropy_coef: float = 0.0,
         eval_num_samples: int = 1,
     ) -> None:
-        """
-        Args:
-            model: a transformers causal LM: a local directory or a hub name. A path inside the package
-                (`lightning_logra/data/tiny_arith`, the embedded model) is found from any working directory.
-            reward: a built-in reward name (`exact_match`, `math_answer`), a dotted path to a function
-                `fn(prompts, completions, completion_ids, **columns) -> list[float | None]` (TRL's reward
-                signature), or a component, `class_path` and `init_args`, whose instances are called so
-                (`lightning_logra.rewards.MathAnswer`); or a list of these, whose rewards are summed with
-                `reward_weights`. The config's parser checks the names, imports the paths or the classes, and checks
-                the init_args against the classes, before anything runs.
-            reward_weights: one weight per reward of the list (None: 1.0 each); the total reward of a completion is
-                Σ w_i·r_i over the rewards that did not return None for it (TRL's `reward_weights`).
-            num_generations: completions sampled per prompt (the group size G).
-            temperature: the sampling temperature of the rollouts; the loss's log-probs are taken at it too.
-            top_p: nucleus sampling of the rollouts: sample from the smallest set of tokens with this much
-                probability (1 samples from all).
-            max_new_tokens: the longest completion sampled in training.
-            loss_type: the policy-gradient loss, one of `lightning_logra.algo.losses.LOSSES`: `dapo` (token-level
-                mean over the batch), `grpo` (mean per sequence, then over sequences), `dr_grpo` (sum over tokens /
-                (sequences × max_new_tokens)), `gspo` (a clipped sequence-level ratio to the sampler, grpo's mean) or
-                `cispo` (capped token ratios to the sampler, dapo's mean).
-            scale_rewards: what each group's mean-centered rewards are divided by (TRL's `scale_rewards`, one of
-                `lightning_logra.algo.advantages.ADVANTAGES`): `group` (true: the group's reward standard deviation,
-                GRPO), `batch` (the whole batch's), or `none` (false: nothing, Dr. GRPO).
-            micro_batch_size: completions per forward/backward pass; their gradients accumulate into one update.
-            lr: the learning rate of the dense AdamW of a run without a sketch strategy (the baseline); with a
-                sketch strategy the CLI refuses it, and `trainer.strategy.init_args.sketch.optimizer.init_args.lr`
-                and `sketch.rest_lr` act.
-            weight_decay: the dense AdamW's weight decay (the baseline); under a sketch strategy
-                `sketch.rest_weight_decay` acts instead.
-            optimizer: another torch optimizer for the dense baseline, or for the adapters under the LoRA strategy,
-                by `class_path` and `init_args` (`galore_torch.GaLoreAdamW`, `apollo_torch.APOLLOAdamW`,
-                `transformers.optimization.Adafactor`, `bitsandbytes.optim.AdamW8bit`, ...;
-                `lightning_logra.train.optimizers`); init_args without `lr` / `weight_decay` take the mode's. None:
-                AdamW. A sketch strategy refuses it (`sketch.optimizer` acts).
-            lr_schedule: warm-up and decay of the dense AdamW's learning rate, by applied update
-                (`lightning_logra.base.schedule.LRSchedule`); under a sketch strategy `sketch.lr_schedule` acts instead.
-            target_modules: the dense baseline trains only the weights of these nn.Linear layers (named as
-                `sketch.target_modules`: `q_proj` selects every `...self_attn.q_proj`), the parameters a sketch or
-                LoRA run trains, and freezes the rest; None trains every parameter.
-            max_grad_norm: clip the norm of all gradients (sketches included: E‖G·Aᵀ‖² = ‖G‖²) before each update.
-            eval_temperature: the sampling temperature of validate/test; 0 (the default) is greedy decoding, whose
-                one completion per prompt gives greedy pass@1.
-            eval_num_samples: completions per prompt in validate/test (k, verl's `val_kwargs.n`; needs
-                eval_temperature > 0 when above 1): each set then logs the unbiased pass@k (Chen et al. 2021) for k
-                = 1, 2, 4, … up to it and at it, mean@k (the mean reward) and maj@k (the reward of the most frequent
-                answer; `lightning_logra.train.evaluation`).
-            eval_max_new_tokens: the longest completion in validate/test; None takes max_new_tokens.
-            dtype: the dtype the policy's weights are loaded in (`bfloat16` with `trainer.precision: bf16-true`).
-            chat_template: wrap each text prompt as a user message with the tokenizer's chat template (a
-                conversational prompt, a list of messages, always goes through the template); rewards then get each
-                completion in conversational form, `[{"role": "assistant", "content": text}]`, as TRL passes it.
-            gradient_checkpointing: recompute activations in the backward pass instead of keeping them (less
-                memory, more compute).
-            seed: seeds the sampling: each prompt's completions are a function of (seed, step, prompt index).
-            export_dir: at the end of fit, save the policy and tokenizer there with `save_pretrained` (a checkpoint
-                exports later with `python -m lightning_logra.export`).
-            export_every: also export every this many steps, to `export_dir/step-NNNNNN` (needs export_dir).
-            logprob_chunk_tokens: completion log-probs are computed this many tokens at a time, so that the
-                micro-batch's full-vocabulary logits never exist at once (forward and backward); None builds them
-                as one (m, C, V) tensor.
-            engine: the rollout engine; None generates in this process with the policy itself. An engine with its
-                own weights (`lightning_logra.rollout.VLLMEngine`) needs the `RolloutWeightSync` callback.
-            is_cap: the sampler correction's cap: with the default `is_mode`, truncated importance sampling, each
-                token's loss is weighted by min(π_θ/π_sampler, is_cap), correcting for a sampler whose log-probs differ
-                from the trainer's (another engine, other kernels, bf16, a stale engine). None turns the correction
-                off; the mismatch is logged either way (`rollout/*`, `sampling/importance_sampling_ratio/*`).
-            is_mode: the correction's ratio and what happens past the cap (TRL's `vllm_importance_sampling_mode`, one
-                of `lightning_logra.algo.losses.CORRECTIONS`): `token_truncate` (the default here; TRL's is
-                `sequence_mask`), `token_mask` (a token past the cap weighs 0), `sequence_truncate`,
-                `sequence_mask` (the sequence's ratio, the product of its token ratios, on all its tokens). gspo and
-                cispo take no correction: their ratio is against the sampler already.
-            epsilon: gspo's clip range, [1 − epsilon, 1 + epsilon_high] around its sequence ratio (TRL's `epsilon`;
-                the GSPO paper's is 3e-4 with epsilon_high 4e-4).
-            epsilon_high: the upper end of gspo's clip range (None: epsilon); for cispo the cap on its token ratio
-                itself, as in TRL (None: 5.0).
-            max_staleness: 0 (the default) generates each step's samples with the weights the step trains. k > 0
-                overlaps generation with the update: the engine draws step t's samples from the weights of step
-                max(0, t − k) while the trainer computes the updates between, so that neither waits on the other.
-                Needs an engine that runs beside the trainer (VLLMEngine with its own process); with the in-process
-                engine the steps stay serial. The sampler correction (or gspo / cispo's ratio) weighs the stale
-                samples towards π_θ; `rollout/staleness` logs how stale they were (docs/overlap.md).
-            beta: the weight β of a KL penalty to the starting policy (TRL's `beta`): each completion token's loss
-                gains β·kl_t, the k3 estimate exp(r_t − l_t) − (r_t − l_t) − 1 between the policy's log-prob l_t and
-                a frozen reference's r_t (`losses.reference_kl`), weighted per token as `loss_type` weighs the
-                policy-gradient term (not by the advantage, nor the importance weight); `train/kl` logs its mean per
-                token, and `train/loss` includes the penalty. 0 (the default) turns it off and loads nothing. With
-                β > 0 a fit keeps the reference, a frozen copy of the starting weights loaded from `model` (a resumed
-                run's too): one more copy of the weights in the policy's dtype on every process, and one more forward
-                pass of it per micro-batch; every sample goes through the backward passes (a zero advantage no
-                longer means a zero gradient). Refused under `SketchFSDPStrategy`, where the reference would be a
-                whole, unsharded copy on every rank.
-            reward_timeout_s: the reward runs in a process of its own, and a batch it has not scored within this
-                many seconds scores None (nothing learned from it) while the process is replaced. None calls it in
-                this process without a deadline.
-            reward_memory_gib: the address space, in GiB, that process may map beyond what it holds once started
-                (default: 8, or a quarter of the machine's memory if less); a batch that needs more scores None and
-                the process is replaced, as at the deadline. None: no limit (a reward that runs on a GPU may need it).
-            max_unlearnable_steps: stop with an error after this many training steps in a row with nothing to learn
-                (in every group the rewards were equal, None or NaN); None never stops. Such steps are warned
-                about when no completion got a usable reward at all.
-            log_completions_every: every this many steps, log a few prompts, completions and rewards as text
-                (TensorBoard's Text tab); None never does.
-            dynamic_sampling: DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose rewards are all
-                equal are left out and more prompts generated until the step has data.batch_size learnable groups
-                (`lightning_logra.train.dynamic_sampling`); logs `rollout/generation_rounds`, `prompts_drawn`,
-                `filtered_groups` and `missing_groups`. Needs a data module of `lightning_logra.data`.
-            max_generation_rounds: the most rounds of generation a step makes with dynamic_sampling (verl's
-                `max_num_gen_batches`), the first included; then the step trains on the learnable groups it has.
-            mask_truncated_completions: completions cut at max_new_tokens (no stop token) count for nothing in the
-                loss (TRL's `mask_truncated_completions`); they still take part in their group's advantages.
-            entropy_coef: the weight of an entropy bonus (verl's `entropy_coeff`): the loss subtracts
-                entropy_coef × the policy's token entropy, weighed per token as the policy-gradient term, its
-                gradient taken from the same chunks as the log-probs (no full-vocabulary logits). 0: off.
-        """
         super().__init__()
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
         # refused here, naming the key.
@@ -315,20 +314,15 @@ class RLVRModule(LightningModule):
         # π_0 for the KL penalty (model.beta > 0), loaded for a fit by configure_model; never a submodule (below).
         self.reference: torch.nn.Module | None = None
         self.tokenizer = None
-        self.engine: RolloutEngine | None = engine
         self.lr_schedule = lr_schedule
         self.unlearnable = UnlearnableSteps(max_unlearnable_steps, self.rewards)
         self.num_tokens = 0  # prompt + completion tokens trained on so far, all ranks (checkpointed)
-        # The run's components, found when it is set up: how it trains, over how many processes, who chooses α and
-        # who keeps an engine with weights of its own in step (None: α = 1; the in-process engine).
+        # The run's components, found when it is set up: how it trains, over how many processes and who chooses α
+        # (None: α = 1); and where its samples come from: the engine, its weight sync, overlapped rollouts.
         self.mode: TrainingMode | None = None
         self.collectives: Collectives = Collectives()
         self.controller: StepSizeController | None = None
-        self.weight_sync: WeightSync | None = None
-        # Generation overlapped with the update (model.max_staleness > 0), during a fit; and what a checkpoint had in
-        # flight, until the fit starts it.
-        self.pipeline: RolloutPipeline | None = None
-        self._in_flight: list[dict[str, Any]] = []
+        self.rollouts = Rollouts(self, engine)
         # An evaluation set's metrics per task, summed over its batches (data whose rows name their task)
         self.tally: TaskTally | None = None
 
@@ -357,16 +351,16 @@ class RLVRModule(LightningModule):
         self.mode = training_mode(trainer and trainer.strategy, self.collectives, hp, self.lr_schedule)
         self.mode.install(self.policy, fitting=fitting)
         self.mode.bind(self.optimizers)
-        if self.engine is None:
-            self.engine = HFEngine(self.policy, self.stop_token_ids(), pad_token_id(self.tokenizer),
-                                   all_finished=self.collectives.all_finished)
-        if not self.engine.samples_from(self.policy):
-            if self._trainer is not None and self.trainer.world_size > 1:
-                # One engine per rank, beside that rank's trainer: every rank applies the same update (under FSDP to
-                # its shards; the engine gets whole factors), so each rank's weight sync keeps its own engine in
-                # step (docs/vllm.md).
-                self.engine.place(self.global_rank, self.trainer.world_size, self.trainer.strategy.root_device)
-            self.engine.start(model_path(hp.model), pad_token_id(self.tokenizer), self.stop_token_ids())
+        self.rollouts.start_engine()
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The rollout engine (`model.engine`; once set up, the in-process one when none was given)."""
+        return self.rollouts.engine
+
+    @engine.setter
+    def engine(self, engine: RolloutEngine | None) -> None:
+        self.rollouts.engine = engine
 
     def configure_optimizers(self):
         return self.mode.build_optimizers(self.policy)
@@ -407,16 +401,16 @@ class RLVRModule(LightningModule):
         reduce and clip, propose, the step size α, apply, sync the engine, log. Returns {"loss", "update"}: the update
         applied (what a rollout engine with weights of its own receives), or None when the step was skipped (the
         weights unchanged)."""
-        hp, step, start = self.hparams, self.global_step, time.perf_counter()
-        rollout, version, wait_s = self.rollouts(batch, step)  # the step's samples, drawn with the weights of `version`
-        scored = time.perf_counter()
+        hp, step, times = self.hparams, self.global_step, StepTimes()
+        rollout, version, waited = self.rollouts.draw(batch, step)  # the step's samples, drawn with `version`'s weights
+        times.took("wait", waited)
         rewards, per_reward = self.score(batch, rollout, hp.num_generations)  # (N,), (N, rewards)
-        score_s = time.perf_counter() - scored
+        times.lap("score")
         drawn = Drawn(batch, rollout, rewards, per_reward, torch.full_like(rewards, float(step - version)))
         sampled: dict[str, float] = {}
         if hp.dynamic_sampling:  # more rounds until the batch's groups are learnable (their time counts as waiting)
-            drawn, sampled = self.dynamic_sampling().fill(drawn, partial(self.draw_round, step))
-            wait_s += time.perf_counter() - scored - score_s
+            drawn, sampled = self.dynamic_sampling().fill(drawn, partial(self.rollouts.draw_round, step))
+            times.lap("wait")
         batch, rollout, rewards, per_reward = drawn.batch, drawn.rollout, drawn.rewards, drawn.per_reward
         self.unlearnable.add(rewards.view(-1, hp.num_generations), self.sum_over_ranks)
         advantages = group_advantages(rewards, hp.num_generations, hp.scale_rewards, self.sum_over_ranks)  # (N,)
@@ -427,48 +421,23 @@ class RLVRModule(LightningModule):
         alpha = self.step_size(proposal, trained, step, drawn.positions)
         lr = self.mode.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
-        update_s = time.perf_counter() - scored - score_s
+        times.lap("update")
         self.advance_lr_schedules(applied=update is not None)
-        synced = self.sync_engine(update, float(mismatch["rollout/logprob_abs_diff"]), stale=version < step)
+        synced = self.rollouts.sync(update, float(mismatch["rollout/logprob_abs_diff"]), stale=version < step)
         controlled = self.controller.applied(update) if self.controller is not None else {}
-        self.log_step(rollout, rewards, per_reward, step, time.perf_counter() - start, {
+        self.log_step(rollout, rewards, per_reward, step, times.elapsed(), {
             "train/loss": loss, "train/grad_norm": grad_norm, **metrics,
             "train/update_skipped": float(update is None),
             # The step actually taken, α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
             "train/effective_lr": alpha * lr if update is not None else math.nan,
-            # Where the step's time went: blocked on the engine, scoring, computing the update (the rest: the
-            # sync, logging); train/rollout_s is wait + score, as the trainer sees generation.
-            "train/rollout_s": wait_s + score_s, "train/wait_s": wait_s, "train/score_s": score_s,
-            "train/update_s": update_s, **self.staleness_metrics(drawn.staleness, rollout), **sampled,
+            **times.metrics(), **self.rollouts.staleness_metrics(drawn.staleness, rollout), **sampled,
             **self.task_rewards(batch, rollout, rewards), **mismatch, **self.mode.metrics,
             **self.collectives.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
-    def rollouts(self, batch: dict[str, list[Any]], step: int) -> tuple[Rollout, int, float]:
-        """The step's samples, `num_generations` completions of each prompt of `batch`: generated now (the serial
-        loop), or taken from what the engine generated ahead (`model.max_staleness` > 0). Returns them with the step
-        whose weights drew them and the seconds the trainer waited for them."""
-        start = time.perf_counter()
-        if self.pipeline is None:
-            rollout = self.generate(batch, self.hparams.num_generations, self.sampling, step)
-            return rollout, step, time.perf_counter() - start
-        rollout, version, wait_s = self.pipeline.take(batch, step)
-        return rollout.to(self.device), version, wait_s
-
     def dynamic_sampling(self) -> DynamicSampling:
         return DynamicSampling(self.hparams.max_generation_rounds, self.hparams.num_generations, self.global_rank,
                                self.trainer.world_size, self.sum_over_ranks, self.device)
-
-    def draw_round(self, step: int, round: int) -> Drawn:
-        """Round `round` ≥ 1 of the step's dynamic sampling: the data module's extra prompts (`extra_batch`),
-        generated now with the trainer's weights (with overlapped rollouts, on the engine's worker after what it was
-        given: every update so far has reached it), and scored."""
-        hp = self.hparams
-        batch = self.trainer.datamodule.extra_batch(step, round)
-        call = self.engine_call(batch, hp.num_generations, self.sampling, step, round)
-        rollout = (call() if self.pipeline is None else self.pipeline.call_now(call, step)).to(self.device)
-        rewards, per_reward = self.score(batch, rollout, hp.num_generations)
-        return Drawn(batch, rollout, rewards, per_reward, torch.zeros_like(rewards))
 
     def trained_tokens(self, rollout: Rollout) -> Rollout:
         """The rollout as the loss sees it: with model.mask_truncated_completions, completions cut at
@@ -478,65 +447,9 @@ class RLVRModule(LightningModule):
         cut = ~rollout.terminated(self.stop_token_ids())  # (N,)
         return replace(rollout, completion_mask=rollout.completion_mask * ~cut[:, None])
 
-    def sync_engine(self, update: Update | None, sampler_diff: float, stale: bool) -> dict[str, float]:
-        """Send the applied update to an engine with weights of its own (and check it for drift when due); with
-        overlapped rollouts, queue it behind the generations already submitted. A stale batch's log-prob
-        difference measures the lag, not drift: it does not count towards a drift check."""
-        if self.weight_sync is None:
-            return {}
-        try:
-            if self.pipeline is None:
-                return self.weight_sync.sync(update, sampler_diff)
-            if update:
-                self.pipeline.send(self.weight_sync.payload(update, copy=True))
-            after = self.weight_sync.after_step(bool(update), math.nan if stale else sampler_diff,
-                                                self.pipeline.drain)
-            return {**self.pipeline.sent_metrics(), **after}
-        except StopRequested as stop:
-            # The update is applied: the step finishes, and SaveOnSignal saves it at its end (an exception here would
-            # leave a step half done). The engine, killed, is started from the checkpoint's weights on resume.
-            log.warning("%s: this step's update did not reach the engine; the step is saved at its end", stop)
-            return {}
-
-    def staleness_metrics(self, staleness: torch.Tensor, rollout: Rollout) -> dict[str, torch.Tensor]:
-        """`rollout/staleness/mean` and `/max`: how many updates old the weights that drew the step's samples were
-        (`staleness` (N,) per row: dynamic sampling's later rounds are drawn with the step's own weights), per token,
-        over every rank's samples (a rank whose engine was restarted draws fresher ones). With in-flight updates,
-        those drawn after an update landed are fresher, and `rollout/in_flight_tokens` is the share of tokens drawn
-        after one."""
-        if self.hparams.max_staleness == 0:
-            return {}
-        tokens = rollout.completion_mask.bool()  # (N, C)
-        rows = staleness.to(self.device)[:, None].expand_as(tokens)[tokens]
-        if rollout.in_flight_updates is None:
-            ages, newer = rows, torch.zeros_like(rows)
-        else:
-            landed = rollout.in_flight_updates[tokens].float()
-            ages, newer = (rows - landed).clamp(min=0), (landed > 0).float()
-        mine = torch.stack([ages.sum(), newer.sum(), torch.tensor(float(ages.numel()), device=self.device)])
-        total, fresher, count = self.sum_over_ranks(mine).unbind()
-        worst = self.max_over_ranks(ages.amax().view(1) if ages.numel() else ages.new_zeros(1))[0]
-        metrics = {"rollout/staleness/mean": total / count, "rollout/staleness/max": worst}
-        if rollout.in_flight_updates is not None:
-            metrics["rollout/in_flight_tokens"] = fresher / count
-        return metrics
-
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
-        """n completions of each prompt of `batch`, on this process's device (`engine_call`)."""
-        return self.engine_call(batch, n, sampling, step)().to(self.device)
-
-    def engine_call(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int, round: int = 0
-                    ) -> Callable[[], Rollout]:
-        """The engine call that samples n completions of each prompt of `batch` (the prompts tokenized now, the
-        call made by whoever calls it: the overlapped rollouts' worker). Each prompt's sampling depends only on
-        (seed, step, its index in the global batch, counting dynamic sampling's earlier rounds): a resumed run, or
-        one sharded over several processes, draws what the uninterrupted single-process run would have."""
-        count = len(batch["prompt"])
-        first = (round * self.trainer.world_size + self.global_rank) * count if round else self.global_rank * count
-        seeds = prompt_seeds(self.hparams.seed, step, first, count)
-        # Token ids come with the batch when the data module tokenized the prompts.
-        prompt_ids = batch.get("prompt_ids") or self.encode_prompts(batch["prompt"])
-        return partial(self.engine.generate, prompt_ids, n, sampling, seeds)
+        """n completions of each prompt of `batch`, on this process's device (`Rollouts.engine_call`)."""
+        return self.rollouts.generate(batch, n, sampling, step)
 
     def score(self, batch: dict[str, list[Any]], rollout: Rollout, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
@@ -779,7 +692,7 @@ class RLVRModule(LightningModule):
                              "reward/<name>/mean would log both: rename the reward function or class")
         # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
         self.controller = find_controller(self.trainer.callbacks)
-        self._find_weight_sync()
+        self.rollouts.find_sync()
         # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
         self._configured = resume.configured(self.trainer.optimizers)
         self._trained = False  # whether training began (a resume already at trainer.max_steps never does)
@@ -793,81 +706,28 @@ class RLVRModule(LightningModule):
         # (Lightning's restore_checkpoint_after_setup), the others' before. (A sanity validation attaches it first, in
         # on_validation_start, which also comes after the restore.)
         self._trained = True
-        self._attach_engine()
-        self._start_pipeline()
+        self.rollouts.attach()
+        self.rollouts.start()
         # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
         for change in resume.reapply(self.trainer.optimizers, schedulers, self._configured, self.mode.config_key):
             log.warning("resuming: %s; training on with this run's value", change)
 
     def on_validation_start(self) -> None:
-        if self.pipeline is not None:  # the engine is used here: it first finishes what it was given
-            self.pipeline.drain()
-        self._find_weight_sync()
-        self._attach_engine()
+        self.rollouts.finish_queued()  # the engine is used here: it first finishes what it was given
+        self.rollouts.find_sync()
+        self.rollouts.attach()
         self.tally = self._new_tally()
 
     def on_test_start(self) -> None:
-        self._find_weight_sync()
-        self._attach_engine()
+        self.rollouts.find_sync()
+        self.rollouts.attach()
         self.tally = self._new_tally()
 
     def _new_tally(self) -> TaskTally | None:
         """An evaluation's metrics per task, when the data names tasks."""
         names = self.task_names()
         return TaskTally(names) if names else None
-
-    def _start_pipeline(self) -> None:
-        """With model.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now on
-        (`rollout.pipeline`); with the in-process engine, which is the policy itself, the steps stay serial."""
-        k = self.hparams.max_staleness
-        if k == 0:
-            if self.engine.updates_in_flight():
-                raise ValueError("model.engine: in_flight updates reach the engine while it generates the steps ahead, "
-                                 "and with model.max_staleness=0 there are none: set model.max_staleness to 1 (or "
-                                 "more), or engine in_flight: false")
-            return
-        if not self.engine.runs_alongside():
-            log.warning("model.max_staleness=%d: %s cannot generate while the trainer computes (it runs in the "
-                        "trainer's process), so the steps stay serial; use VLLMEngine with separate_process: true "
-                        "to overlap them", k, type(self.engine).__name__)
-            return
-        # A restart on the worker cannot load the trainer's weights there (they are newer than what the engine's
-        # queue expects): it fails the worker's calls instead, and the pipeline reloads and redraws on this thread.
-        def reload_here():
-            if self.pipeline is not None and self.pipeline.on_worker():
-                raise EngineLost("the rollout engine was restarted during overlapped rollouts")
-            return reload()
-
-        reload = self.engine.reload_after_restart(reload_here)  # the sync's full load (or its refusal, sharded)
-        trainer = self.trainer
-        self.pipeline = RolloutPipeline(
-            k, lambda batch, step: self.engine_call(batch, self.hparams.num_generations, self.sampling, step),
-            self.weight_sync.send, reload, iter(trainer.train_dataloader),
-            start=self.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None,
-            in_flight=self.engine.updates_in_flight())
-        self.pipeline.restore(self._in_flight)
-        self._in_flight = []
-
-    def _find_weight_sync(self) -> None:
-        """The run's weight sync; refused where it would sync nothing, required where an engine has weights of its
-        own (it would sample from the model's initial files forever, silently)."""
-        self.weight_sync = find_sync(self.trainer.callbacks)
-        own_weights = not self.engine.samples_from(self.policy)
-        if self.weight_sync is not None and not own_weights:
-            raise ValueError(
-                "RolloutWeightSync: the in-process engine generates with the policy's own weights, so there is nothing "
-                "to sync; set model.engine (e.g. class_path: lightning_logra.rollout.VLLMEngine) or remove the "
-                "callback")
-        if self.weight_sync is None and own_weights:
-            raise ValueError(
-                f"model.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them equal to "
-                "the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (or set "
-                "model.engine: null to generate with the policy itself)")
-
-    def _attach_engine(self) -> None:
-        if self.weight_sync is not None:
-            self.weight_sync.attach(self.engine, lambda: self.mode.engine_tensors(self.policy), self.max_over_ranks)
 
     # ---- checkpoints say what they are (train/checkpoint.py) ------------------------------------------------------
 
@@ -884,44 +744,22 @@ class RLVRModule(LightningModule):
         return {**stamp(self.weights_dtype(), mode.pop("training")), **mode}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens}
-        if self.engine is not None and self.engine.state_dict():
-            try:
-                if self.pipeline is not None:  # the updates queued for the engine are sent first: its state counts them
-                    self.pipeline.drain()
-                checkpoint[CHECKPOINT_KEY]["engine"] = self.engine.state_dict()
-            except StopRequested:
-                pass  # updates left unsent: without the engine's state a resumed run loads its servers in full
-        if self.pipeline is not None:
-            # The batches in flight, finished (tokens, the sampler's log-probs, the step that drew them): every
-            # rank's, which differ (each rank generates its slice of the batch); a resumed run trains on them.
-            mine = self.pipeline.state()
-            if self.trainer.world_size > 1:
-                everyone: list = [None] * self.trainer.world_size
-                torch.distributed.all_gather_object(everyone, mine)
-            else:
-                everyone = [mine]
-            checkpoint[CHECKPOINT_KEY]["in_flight"] = everyone
+        checkpoint[CHECKPOINT_KEY] = {**self._stamp(), "num_tokens": self.num_tokens, **self.rollouts.state()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Runs before any state is restored. Evaluating or exporting a checkpoint under other settings is fine (its
         # weights load, cast to this run's dtype); resuming training from state taken under other settings is not.
-        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        saved = checkpoint.get(CHECKPOINT_KEY, {})
+        if fitting:
             check_resumable(checkpoint, self._stamp())
-            self.num_tokens = checkpoint.get(CHECKPOINT_KEY, {}).get("num_tokens", 0)
-            in_flight = checkpoint.get(CHECKPOINT_KEY, {}).get("in_flight", [])
-            if len(in_flight) == self.trainer.world_size:
-                self._in_flight = in_flight[self.global_rank]
-            elif in_flight:
-                log.warning("the checkpoint's batches in flight were generated by %d processes, this run has %d: "
-                            "they are generated again", len(in_flight), self.trainer.world_size)
-        if self.engine is not None and "engine" in checkpoint.get(CHECKPOINT_KEY, {}):
-            self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY]["engine"])
+            self.num_tokens = saved.get("num_tokens", 0)
+        self.rollouts.restore(saved, fitting)
         # This run's settings apply, not the checkpoint's (lightning_logra.cli): say where they differ.
-        saved = checkpoint.get("hyper_parameters", {})
+        recorded = checkpoint.get("hyper_parameters", {})
         for key, value in self.hparams.items():
-            if key in saved and saved[key] != value:
-                log.warning("model.%s: the checkpoint was made with %r, this run uses %r", key, saved[key], value)
+            if key in recorded and recorded[key] != value:
+                log.warning("model.%s: the checkpoint was made with %r, this run uses %r", key, recorded[key], value)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         every = self.hparams.export_every
@@ -937,9 +775,4 @@ class RLVRModule(LightningModule):
             self._export_from_every_rank(self.hparams.export_dir)
 
     def teardown(self, stage: str) -> None:
-        if self.pipeline is not None:  # what is queued is dropped; a call under way is waited for
-            self.pipeline.close()
-            self.pipeline = None
-        # An engine with its own processes is stopped between runs; the next run's configure_model restarts it.
-        if self.engine is not None and not self.engine.samples_from(self.policy):
-            self.engine.close()
+        self.rollouts.close()

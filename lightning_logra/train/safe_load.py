@@ -6,7 +6,7 @@ an object whose `__reduce__` runs a command, or a sharded checkpoint folder whos
 `torch.load(weights_only=False)`) do. Every load path of the project goes through here:
 
 - a file: `torch.load(weights_only=True)`, which builds only tensors, containers and primitives, plus the project's own
-  classes that hyper-parameters pickle (`SAFE_GLOBALS`; a class that moved keeps its old path as an alias);
+  classes that hyper-parameters pickle (`SAFE_GLOBALS`);
 - a sharded folder: torch.distributed.checkpoint with a reader whose `.metadata` is unpickled by an unpickler that
   knows only the checkpoint format's own classes (`_MetadataUnpickler`) and a planner that loads non-tensor entries
   with `weights_only=True`.
@@ -38,17 +38,13 @@ from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.rewards import MathAnswer, ReasoningGymScore
 
 # What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may pickle:
-# classes that are rebuilt as data (the schedule, MathAnswer's and ReasoningGymScore's settings), with (object, the path
-# a checkpoint wrote before they moved). Nothing that runs: an allowed function is one a crafted checkpoint could call
-# with arguments of its choosing (`math_answer` starts verifier processes). Hyper-parameters keep a reward function by
-# its name (`rewards.reward_setting`); a checkpoint written when they kept the function itself loads with its name in
-# its place, a string that nothing can call.
+# classes that are rebuilt as data (the schedule, MathAnswer's and ReasoningGymScore's settings). Nothing that runs: an
+# allowed function is one a crafted checkpoint could call with arguments of its choosing (`math_answer` starts verifier
+# processes). Hyper-parameters keep a reward function by its name (`rewards.reward_setting`); a checkpoint written when
+# they kept the function itself loads with its name in its place, a string that nothing can call.
 SAFE_GLOBALS: list[Any] = [
     LRSchedule, MathAnswer, ReasoningGymScore,
-    (LRSchedule, "lightning_logra.schedule.LRSchedule"),
-    (MathAnswer, "lightning_logra.rewards.MathAnswer"),
-    *[(name, path) for name in ("exact_match", "math_answer")
-      for path in (f"lightning_logra.rewards.{name}", f"lightning_logra.rewards.builtin.{name}")],
+    *[(name, f"lightning_logra.rewards.builtin.{name}") for name in ("exact_match", "math_answer")],
 ]
 
 # The modules whose classes make up a torch.distributed.checkpoint `.metadata` file, and every module it may name

@@ -1,6 +1,6 @@
 """The architecture, kept: the layers only point down (base ← sketch ← algo; the math never imports the engines nor
 Lightning), the package's root holds only the face, the training mode is chosen in one place, and every dotted path
-a config, the README, docs/ or bench/ names imports, the old paths of modules that moved included."""
+a config, the README, docs/ or bench/ names imports."""
 
 import ast
 import importlib
@@ -64,6 +64,18 @@ def test_the_package_root_holds_only_the_face():
     assert files == ["__init__.py", "checks.py", "cli.py", "export.py", "fetch.py", "paths.py"]
 
 
+# An engine server's process (rollout/server/) and the trainer's side of it (rollout/remote/) share only the wire
+# protocol (rollout/protocol.py): neither imports the other.
+APART = {"rollout/server": "lightning_logra.rollout.remote", "rollout/remote": "lightning_logra.rollout.server"}
+
+
+@pytest.mark.parametrize("side", sorted(APART))
+def test_an_engine_server_and_the_trainers_side_of_it_import_nothing_of_each_other(side):
+    for path in sorted((PACKAGE / side).rglob("*.py")):
+        for module in _imported_modules(path):
+            assert not module.startswith(APART[side]), f"{path.relative_to(ROOT)} imports {module}"
+
+
 # The types that say what kind of training a run does. Only the mode selection may switch on them.
 MODE_TYPES = ("SketchOptimizer", "SketchConfig", "LoRAConfig", "LoRAStrategy", "SketchStrategy", "SketchDDPStrategy",
               "SketchFSDPStrategy", "SketchTraining")
@@ -122,24 +134,6 @@ def test_every_dotted_path_the_configs_readme_docs_and_bench_name_imports():
     paths = _dotted_paths()
     assert len(paths) > 30  # the collection found them
     assert [path for path in sorted(paths) if not _resolves(path)] == []
-
-
-# What older configs, scripts and checkpoints name by the paths of modules that have since moved.
-OLD_PATHS = ["lightning_logra.strategy.SketchStrategy", "lightning_logra.strategy.SketchDDPStrategy",
-             "lightning_logra.fsdp.SketchFSDPStrategy", "lightning_logra.lora.LoRAStrategy",
-             "lightning_logra.lora.LoRAConfig", "lightning_logra.rewards.MathAnswer",
-             "lightning_logra.rewards.exact_match", "lightning_logra.schedule.LRSchedule",
-             "lightning_logra.control.StepSizeController", "lightning_logra.module.RLVRModule",
-             "lightning_logra.checkpoint.AtomicCheckpointIO", "lightning_logra.kl.predicted_kl",
-             "lightning_logra.update.Update", "lightning_logra.batch.Rollout", "lightning_logra.hashing.mix64",
-             "lightning_logra.fabric.SketchFabricStrategy", "lightning_logra.rollout.VLLMEngine",
-             "lightning_logra.callbacks.PredictedKLBudget", "lightning_logra.callbacks.RolloutWeightSync",
-             "lightning_logra.sketch.SketchAdam", "lightning_logra.data.module.PromptDataModule"]
-
-
-@pytest.mark.parametrize("path", OLD_PATHS)
-def test_the_old_path_of_a_moved_module_still_imports(path):
-    assert _resolves(path), path
 
 
 def test_every_package_folder_is_installed():

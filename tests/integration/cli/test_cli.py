@@ -4,7 +4,6 @@ import glob
 import json
 import socket
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -155,32 +154,6 @@ def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(run_
     resumed = run_cli("tiny_arith", "--ckpt_path", str(old), root=tmp_path / "c")
     assert resumed.trainer.global_step == 2
     assert "format 1" in caplog.text and "older checkpoint" in caplog.text
-
-
-def test_a_checkpoint_from_before_the_modules_moved_resumes_and_exports(run_cli, tmp_path, monkeypatch):
-    # A checkpoint pickles the classes in its hyper-parameters by module path (a module built in Python keeps them as
-    # objects): one written before the package's layout changed names lightning_logra.schedule.LRSchedule and
-    # lightning_logra.rewards.MathAnswer, which must still load, without running code and without the old modules.
-    from lightning_logra.base.schedule import LRSchedule
-    from lightning_logra.export import main as export_main
-    from lightning_logra.rewards import MathAnswer
-    from lightning_logra.train.digests import KEY as DIGESTS
-
-    run_cli("tiny_arith", steps=1, root=tmp_path / "a")
-    checkpoint = torch.load(glob.glob(str(tmp_path / "a" / "**" / "last.ckpt"), recursive=True)[0], weights_only=False)
-    checkpoint.pop(DIGESTS)  # (written before checkpoints recorded them, too)
-    checkpoint["hyper_parameters"].update(lr_schedule=LRSchedule(), reward=MathAnswer())
-    monkeypatch.setattr(LRSchedule, "__module__", "lightning_logra.schedule")  # their paths then
-    monkeypatch.setattr(MathAnswer, "__module__", "lightning_logra.rewards")
-    old = tmp_path / "old.ckpt"
-    torch.save(checkpoint, old)
-    monkeypatch.undo()
-    pickled = next(name for name in zipfile.ZipFile(old).namelist() if name.endswith("data.pkl"))
-    assert b"lightning_logra.schedule" in zipfile.ZipFile(old).read(pickled)
-    resumed = run_cli("tiny_arith", "--ckpt_path", str(old), root=tmp_path / "b")
-    assert resumed.trainer.global_step == 2
-    export_main(["--ckpt_path", str(old), "--out", str(tmp_path / "exported")])
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "exported") is not None
 
 
 def test_a_checkpoint_exports_to_a_transformers_folder_without_training(run_cli, tmp_path):

@@ -50,6 +50,19 @@ def test_every_run_gets_the_step_bar_the_summary_and_the_run_directory_unless_to
     assert [type(c) for c in own if isinstance(c, TQDMProgressBar)] == [TQDMProgressBar]
 
 
+def test_an_engine_with_weights_of_its_own_gets_the_weight_sync_unless_the_config_lists_one():
+    from lightning_logra.callbacks import RolloutWeightSync
+
+    def syncs(config, *args):
+        callbacks = main(["--config", str(CONFIGS / config), *args], run=False).trainer.callbacks
+        return [c for c in callbacks if isinstance(c, RolloutWeightSync)]
+
+    assert syncs("tiny_arith.yaml") == []  # the in-process engine is the policy: nothing to sync
+    (added,) = syncs("tiny_arith.yaml", "--model.engine", "lightning_logra.rollout.VLLMEngine")
+    assert added.check_every == 50 and added.tolerance == 1e-4  # its defaults
+    assert len(syncs("tiny_arith_vllm.yaml")) == 1  # the config's own, not a second beside it
+
+
 def _versions(root: Path) -> list[str]:
     return sorted(p.name for p in (root / "runs" / "tiny_arith").glob("version_*"))
 
@@ -159,3 +172,17 @@ def test_an_export_of_latest_reads_the_checkpoint_it_was_given_when_a_new_run_mo
     monkeypatch.setattr(export, "_check_out", a_new_run_starts)
     out = export.export_checkpoint(given, tmp_path / "exported")
     assert (out / "model.safetensors").is_file() and os.readlink(link) == "version_1/checkpoints"
+
+
+def test_the_help_lists_every_command_and_no_predict(monkeypatch, capsys):
+    # serve, export and fetch run before LightningCLI parses: the help names them beside fit, validate and test
+    from lightning_logra.cli import console_main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-logra", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        console_main()
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    for command in ("fit, validate, test", "export ", "serve ", "fetch "):
+        assert f"\n  {command}" in shown, command
+    assert "{fit,validate,test}" in shown  # predict has no meaning for a run's module

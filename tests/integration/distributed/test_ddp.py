@@ -11,33 +11,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
-from golden import assert_matches, observe
-
-# Three steps of 4 prompts on a random model (conftest.fast_overrides), 2 processes; recorded 2026-12-02 from main at
-# 89031cb. How to record anew, and when: tests/golden.py.
-GOLDEN_DDP = {
-    "steps": [
-        {"train/loss": -0.08644914627075195, "train/grad_norm": 1.6137561798095703, "train/reward_mean": 0.40625,
-         "kl/q": 0.02445101924240589, "kl/alpha": 0.45220619440078735},
-        {"train/loss": -0.27677813172340393, "train/grad_norm": 1.675331950187683, "train/reward_mean": 0.3125,
-         "kl/q": 0.015105295926332474, "kl/alpha": 0.5749507546424866},
-        {"train/loss": -0.28287824988365173, "train/grad_norm": 1.628535270690918, "train/reward_mean": 0.5,
-         "kl/q": 0.011249138042330742, "kl/alpha": 0.6658027172088623},
-    ],
-    "delta_weighted_sum": 0.3718968054545517,
-    "delta_norm": 0.6839833731292445,
-    "lr": 0.001,
-}
-GOLDEN_DENSE_DDP = {
-    "steps": [
-        {"train/loss": -0.08644914627075195, "train/grad_norm": 2.1806833744049072, "train/reward_mean": 0.40625},
-        {"train/loss": -0.27393582463264465, "train/grad_norm": 2.4452035427093506, "train/reward_mean": 0.34375},
-        {"train/loss": -0.27596426010131836, "train/grad_norm": 2.2217319011688232, "train/reward_mean": 0.46875},
-    ],
-    "delta_weighted_sum": -0.07911464199334552,
-    "delta_norm": 0.12104972990772686,
-    "lr": 0.0001,
-}
+from golden import assert_matches, observe, recorded
 
 
 def _fit(run_cli, config: str, root: Path, steps: int = 3, wait: bool = True):
@@ -77,7 +51,7 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_
     double = _fit(run_cli, "tiny_arith_ddp", tmp_path / "2")
     single = _finish(running, tmp_path / "1")
     assert_matches("tiny_arith_ddp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "export"),
-                   GOLDEN_DDP)
+                   recorded("tiny_arith_ddp"))
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     moved = [name for name in single if not torch.equal(single[name], start[name])]
     assert any("q_proj" in name for name in moved)  # the runs did train
@@ -113,7 +87,7 @@ def test_dense_ddp_equals_one_process_on_the_same_global_batch(run_cli, tiny_ari
     single = _fit(run_cli, "tiny_arith_dense_all", tmp_path / "1")
     double = _fit(run_cli, _dense_on_two_processes(tmp_path / "dense_ddp.yaml"), tmp_path / "2")
     assert_matches("dense_ddp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "export"),
-                   GOLDEN_DENSE_DDP)
+                   recorded("dense_ddp"))
     norms = _grad_norms(tmp_path / "1")
     assert len(norms) == 3 and min(norms) > 1.0  # three steps, each clipped
     assert _grad_norms(tmp_path / "2") == pytest.approx(norms, rel=1e-5)

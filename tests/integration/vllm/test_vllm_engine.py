@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, SKETCH_TARGETS, EngineSnapshot
-from golden import RECORDED, assert_matches, checksums
+from golden import RECORDED, assert_matches, checksums, recorded
 from lightning_logra.callbacks import MemoryProfiler, PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.rollout import VLLMEngine
@@ -125,31 +125,11 @@ def undisturbed(tiny_arith_model, tmp_path_factory):
     return _run(tiny_arith_model, tmp_path_factory.mktemp("undisturbed"), disturb=False)
 
 
-# The undisturbed run's steps (vLLM samples, the seed sync keeps its weights); recorded 2026-12-02 from main at
-# 89031cb. How to record anew, and when: tests/golden.py.
-GOLDEN_VLLM = {
-    "steps": [
-        {"train/reward_mean": 0.4375, "train/loss": -0.09140951931476593, "train/grad_norm": 2.137415647506714,
-         "kl/q": 0.12061922252178192, "kl/alpha": 0.09105247259140015},
-        {"train/reward_mean": 0.4375, "train/loss": -0.36360299587249756, "train/grad_norm": 2.1260406970977783,
-         "kl/q": 0.17518164217472076, "kl/alpha": 0.07555369287729263},
-        {"train/reward_mean": 0.5625, "train/loss": 0.06460405886173248, "train/grad_norm": 2.6637516021728516,
-         "kl/q": 0.17071779072284698, "kl/alpha": 0.07653509080410004},
-        {"train/reward_mean": 0.5, "train/loss": -0.16117581725120544, "train/grad_norm": 2.5706355571746826,
-         "kl/q": 0.12018553167581558, "kl/alpha": 0.09121660888195038},
-        {"train/reward_mean": 0.5, "train/loss": -0.03694353252649307, "train/grad_norm": 2.023221969604492,
-         "kl/q": 0.10958202928304672, "kl/alpha": 0.09552792459726334},
-    ],
-    "delta_weighted_sum": -0.7670376329558632,
-    "delta_norm": 1.3639454884291033,
-    "lr": 0.01,
-}
-
-
 def test_vllm_engine_follows_training_exactly(undisturbed, tiny_arith_model):
     trainer, sync, record = undisturbed
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
-    assert_matches("vllm_engine", {"steps": record.metrics, **checksums(start, record.trainer_weights)}, GOLDEN_VLLM)
+    assert_matches("vllm_engine", {"steps": record.metrics, **checksums(start, record.trainer_weights)},
+                   recorded("vllm_engine"))
     assert trainer.global_step == STEPS and sync.syncs == STEPS
     # the engine, started from the model's files, equals the trainer at the start and at every check: nothing loaded
     assert record.restarts == 0 and record.loads == [0] * STEPS

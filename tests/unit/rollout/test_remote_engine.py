@@ -10,16 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_logra.rollout.remote import (
-    TOKEN_ENV,
-    NoServerLeft,
-    RemoteEngine,
-    Server,
-    ServerFailed,
-    _agreed,
-    _split,
-    _updates_before,
-)
+from lightning_logra.rollout.protocol import TOKEN_ENV
+from lightning_logra.rollout.remote.client import Server, ServerFailed
+from lightning_logra.rollout.remote.engine import RemoteEngine, agreed, updates_before
+from lightning_logra.rollout.remote.fleet import NoServerLeft, split
 from lightning_logra.rollout.sync import pack_tensors
 
 
@@ -48,19 +42,19 @@ def test_the_token_comes_from_the_environment_or_a_file(monkeypatch, tmp_path):
 
 def test_prompts_are_split_in_proportion_to_speed():
     fast, slow, new = Server("http://f"), Server("http://s"), Server("http://n")
-    assert {s.url: i for s, i in _split(list(range(6)), [fast, slow, new]).items()} == {
+    assert {s.url: i for s, i in split(list(range(6)), [fast, slow, new]).items()} == {
         "http://f": [0, 1], "http://s": [2, 3], "http://n": [4, 5]}  # equal until every server has answered
     fast.tokens_per_s, slow.tokens_per_s = 300.0, 100.0
-    assert {s.url: i for s, i in _split(list(range(10, 18)), [fast, slow]).items()} == {
+    assert {s.url: i for s, i in split(list(range(10, 18)), [fast, slow]).items()} == {
         "http://f": [10, 11, 12, 13, 14, 15], "http://s": [16, 17]}
-    assert {s.url: i for s, i in _split([7], [fast, slow]).items()} == {"http://f": [7]}  # none: left out
+    assert {s.url: i for s, i in split([7], [fast, slow]).items()} == {"http://f": [7]}  # none: left out
 
 
 def test_servers_that_disagree_read_as_nan():
     a = {"w": torch.ones(3), "b": torch.zeros(2)}
     b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-9])}
-    agreed = _agreed([a, b], ["w", "b"])
-    assert torch.equal(agreed["w"], torch.ones(3)) and agreed["b"].isnan().all()
+    both = agreed([a, b], ["w", "b"])
+    assert torch.equal(both["w"], torch.ones(3)) and both["b"].isnan().all()
 
 
 def test_a_refused_token_stops_the_start_naming_the_fix(monkeypatch, tmp_path):
@@ -99,18 +93,18 @@ def test_a_weight_check_with_every_server_down_waits_for_one_to_answer(monkeypat
     server.up, server.next_probe = False, 0.0
     asked = []
 
-    def request(server, method, path, data=b"", params=None, timeout=None):
+    def request(server, method, path, data=b"", params=None, timeout=None, exclusive=True):
         asked.append(path)
         if path == "/logra/state" and asked.count(path) < 3:  # back at the third probe
             raise ServerFailed(f"{server.url}{path}: connection refused")
         return SimpleNamespace(status_code=200, json=lambda: {"run": None, "version": 0, "max_model_len": 32},
                                content=pack_tensors({"w|0|0": torch.arange(6.0).view(2, 3)}))
 
-    monkeypatch.setattr(engine, "_request", request)
+    monkeypatch.setattr(Server, "request", request)
     assert torch.equal(engine.weights(["w"])["w"], torch.arange(6.0).view(2, 3))
     assert asked == ["/logra/state"] * 3 + ["/logra/blocks"] and server.up
-    server.up, engine.no_server_wait_s = False, 0.05  # and past the wait: the run stops naming the server
-    monkeypatch.setattr(engine, "_request", lambda *a, **k: (_ for _ in ()).throw(ServerFailed("refused")))
+    server.up, engine.fleet.no_server_wait_s = False, 0.05  # and past the wait: the run stops naming the server
+    monkeypatch.setattr(Server, "request", lambda *a, **k: (_ for _ in ()).throw(ServerFailed("refused")))
     with pytest.raises(NoServerLeft, match="http://a:1"):
         engine.weights(["w"])
 
@@ -118,7 +112,7 @@ def test_a_weight_check_with_every_server_down_waits_for_one_to_answer(monkeypat
 def test_in_flight_each_token_counts_the_updates_that_landed_before_it():
     """From the version spans a server labelled its tokens with, relative to the version the call asked for."""
     samples = [{"versions": [[4, 0, 3]]}, {"versions": [[4, 0, 1], [5, 1, 2], [6, 2, 4]]}, {"versions": [[5, 0, 2]]}]
-    assert _updates_before(samples, 4, width=5).tolist() == [[0, 0, 0, 0, 0], [0, 1, 2, 2, 0], [1, 1, 0, 0, 0]]
+    assert updates_before(samples, 4, width=5).tolist() == [[0, 0, 0, 0, 0], [0, 1, 2, 2, 0], [1, 1, 0, 0, 0]]
 
 
 def test_in_flight_updates_without_overlapped_rollouts_are_refused_naming_both_keys(tiny_arith_model):
@@ -127,4 +121,4 @@ def test_in_flight_updates_without_overlapped_rollouts_are_refused_naming_both_k
     module = RLVRModule(tiny_arith_model, reward="exact_match", engine=RemoteEngine(urls=["http://a:1"],
                                                                                      in_flight=True))
     with pytest.raises(ValueError, match=r"in_flight.*model\.max_staleness=0.*model\.max_staleness to 1"):
-        module._start_pipeline()
+        module.rollouts.start()

@@ -5,7 +5,7 @@ prefill)."""
 import pytest
 from transformers import LlamaConfig, LlavaConfig
 
-from lightning_logra.rollout.server import parser, vllm_arguments
+from lightning_logra.rollout.server.command import parser, vllm_arguments
 from lightning_logra.rollout.vllm import CPU_BATCHED_TOKENS, model_context, whole_prefills
 
 

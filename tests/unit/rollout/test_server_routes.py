@@ -1,4 +1,4 @@
-"""The server's /logra/ routes (rollout/server.py) in front of an engine client that records what reaches it: no
+"""The server's /logra/ routes (rollout/server/routes.py) in front of an engine client that records what reaches it: no
 token, a wrong token, a body cut short, damaged, too large, not an update or at the wrong version change nothing and
 reach no worker; an update on top of the version before it is merged once, drained (vLLM's scheduler paused in
 "wait" mode and resumed), and labels the weights; a merge that fails leaves them unknown; generation waits for its
@@ -21,7 +21,8 @@ pytest.importorskip("fastapi", reason="the server's routes need FastAPI (a depen
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from lightning_logra.rollout.server import SHA_HEADER, build_router  # noqa: E402
+from lightning_logra.rollout.protocol import SHA_HEADER  # noqa: E402
+from lightning_logra.rollout.server.routes import install  # noqa: E402
 
 TOKEN = "a-token-of-sixteen-characters"
 
@@ -86,7 +87,7 @@ class Engine:
 @pytest.fixture
 def server():
     app = FastAPI()
-    app.include_router(build_router(TOKEN, max_body_bytes=4096))
+    install(app, TOKEN, max_body_bytes=4096)
     app.state.engine_client = Engine()
     with TestClient(app) as client:
         yield client, app.state.engine_client
@@ -121,6 +122,11 @@ def test_bad_requests_change_nothing(server):
     assert _post(client, b"not an update", 1).status_code == 400
     assert _post(client, bytes(5000), 1).status_code == 413
     assert _post(client, data, 3).status_code == 409 and _post(client, data, 3).json() == {"run": None, "version": 0}
+    for route, body in [("/logra/generate", b'{"prompts": [[1]]}'), ("/logra/blocks", b'{"names": [], "extra": 1}'),
+                        ("/logra/generate", b"not json")]:
+        asked = client.post(route, content=body, headers={SHA_HEADER: hashlib.sha256(body).hexdigest(),
+                                                          "Authorization": f"Bearer {TOKEN}"})
+        assert asked.status_code == 400 and "not a" in asked.json()["detail"], (route, body)
     assert engine.calls == [] and _state(client) == {"run": None, "version": 0}
 
 

@@ -1,0 +1,127 @@
+"""The wire protocol between a trainer's `RemoteEngine` (`rollout/remote/`) and an engine server (`lightning-logra
+serve`, `rollout/server/`): the shared token, the checksum header, the routes, and what each route is asked and
+answers. Both sides import it; it imports neither (nor FastAPI, nor vLLM).
+
+Every route lives under `/logra/`, needs `Authorization: Bearer <token>`, and carries the sha256 of its body in
+`X-Logra-SHA256`. A server's weights are labelled with a run and a weight version (the number of updates merged since
+the run's start); a route that needs another version than the server holds answers 409 with the server's label.
+
+- GET  /logra/state                          → {"run", "version", "max_model_len"}
+- POST /logra/update?run&version[&in_flight=1] `Update` bytes, merged on top of version - 1 → the label
+- POST /logra/load?run&version                whole tensors (`sync.pack_tensors`), which leave the weights at the label
+- POST /logra/blocks                         a BlocksAsk → safetensors bytes keyed "name|row|col"
+- POST /logra/generate                       a GenerateAsk → a GenerateAnswer
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+
+TOKEN_ENV = "LOGRA_SERVER_TOKEN"  # the shared token, on both sides (a server may read it from --token-file instead)
+SHA_HEADER = "X-Logra-SHA256"
+PREFIX = "/logra"
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Label:
+    """What a server's weights are: the trainer's run and weight version they equal (run None, version 0: the
+    model's files, version 0 of any run that starts from them; version None: a change was cut short, unknown)."""
+
+    run: str | None = None
+    version: int | None = 0
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "version": self.version}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Label:
+        return cls(data["run"], data["version"])
+
+    def query(self, in_flight: bool | None = None) -> dict:
+        """The query of /update (with `in_flight`) and /load."""
+        return self.to_json() if in_flight is None else {**self.to_json(), "in_flight": int(in_flight)}
+
+    @classmethod
+    def from_query(cls, query) -> Label:
+        """?run=<id>&version=<int>; KeyError or ValueError when either is missing or malformed."""
+        return cls(query["run"], int(query["version"]))
+
+
+def asks_in_flight(query) -> bool:
+    """Whether /update is asked to merge between decoding steps, the completions under way kept."""
+    return query.get("in_flight", "0") == "1"
+
+
+def _fields(shape) -> dict:
+    """A request's or answer's fields as a dict, the lists themselves (dataclasses.asdict would copy every token id
+    and log-prob: seconds for a large batch, on the server's event loop)."""
+    return {field.name: getattr(shape, field.name) for field in fields(shape)}
+
+
+@dataclass(frozen=True)
+class BlocksAsk:
+    """/blocks: the named tensors (`seed` None), or their fingerprints (`sync.fingerprint` with that seed), as every
+    worker holds its blocks, once the weights are a version of `run` at least `min_version` (waiting at most
+    `wait_s`). With `any_run`, weights of another run (or unknown) are answered at once: a comparison finds them."""
+
+    names: list[str]
+    seed: int | None
+    run: str | None
+    min_version: int
+    wait_s: float
+    any_run: bool = False
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(_fields(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BlocksAsk:
+        return cls(**json.loads(data))
+
+
+@dataclass(frozen=True)
+class GenerateAsk:
+    """/generate: n completions of each prompt (token ids), prompt j seeded by seeds[j], at a weight version of `run`
+    at least `min_version` (waiting at most `wait_s`)."""
+
+    prompts: list[list[int]]
+    seeds: list[int]
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop_token_ids: list[int]
+    run: str | None
+    min_version: int
+    wait_s: float
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(_fields(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> GenerateAsk:
+        return cls(**json.loads(data))
+
+
+@dataclass(frozen=True)
+class GenerateAnswer:
+    """The weights' label when the generation started, and per prompt its n samples (in order), each
+    {"token_ids": [...], "logprobs": [...] (the sampler's, one per token), "versions": [[version, start, end], ...]}
+    (the weight versions that drew tokens start..end-1: more than one span where in-flight updates landed)."""
+
+    run: str | None
+    version: int
+    outputs: list[list[dict]]
+
+    def to_json(self) -> dict:
+        return _fields(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> GenerateAnswer:
+        return cls(**data)

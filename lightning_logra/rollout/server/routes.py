@@ -1,0 +1,223 @@
+"""The `/logra/` routes of an engine server (the wire protocol: `rollout/protocol.py`): each a handler at module level
+that reads what it needs from the app's state: vLLM's engine client (`app.state.engine_client`, set by vLLM's
+`init_app_state`) and ours (`app.state.logra`: the token, the body bound and the version gate, set by `install`).
+
+Every route checks the token first, and a body's size and sha256 before it parses it; an update or a load is parsed
+whole before any weight changes. Changes reach the workers (`vllm_worker.py`) through `AsyncLLM.collective_rpc`.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) at definition.
+import asyncio
+import hmac
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from lightning_logra.algo.update import Update
+from lightning_logra.rollout.protocol import (
+    PREFIX,
+    SHA_HEADER,
+    TOKEN_ENV,
+    BlocksAsk,
+    GenerateAnswer,
+    GenerateAsk,
+    Label,
+    asks_in_flight,
+    sha256,
+)
+from lightning_logra.rollout.server.gate import VersionGate
+from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
+
+router = APIRouter(prefix=PREFIX)
+
+
+@dataclass
+class Guard:
+    """What the routes of one server share besides vLLM's engine client."""
+
+    token: str
+    max_body_bytes: int
+    gate: VersionGate = field(default_factory=VersionGate)
+
+
+def install(app: FastAPI, token: str, max_body_bytes: int) -> None:
+    """Mount the routes in `app`, each behind `token`, taking bodies of at most `max_body_bytes`."""
+    app.state.logra = Guard(token, max_body_bytes)
+    app.include_router(router)
+
+
+def _guard(request: Request) -> Guard:
+    return request.app.state.logra
+
+
+def _engine(request: Request):
+    return request.app.state.engine_client
+
+
+def _authorize(request: Request) -> None:
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {_guard(request).token}".encode()):
+        raise HTTPException(HTTPStatus.UNAUTHORIZED, "a /logra/ route needs the server's token "
+                            f"(Authorization: Bearer <${TOKEN_ENV}>)")
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, at most max_body_bytes, and equal to the sha256 it came with."""
+    limit = _guard(request).max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > limit:
+        raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over --max-body-mib ({limit} B)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over --max-body-mib ({limit} B)")
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    if request.headers.get(SHA_HEADER) != sha256(data):
+        raise HTTPException(HTTPStatus.BAD_REQUEST, f"the body's sha256 differs from {SHA_HEADER}: cut short or "
+                            "damaged on the way; nothing was changed")
+    return data
+
+
+def _label(request: Request) -> Label:
+    try:
+        return Label.from_query(request.query_params)
+    except (KeyError, ValueError) as err:
+        raise HTTPException(HTTPStatus.BAD_REQUEST, "give ?run=<id>&version=<int>") from err
+
+
+def _ask(kind: type, data: bytes):
+    """The request's body as `kind` (BlocksAsk, GenerateAsk); 400, naming what is wrong, when it is not one."""
+    try:
+        return kind.from_bytes(data)
+    except (TypeError, ValueError) as err:  # a key missing or unknown, or not JSON at all
+        raise HTTPException(HTTPStatus.BAD_REQUEST, f"not a {kind.__name__}: {err}") from err
+
+
+def _conflict(gate: VersionGate) -> JSONResponse:
+    """409 with the weights' label: the server holds another version than the request needs."""
+    return JSONResponse(gate.label().to_json(), HTTPStatus.CONFLICT)
+
+
+async def _change(request: Request, rpc: str, data: bytes, label: Label, in_flight: bool = False,
+                  on_top: bool = False) -> bool:
+    """Merge or load `data` with every worker, then label the weights. Drained (the default): once no generation of
+    ours is under way and vLLM's own requests have finished (paused "wait"). In flight: between two decoding steps
+    (paused "keep"), the completions under way kept: their tokens so far stay, their KV is computed again with the new
+    weights (vLLM preempts them to empty its prefix cache), and their seeded sampling goes on where it was, so that
+    every later token is a sample of the new weights given the tokens before it. Either way vLLM's engine is told the
+    new version while paused, and labels each token it samples with the version that drew it. With `on_top` (an
+    update), only if the weights are then the version before the label's (the gate's `change`); False if not."""
+    gate, client = _guard(request).gate, _engine(request)
+    async with gate.change(label, in_flight, on_top) as admitted:
+        if not admitted:
+            return False
+        await client.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
+        try:
+            gate.forget()
+            await client.collective_rpc(rpc, args=(data,))
+            # Cached KV blocks were computed with the old weights: none may serve a later token.
+            await client.reset_prefix_cache(reset_running_requests=in_flight)
+            await client.update_weight_version(str(label.version))
+            gate.relabel(label)
+        finally:
+            await client.resume_generation()
+    return True
+
+
+@router.get("/state")
+async def state(request: Request):
+    """The weights' label, and the longest prompt + completion the server takes."""
+    _authorize(request)
+    return {**_guard(request).gate.label().to_json(), "max_model_len": _engine(request).model_config.max_model_len}
+
+
+@router.post("/update")
+async def update(request: Request):
+    """An `Update`'s bytes; merged only on top of the version before it (409 with the server's label if not). With
+    ?in_flight=1, between decoding steps, the completions being generated kept (`_change`)."""
+    _authorize(request)
+    label, gate = _label(request), _guard(request).gate
+    landing = asks_in_flight(request.query_params)
+    data = await _body(request)
+    if not gate.follows(label):
+        return _conflict(gate)
+    try:
+        Update.from_bytes(data)  # parsed whole before any weight changes
+    except Exception as err:
+        raise HTTPException(HTTPStatus.BAD_REQUEST, f"not an Update: {err}") from err
+    if not await _change(request, "logra_apply", data, label, landing, on_top=True):
+        return _conflict(gate)
+    return gate.label().to_json()
+
+
+@router.post("/load")
+async def load(request: Request):
+    """Whole tensors (`sync.pack_tensors`), which leave the weights at the label given."""
+    _authorize(request)
+    label = _label(request)
+    data = await _body(request)
+    try:
+        unpack_tensors(data)
+    except Exception as err:
+        raise HTTPException(HTTPStatus.BAD_REQUEST, f"not safetensors: {err}") from err
+    await _change(request, "logra_load", data, label)
+    return _guard(request).gate.label().to_json()
+
+
+@router.post("/blocks")
+async def blocks(request: Request):
+    """A `BlocksAsk`: the named tensors (or their fingerprints) as every worker holds its blocks, keyed
+    "name|row|col", as safetensors bytes; 409 with the server's label if it does not reach the version in time."""
+    _authorize(request)
+    ask, gate = _ask(BlocksAsk, await _body(request)), _guard(request).gate
+    async with gate.reading(ask.run, ask.min_version, ask.wait_s, ask.any_run) as reached:
+        if not reached:
+            return _conflict(gate)
+        answers = await _engine(request).collective_rpc("logra_blocks", args=(list(ask.names), ask.seed))
+    merged = {}
+    for answer in answers:
+        merged.update(unpack_tensors(answer))
+    return Response(pack_tensors(merged), media_type="application/octet-stream")
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    """A `GenerateAsk`: n completions of each prompt (a `GenerateAnswer`), at a version at least min_version of its
+    run; 409 with the server's label if it does not reach it in time."""
+    _authorize(request)
+    ask, gate = _ask(GenerateAsk, await _body(request)), _guard(request).gate
+    async with gate.generation(ask.run, ask.min_version, ask.wait_s) as reached:
+        if not reached:
+            return _conflict(gate)
+        version = gate.version
+        outputs = await asyncio.gather(*[_complete(_engine(request), ask, prompt, seed, version)
+                                         for prompt, seed in zip(ask.prompts, ask.seeds)])
+    return GenerateAnswer(gate.run, version, outputs).to_json()
+
+
+async def _complete(client, ask: GenerateAsk, prompt: list[int], seed: int, version: int) -> list[dict]:
+    """The n samples of one prompt, each with its tokens, the sampler's log-probs and the versions that drew them."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=ask.n, temperature=ask.temperature, top_p=ask.top_p, max_tokens=ask.max_tokens,
+                            stop_token_ids=ask.stop_token_ids, logprobs=0, seed=seed, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    final = None
+    async for output in client.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+        final = output  # FINAL_ONLY: the one output, when the request is done
+    return [{"token_ids": list(o.token_ids),
+             "logprobs": [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)],
+             "versions": [[_version(s.version, version), s.start, s.end] for s in o.weight_versions or []]}
+            for o in sorted(final.outputs, key=lambda o: o.index)]
+
+
+def _version(label: str, otherwise: int) -> int:
+    """A token's weight version as vLLM labelled it: ours (a number) once this server changed its weights; before
+    that vLLM's "default", the version the request started at."""
+    return int(label) if label.isdigit() else otherwise

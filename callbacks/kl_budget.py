@@ -193,9 +193,7 @@ class PredictedKLBudget(Callback, StepSizeController):
         drawn = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + context.step))
         mine = torch.isin(positions.cpu(), drawn[:size]).nonzero().squeeze(-1)  # ascending: in one process's order
         chosen = rollout.select((mine if mine.numel() else torch.zeros(1, dtype=torch.int64)).to(device))
-        if not mine.numel():
-            chosen.completion_mask = torch.zeros_like(chosen.completion_mask)
-        return chosen
+        return chosen if mine.numel() else chosen.emptied()
 
     def choose_alpha(self, proposal: Update, rollout: Rollout, context: StepContext) -> float:
         start = time.perf_counter()
@@ -255,5 +253,5 @@ def _over_ranks(context: StepContext, kl: torch.Tensor, responses: Rollout) -> f
     drawn from the global batch, what one process measures on the same global batch."""
     if context.world_size == 1:
         return float(kl)
-    tokens = responses.completion_mask.sum().to(kl.dtype)
+    tokens = responses.loss_mask.sum().to(kl.dtype)
     return float(context.sum_over_ranks(kl * tokens) / context.sum_over_ranks(tokens))

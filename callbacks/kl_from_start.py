@@ -83,9 +83,9 @@ class KLFromStart(Callback):
         tokens = torch.zeros((), dtype=torch.float64)
         for rows in torch.arange(rollout.completion_ids.shape[0]).split(self.chunk):
             part = rollout.select(rows.to(rollout.completion_ids.device))
-            count = part.completion_mask.sum().double().cpu()
+            count = part.loss_mask.sum().double().cpu()
             # (no skipping an empty chunk: under FSDP every forward pass is a collective all ranks must run)
-            kl = mean_token_kl(next_tokens(policy, part), next_tokens(self.reference, part), part.completion_mask,
+            kl = mean_token_kl(next_tokens(policy, part), next_tokens(self.reference, part), part.loss_mask,
                                temperature)
             total += kl.cpu() * count
             tokens += count

@@ -215,7 +215,7 @@ def predicted_kl(
     current = next_tokens(policy, responses)
     with low_rank_perturbation(policy, proposal), dense_values(policy, proposal.dense):
         proposed = next_tokens(policy, responses)
-    return mean_token_kl(current, proposed, responses.completion_mask, temperature), current
+    return mean_token_kl(current, proposed, responses.loss_mask, temperature), current
 
 
 @torch.no_grad()
@@ -227,13 +227,13 @@ def intended_kl(
     the merge (with stochastic rounding into bf16 the realized KL adds the rounding noise on top)."""
     with low_rank_perturbation(policy, proposal, alpha), dense_values(policy, proposal.dense, alpha):
         stepped = next_tokens(policy, responses)
-    return mean_token_kl(before, stepped, responses.completion_mask, temperature)
+    return mean_token_kl(before, stepped, responses.loss_mask, temperature)
 
 
 @torch.no_grad()
 def realized_kl(policy: nn.Module, responses: Rollout, before: NextTokens, temperature: float = 1.0) -> torch.Tensor:
     """KL(π_before ‖ π_now) on the same responses, after the update was applied."""
-    return mean_token_kl(before, next_tokens(policy, responses), responses.completion_mask, temperature)
+    return mean_token_kl(before, next_tokens(policy, responses), responses.loss_mask, temperature)
 
 
 def step_scale(q: float, budget: float, alpha_max: float) -> float:

@@ -87,10 +87,10 @@ class ArithPrompts(Dataset):
 
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast, num_hidden_layers: int = 4, intermediate_size: int = 384,
-    max_new_tokens: int = MAX_NEW_TOKENS,
+    max_new_tokens: int = MAX_NEW_TOKENS, max_position_embeddings: int = 32,
 ) -> Qwen2ForCausalLM:
     """The shipped models' architecture with random weights (tests use a smaller depth and MLP; the 3-digit task of
-    `add3.py` answers in up to `max_new_tokens` = 5 tokens)."""
+    `add3.py` answers in up to `max_new_tokens` = 5 tokens; episodes with tools need a longer context)."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -99,7 +99,7 @@ def build_tiny_model(
         num_key_value_heads=2,
         num_hidden_layers=num_hidden_layers,
         intermediate_size=intermediate_size,
-        max_position_embeddings=32,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -17,8 +17,9 @@ import threading
 from collections.abc import Callable
 from typing import Literal
 
+from lightning_logra.base.child import DEFAULT_MEMORY_GIB, check_memory_gib
 from lightning_logra.base.settings import check_positive
-from lightning_logra.rewards.processes import DEFAULT_MEMORY_GIB, CheckPool, check_memory_gib
+from lightning_logra.rewards.processes import CheckPool
 
 RewardFn = Callable[..., list[float | None]]
 BUILTIN: dict[str, RewardFn] = {}  # the built-in rewards by the names a config gives them

@@ -8,8 +8,9 @@ import inspect
 import math
 from dataclasses import dataclass
 
+from lightning_logra.base.child import DEFAULT_MEMORY_GIB, check_memory_gib
 from lightning_logra.rewards.builtin import BUILTIN, RewardFn
-from lightning_logra.rewards.processes import DEFAULT_MEMORY_GIB, TimedReward, check_memory_gib
+from lightning_logra.rewards.processes import TimedReward
 
 
 def import_reward(path: str) -> RewardFn:

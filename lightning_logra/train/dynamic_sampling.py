@@ -123,7 +123,7 @@ class DynamicSampling:
             return kept, metrics
         # Others keep groups, this rank none: one group whose tokens count zero keeps its passes in step with theirs
         idle = first.groups(torch.zeros(1, dtype=torch.long), self.group_size)
-        idle.rollout.completion_mask = torch.zeros_like(idle.rollout.completion_mask)
+        idle.rollout = idle.rollout.emptied()
         idle.per_reward = torch.full_like(idle.per_reward, float("nan"))  # no reward of it reaches the metrics
         idle.positions = torch.zeros(0, dtype=torch.long)  # none of its rows is in one process's batch
         return idle, metrics

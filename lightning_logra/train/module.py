@@ -37,6 +37,8 @@ from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
+from lightning_logra.episodes.metrics import environment_rewards, episode_metrics
+from lightning_logra.episodes.settings import check_episode_settings, episode_tokens, multi_turn
 from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import (
     DEFAULT_MEMORY_GIB,
@@ -106,6 +108,7 @@ def _check_settings(hp: Any) -> None:
     check_positive("model.max_unlearnable_steps", hp.max_unlearnable_steps, "number of steps", integer=True,
                    null="never stop")
     OptimizerSpec.parse(hp.get("optimizer"))  # the class imports and takes its init_args
+    check_episode_settings(hp)
     if hp.target_modules is not None and not hp.target_modules:
         raise ValueError("model.target_modules is empty: name the linear layers the dense baseline trains, e.g. "
                          "[q_proj, v_proj], or leave it null to train every parameter")
@@ -252,6 +255,29 @@ class RLVRModule(LightningModule):
         entropy_coef: the weight of an entropy bonus (verl's `entropy_coeff`): the loss subtracts
             entropy_coef × the policy's token entropy, weighed per token as the policy-gradient term, its
             gradient taken from the same chunks as the log-probs (no full-vocabulary logits). 0: off.
+        max_turns: the most turns of a multi-turn episode (docs/multi-turn.md): the model's turns, each followed by
+            the environment's answer (tool answers, or an observation), carried as token ids; the loss counts only
+            the tokens the engine sampled. 1 (the default) samples one completion per prompt, as without tools.
+        tools: plain functions the model may call, by dotted path (`pkg.module.fn`; TRL's `tools`): their type
+            hints and docstrings give the schemas the chat template shows. Needs model.max_turns > 1 for the model to
+            read their answers.
+        environment_factory: a class, by dotted path (or class_path and init_args), one instance of which each
+            episode talks to (TRL's `environment_factory`): `reset(**row)` gets the dataset row and may return text
+            added to the prompt, its public methods are the tools, and an optional `reward()` is the episode's own
+            reward (`model.reward: environment`). `lightning_logra.episodes.GymAdapter` (init_args env, env_args)
+            takes a gym-like text environment (`reset(seed, **row)`, `step(action)`). Made and called in environment
+            processes, never in the trainer's.
+        max_episode_tokens: the most completion-side tokens of an episode, sampled and the environment's together
+            (None: max_turns × max_new_tokens); an answer that would not leave room ends the episode.
+        tool_timeout_s: the deadline of each tool call (and of an environment's reset, step and reward): past it the
+            model reads that the call timed out, and the environment process is replaced.
+        episode_timeout_s: after this many seconds a batch's episodes take no further turn (None: no deadline).
+        invalid_tool_call: what a call that cannot be read (an unclosed tag, JSON that does not parse) does:
+            `answer` (the model reads why, as the call's answer, and goes on) or `end` (the episode ends there);
+            counted either way (`episodes/invalid_calls`).
+        environment_workers: the environment processes (episodes are shared out over them).
+        environment_memory_gib: the address space, in GiB, each environment process may map beyond what it holds
+            once started (None: no limit).
     """
     def __init__(
         self,
@@ -299,6 +325,15 @@ class RLVRModule(LightningModule):
         mask_truncated_completions: bool = False,
         entropy_coef: float = 0.0,
         eval_num_samples: int = 1,
+        max_turns: int = 1,
+        tools: list[str] | None = None,
+        environment_factory: str | dict[str, Any] | None = None,
+        max_episode_tokens: int | None = None,
+        tool_timeout_s: float = 30.0,
+        episode_timeout_s: float | None = 600.0,
+        invalid_tool_call: Literal["answer", "end"] = "answer",
+        environment_workers: int = 2,
+        environment_memory_gib: float | None = DEFAULT_MEMORY_GIB,
     ) -> None:
         super().__init__()
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
@@ -389,6 +424,8 @@ class RLVRModule(LightningModule):
         evaluating = stage != "fit" and self.hparams.eval_max_new_tokens is not None
         new_tokens_key = "model.eval_max_new_tokens" if evaluating else "model.max_new_tokens"
         new_tokens = (self.sampling if stage == "fit" else self.eval_sampling).max_new_tokens
+        if multi_turn(self.hparams):  # an episode's turns and answers follow the prompt
+            new_tokens_key, new_tokens = "model.max_episode_tokens", episode_tokens(self.hparams)
         if context - new_tokens < 1:
             raise ValueError(f"{new_tokens_key}={new_tokens} leaves no room for a prompt in the model's context of "
                              f"{context} tokens ({context_key}): set {new_tokens_key} below {context}, or {longer}")
@@ -444,8 +481,9 @@ class RLVRModule(LightningModule):
         model.max_new_tokens (no stop token) have no token that counts (TRL's `mask_truncated_completions`)."""
         if not self.hparams.mask_truncated_completions:
             return rollout
-        cut = ~rollout.terminated(self.stop_token_ids())  # (N,)
-        return replace(rollout, completion_mask=rollout.completion_mask * ~cut[:, None])
+        kept = ~rollout.terminated(self.stop_token_ids())[:, None]  # (N, 1): not cut
+        sampled = None if rollout.sampled_mask is None else rollout.sampled_mask * kept
+        return replace(rollout, completion_mask=rollout.completion_mask * kept, sampled_mask=sampled)
 
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
         """n completions of each prompt of `batch`, on this process's device (`Rollouts.engine_call`)."""
@@ -454,11 +492,15 @@ class RLVRModule(LightningModule):
     def score(self, batch: dict[str, list[Any]], rollout: Rollout, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
         completion_ids = completion_token_lists(rollout)
-        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
-            # TRL's conversational form
-            completions = [[{"role": "assistant", "content": text}] for text in completions]
         columns = {key: values for key, values in batch.items() if key != "prompt_ids"}
+        if rollout.sampled_mask is not None:  # episodes: each a conversation, its last message the final answer
+            completions = self.rollouts.episodes.conversations(rollout)
+            columns["environment_reward"] = environment_rewards(rollout)
+        else:
+            completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
+                # TRL's conversational form
+                completions = [[{"role": "assistant", "content": text}] for text in completions]
         rewards, per_reward = score(self.rewards, columns, completions, completion_ids, n, self.global_step)
         return rewards.to(self.device), per_reward.to(self.device)
 
@@ -471,9 +513,10 @@ class RLVRModule(LightningModule):
         estimate of KL(π_θ ‖ π_0) (`losses.reference_kl`) over the batch's completion tokens."""
         hp = self.hparams
         # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
-        total_tokens = self.sum_over_ranks(rollout.completion_mask.sum().float())
+        total_tokens = self.sum_over_ranks(rollout.loss_mask.sum().float())  # the sampled ones: what the loss counts
         total_sequences = int(self.sum_over_ranks(torch.tensor(float(len(advantages)), device=self.device)))
-        weights = token_weights(rollout.completion_mask, hp.loss_type, hp.max_new_tokens, total_tokens,
+        longest = episode_tokens(hp) if multi_turn(hp) else hp.max_new_tokens  # dr_grpo's constant normalizer
+        weights = token_weights(rollout.loss_mask, hp.loss_type, longest, total_tokens,
                                 total_sequences)  # (N, C)
         # A sample with zero advantage contributes exactly zero policy gradient: leave it out of the backward passes —
         # unless every pass is a collective (a DDP wrapper, FSDP), where all ranks must run the same number of them,
@@ -490,8 +533,7 @@ class RLVRModule(LightningModule):
                 rows = micro[index]
                 stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows]))
             else:  # this rank's rows ran out (dynamic sampling kept fewer here): a row whose tokens count zero
-                idle = rollout.select(torch.zeros(1, dtype=torch.long, device=self.device))
-                idle = replace(idle, completion_mask=torch.zeros_like(idle.completion_mask))  # (1, w ≥ 1)
+                idle = rollout.select(torch.zeros(1, dtype=torch.long, device=self.device)).emptied()  # (1, w ≥ 1)
                 stats = stats.add(self.forward_backward(idle, torch.zeros_like(weights[:1]), advantages[:1] * 0))
         stats = stats.reduce(self.sum_over_ranks, self.max_over_ranks)
         metrics = {"train/entropy": stats.entropy / stats.tokens}
@@ -510,17 +552,18 @@ class RLVRModule(LightningModule):
         objective, clip = get_loss(hp.loss_type), Clip(hp.epsilon, hp.epsilon_high)
         # gspo and cispo take their ratio against the sampler themselves: no second correction on top
         is_cap = None if objective.own_ratio else hp.is_cap
-        mask, width = micro.completion_mask, micro.completion_ids.shape[1]  # (m, w)
+        # (m, w) the tokens the policy reads (attention) and, of them, those it sampled (every token sum counts these)
+        present, mask, width = micro.completion_mask, micro.loss_mask, micro.completion_ids.shape[1]
         if hp.beta > 0:
             # The reference's log-probs first: its forward pass's transients are gone before the policy's, whose
             # activations are kept for the backward pass, are built. Same tokens, temperature and chunking.
             with torch.no_grad():
                 ref_logprobs, _ = completion_logprobs(self.reference, micro.prompt_ids, micro.prompt_mask,
-                                                      micro.completion_ids, mask, hp.temperature,
+                                                      micro.completion_ids, present, hp.temperature,
                                                       hp.logprob_chunk_tokens)  # (m, w)
         # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
         logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
-                                                      micro.completion_ids, mask, hp.temperature,
+                                                      micro.completion_ids, present, hp.temperature,
                                                       hp.logprob_chunk_tokens, entropy_grad=hp.entropy_coef > 0)
         is_weight, mismatch = importance_weights(logprobs.detach(), micro.sampler_logprobs, mask, is_cap,
                                                  hp.is_mode)  # (m, w)
@@ -611,6 +654,7 @@ class RLVRModule(LightningModule):
             "train/tokens_per_s": lengths.sum() / step_s,
             "train/step_s": step_s,
             **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
+            **episode_metrics(rollout),
             **metrics,
         }
         # Over every rank's samples, exactly: with dynamic sampling the ranks may hold different numbers of them, and

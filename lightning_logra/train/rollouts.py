@@ -24,6 +24,8 @@ from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.hashing import prompt_seeds
 from lightning_logra.base.stop import StopRequested
+from lightning_logra.episodes import EpisodeRunner
+from lightning_logra.episodes.settings import episode_runner
 from lightning_logra.paths import model_path
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
@@ -51,6 +53,8 @@ class Rollouts:
         # Generation overlapped with the update, during a fit; and what a checkpoint had in flight, until it starts.
         self.pipeline: RolloutPipeline | None = None
         self._in_flight: list[dict[str, Any]] = []
+        # Multi-turn episodes (model.tools / model.environment_factory), drawn over the engine; None: one turn
+        self.episodes: EpisodeRunner | None = None
 
     # ---- the engine's life ------------------------------------------------------------------------------------------
 
@@ -58,6 +62,9 @@ class Rollouts:
         """The in-process engine when none is configured; an engine with weights of its own is started from the
         model's files (one per rank, beside that rank's trainer)."""
         module = self.module
+        if self.episodes is None:
+            self.episodes = episode_runner(module.hparams, module.tokenizer, module.stop_token_ids(),
+                                           pad_token_id(module.tokenizer))
         if self.engine is None:
             self.engine = HFEngine(module.policy, module.stop_token_ids(), pad_token_id(module.tokenizer),
                                    all_finished=module.collectives.all_finished)
@@ -140,6 +147,8 @@ class Rollouts:
             self.pipeline = None
         if self.engine is not None and not self.engine.samples_from(self.module.policy):
             self.engine.close()
+        if self.episodes is not None:
+            self.episodes.close()  # the environment processes; started again by the next use
 
     # ---- samples ----------------------------------------------------------------------------------------------------
 
@@ -182,6 +191,8 @@ class Rollouts:
         # (a module without a Trainer, evaluating by hand, draws round 0 only)
         first = (round * module.trainer.world_size + rank) * count if round else rank * count
         seeds = prompt_seeds(module.hparams.seed, step, first, count)
+        if self.episodes is not None:  # each episode's first prompt is rendered with the tools it may call
+            return partial(self.episodes.run, self.engine, batch, n, sampling, seeds)
         # Token ids come with the batch when the data module tokenized the prompts.
         prompt_ids = batch.get("prompt_ids") or module.encode_prompts(batch["prompt"])
         return partial(self.engine.generate, prompt_ids, n, sampling, seeds)
@@ -217,7 +228,7 @@ class Rollouts:
         module = self.module
         if module.hparams.max_staleness == 0:
             return {}
-        tokens = rollout.completion_mask.bool()  # (N, C)
+        tokens = rollout.loss_mask.bool()  # (N, C) the sampled tokens
         rows = staleness.to(module.device)[:, None].expand_as(tokens)[tokens]
         if rollout.in_flight_updates is None:
             ages, newer = rows, torch.zeros_like(rows)

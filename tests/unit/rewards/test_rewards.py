@@ -278,8 +278,8 @@ def test_a_reward_process_may_map_model_reward_memory_gib_beyond_its_start(tiny_
 def test_the_memory_limit_stays_under_a_hard_limit_of_the_shell():
     # `ulimit -v` sets a hard limit, which the soft limit may not exceed: the limit is capped at it, not refused.
     hard = 64 * GIB
-    script = ("import resource; from lightning_logra.rewards.processes import _limit_address_space; "
-              "_limit_address_space(1000.0); print(*resource.getrlimit(resource.RLIMIT_AS))")
+    script = ("import resource; from lightning_logra.base.child import limit_address_space; "
+              "limit_address_space(1000.0); print(*resource.getrlimit(resource.RLIMIT_AS))")
 
     def limit_the_child():
         import resource

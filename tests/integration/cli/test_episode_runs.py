@@ -1,0 +1,34 @@
+"""Multi-turn episodes through the command line: a fit with tools draws episodes over the in-process engine, trains,
+evaluates and logs what the episodes did."""
+
+import math
+
+import pytest
+
+from lightning_logra.data.arith import build_tiny_model
+from lightning_logra.data.tool_task import build_tool_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> str:
+    """A random tiny Qwen2 over the tool task's tokenizer (its chat template renders tool calls and answers)."""
+    path = tmp_path_factory.mktemp("tool_model")
+    tokenizer = build_tool_tokenizer()
+    build_tiny_model(tokenizer, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256
+                     ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", ["sketch", "dense"])
+def test_a_fit_with_tools_draws_episodes_trains_and_logs_them(run_cli, tool_model, strategy):
+    extra = [] if strategy == "sketch" else ["--trainer.strategy", "auto", "--model.lr", "1e-3"]
+    cli = run_cli("configs/tiny_arith.yaml", "--model.tools", '["bad_envs.add"]', "--model.max_turns", "3",
+                  "--model.max_new_tokens", "10", "--model.max_episode_tokens", "48", "--model.reward", "exact_match",
+                  *extra, model=tool_model)  # episodes are conversations: a reward reads the last message
+    metrics = cli.trainer.logged_metrics
+    assert cli.trainer.global_step == 2
+    assert metrics["episodes/turns"] >= 1 and metrics["episodes/sampled_tokens"] > 0
+    for key in ("episodes/tool_calls", "episodes/tool_errors", "episodes/invalid_calls", "episodes/environment_s",
+                "episodes/environment_tokens", "train/reward_mean", "val/pass@1"):
+        assert math.isfinite(float(metrics[key])), key

@@ -1,0 +1,159 @@
+"""Multi-turn episodes over a scripted engine: token in, token out (the ids trained are the ids sampled, the
+environment's between them masked out), the environment contract (tools, TRL-style classes, gym-like text
+environments), and faults (a tool that raises, hangs or answers 10 MB) that end or answer an episode without stopping
+the batch."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from lightning_logra.base.batch import EPISODE_COLUMNS, Rollout
+from lightning_logra.data.tool_task import build_tool_tokenizer
+from lightning_logra.episodes.processes import spec_from_settings
+from lightning_logra.episodes.runner import EpisodeRunner, EpisodeSettings
+from lightning_logra.episodes.template import TurnTemplate, check_template
+from lightning_logra.rollout import SamplingParams
+
+CALL = '<tool_call>{{"name": "{name}", "arguments": {{"{arg}": {value}}}}}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers each prompt with the next turn of a script chosen by its prompt's text: turn k is the k-th item
+    (the number of assistant headers in the prompt, less one). Log-probs are -0.5 a token."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]) -> None:
+        self.tokenizer, self.scripts, self.calls = tokenizer, scripts, []
+
+    def generate(self, prompt_ids, n, sampling, seeds):
+        assert n == 1
+        self.calls.append((len(prompt_ids), sampling.max_new_tokens, list(seeds)))
+        rows = []
+        for ids in prompt_ids:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            question = text.split("<a>")[0]  # the first user message picks the script
+            script = next(s for key, s in self.scripts.items() if key in question)
+            turn = self.tokenizer.encode(script[text.count("<a>") - 1], add_special_tokens=False)
+            rows.append((turn + [self.tokenizer.eos_token_id])[: sampling.max_new_tokens])
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        prompt = torch.zeros(len(rows), 1, dtype=torch.long)
+        return Rollout(prompt, torch.ones_like(prompt), ids, mask, -0.5 * mask.float())
+
+
+def runner(tokenizer, *, tools=None, environment=None, max_turns=3, budget=400, timeout_s=5.0, workers=2):
+    spec = spec_from_settings(environment, tools, "answer", 32 * budget)
+    return EpisodeRunner(EpisodeSettings(max_turns, budget, timeout_s, None), spec, tokenizer,
+                         [tokenizer.eos_token_id], tokenizer.pad_token_id, workers=workers, memory_gib=None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tool_tokenizer()
+
+
+def test_the_next_turn_is_the_prompt_the_sampled_ids_and_the_answer_ids_never_re_encoded(tokenizer):
+    episodes = runner(tokenizer, tools=["bad_envs.add"])
+    engine = ScriptedEngine(tokenizer, {"2+3": [CALL.format(name="add", arg="a", value=2)[:-12].replace(
+        '"a": 2}', '"a": 2, "b": 3}') + "</tool_call>", "5"]})
+    try:
+        rollout = episodes.run(engine, {"prompt": ["2+3"], "answer": ["5"]}, 2, SamplingParams(max_new_tokens=80),
+                               [11])
+    finally:
+        episodes.close()
+    eos = tokenizer.eos_token_id
+    call = tokenizer.encode('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+                            add_special_tokens=False) + [eos]
+    answer = tokenizer.encode("<t>5<a>", add_special_tokens=False)
+    final = tokenizer.encode("5", add_special_tokens=False) + [eos]
+    expected = call + answer + final
+    for row in range(2):
+        length = int(rollout.completion_mask[row].sum())
+        assert rollout.completion_ids[row, :length].tolist() == expected
+        assert rollout.loss_mask[row, :length].tolist() == [1] * len(call) + [0] * len(answer) + [1] * len(final)
+        assert rollout.sampler_logprobs[row, :length].tolist() == [-0.5 * m for m in rollout.loss_mask[row, :length]]
+    prompt = tokenizer.decode(rollout.prompt_ids[0][rollout.prompt_mask[0].bool()], skip_special_tokens=False)
+    assert prompt == "<u>2+3<a>"
+    stats = dict(zip(EPISODE_COLUMNS, rollout.episodes[0].tolist()))
+    assert (stats["turns"], stats["tool_calls"], stats["tool_errors"], stats["invalid_calls"]) == (2, 1, 0, 0)
+    assert math.isnan(stats["environment_reward"])
+    # The two episodes of the prompt are seeded apart, turn by turn: (2 episodes, 80 tokens), then the second turn
+    assert [c[:2] for c in engine.calls] == [(2, 80), (2, 80)] and len(set(engine.calls[0][2])) == 2
+    conversation = episodes.conversations(rollout)[0]
+    assert [m["role"] for m in conversation] == ["assistant", "tool", "assistant"]
+    assert conversation[-1]["content"] == "5" and conversation[1]["content"] == "5"
+
+
+def test_an_environment_class_resets_from_the_row_and_rewards_its_episode(tokenizer):
+    episodes = runner(tokenizer, environment="bad_envs.Counter")
+    bump = CALL.format(name="bump", arg="by", value=2)
+    engine = ScriptedEngine(tokenizer, {"go": [bump, bump + bump, "done"]})
+    try:
+        rollout = episodes.run(engine, {"prompt": ["go"], "answer": ["7"]}, 1, SamplingParams(max_new_tokens=200),
+                               [3])
+    finally:
+        episodes.close()
+    prompt = tokenizer.decode(rollout.prompt_ids[0], skip_special_tokens=False)
+    assert prompt.endswith("<u>go (answer 7)<a>")  # reset's text added to the user message
+    stats = dict(zip(EPISODE_COLUMNS, rollout.episodes[0].tolist()))
+    # turn 1 one call, turn 2 two calls (run at once), turn 3 the answer; the reward counts 2 + 2 + 2
+    assert (stats["turns"], stats["tool_calls"], stats["environment_reward"]) == (3, 3, 6.0)
+    text = tokenizer.decode(rollout.completion_ids[0], skip_special_tokens=False)
+    assert "<t>count 2 in" in text and text.count("<t>") == 3
+
+
+def test_a_tool_that_raises_hangs_or_floods_answers_or_ends_its_episode_and_the_batch_goes_on(tokenizer):
+    # a process each: the hung call's process is replaced after the batch, and the others' episodes go on
+    episodes = runner(tokenizer, environment="bad_envs.Faulty", budget=300, timeout_s=2.0, workers=4)
+    engine = ScriptedEngine(tokenizer, {
+        "raise": [CALL.format(name="fail", arg="x", value=1), "ok"],
+        "hang": [CALL.format(name="hang", arg="x", value=1), "ok"],
+        "flood": [CALL.format(name="flood", arg="x", value=1), "ok"],
+        "nonsense": ["<tool_call>{not json</tool_call>", CALL.format(name="nope", arg="x", value=1), "ok"],
+    })
+    start = time.monotonic()
+    try:
+        rollout = episodes.run(engine, {"prompt": ["raise", "hang", "flood", "nonsense"], "answer": ["", "", "", ""]},
+                               1, SamplingParams(max_new_tokens=80), [1, 2, 3, 4])
+    finally:
+        episodes.close()
+    assert time.monotonic() - start < 30  # the hung call cost its deadline, not the 600 s it sleeps
+    stats = [dict(zip(EPISODE_COLUMNS, row.tolist())) for row in rollout.episodes]
+    texts = [tokenizer.decode(row, skip_special_tokens=False) for row in rollout.completion_ids]
+    assert "<t>error: RuntimeError: broken on 1<a>ok" in texts[0] and stats[0]["tool_errors"] == 1
+    # The hung call's episode: told it timed out; its process replaced after the batch, so the episode ends there
+    assert texts[1].endswith("<t>error: the call timed out after 2 s<a>ok<eos>") or \
+        "<t>error: the call timed out after 2 s<a>" in texts[1]
+    assert stats[1]["tool_errors"] >= 1
+    # 10 MB cut to what the episode's budget can hold: no answer fits, the episode ends after its call
+    assert stats[2]["turns"] == 1 and int(rollout.completion_mask[2].sum()) < 300
+    assert stats[3]["invalid_calls"] == 1 and "error: the call is not JSON" in texts[3]
+    assert stats[3]["tool_errors"] >= 1 and "there is no tool named 'nope'" in texts[3]
+
+
+def test_a_gym_like_environment_takes_each_turn_as_its_action(tokenizer):
+    episodes = runner(tokenizer, environment={"class_path": "lightning_logra.episodes.GymAdapter",
+                                              "init_args": {"env": "bad_envs.Echo"}}, max_turns=4)
+    engine = ScriptedEngine(tokenizer, {"hi": ["one", "two", "three"]})
+    try:
+        rollout = episodes.run(engine, {"prompt": ["hi"]}, 1, SamplingParams(max_new_tokens=20), [5])
+    finally:
+        episodes.close()
+    text = tokenizer.decode(rollout.completion_ids[0], skip_special_tokens=False)
+    assert text.startswith("one<eos><u>you said one<a>two<eos>") and "three" not in text  # done after two steps
+    stats = dict(zip(EPISODE_COLUMNS, rollout.episodes[0].tolist()))
+    assert (stats["turns"], stats["environment_reward"]) == (2, 2.0)
+
+
+def test_a_template_that_drops_earlier_reasoning_is_refused(tokenizer):
+    template = TurnTemplate(tokenizer, None, [tokenizer.eos_token_id])
+    check_template(template, "tool")  # the shipped one keeps every turn
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "<a>{{ m.content }}<eos>", "<a>{{ m.content.split('</think>')[-1] if loop.last is false else m.content }}<eos>")
+    try:
+        with pytest.raises(ValueError, match="drops the earlier turn's reasoning"):
+            check_template(TurnTemplate(tokenizer, None, [tokenizer.eos_token_id]), "tool")
+    finally:
+        tokenizer.chat_template = build_tool_tokenizer().chat_template

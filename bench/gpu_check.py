@@ -129,10 +129,10 @@ class Plan:
             method_timeout_s=300, tests_timeout_s=300,
             kl_shape="tiny", kl_rank=16,
             kl_batch=dict(batch=4, group=4, micro_batch=2, prompt_len=8, completion_len=8),
-            kl_steps=3, kl_budget_s=120,
-            arith_steps=3, arith_budget_s=300,
+            kl_steps=2, kl_budget_s=120,
+            arith_steps=2, arith_budget_s=300,
             full_load_shape="tiny", full_load_repeats=2,
-            colocated_steps=3, colocated_timeout_s=300,
+            colocated_steps=2, colocated_timeout_s=300,
         )
 
 

@@ -3,8 +3,9 @@
     python bench/tasks.py --survey     # the base model's pass@8 on 14 candidate tasks (one `validate`, ~10 min)
     python bench/tasks.py              # the comparison on configs/smollm2_reasoning.yaml's tasks (60 steps a row,
                                        # one seed)
-    python bench/tasks.py --quick      # 2 candidate tasks, and every row for 1 step on 2 held-out items per task,
-                                       # the policy generating (no vLLM engine): checks the script (CI)
+    python bench/tasks.py --quick      # 2 candidate tasks, and every row for 1 step (groups of 4) on 2 held-out
+                                       # items per task, the policy generating (no vLLM engine): checks the script
+                                       # (CI)
 
 The model is SmolLM2-135M-Instruct (`lightning-logra fetch smollm2-135m-instruct`; Q4_1 weights dequantized), the
 tasks reasoning-gym's (`lightning_logra.data.reasoning_gym`), each scored by its own scorer on the answer the
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
     if args.quick:
-        args.steps, args.seeds, args.eval_size, args.survey_size, args.kl_prompts = 1, 1, 2, 2, 4
+        args.steps, args.seeds, args.eval_size, args.survey_size, args.kl_prompts = 1, 1, 2, 2, 2
     grid.positive(args, "steps", "seeds", "eval_size", "survey_size", "kl_prompts")
     if not args.logra_kl > 0:  # NaN too
         raise SystemExit(f"--logra-kl must be a positive KL per step, got {args.logra_kl}")
@@ -147,8 +148,8 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     callbacks = [{"class_path": "lightning_logra.callbacks.KLFromStart",
                   "init_args": {"prompts": args.kl_prompts, "samples": 4}},
                  kinds["PredictedKLBudget"] if run["method"] == "logra" else kl_logger(), kinds["MemoryProfiler"]]
-    if args.quick:  # the policy generates: no engine to start, and no reward process
-        model["engine"], model["reward_timeout_s"] = None, None
+    if args.quick:  # the policy generates: no engine to start, and no reward process; groups of 4 (a CI check)
+        model["engine"], model["reward_timeout_s"], model["num_generations"] = None, None, 4
     else:
         callbacks.append(kinds["RolloutWeightSync"])
     trainer["callbacks"] = callbacks

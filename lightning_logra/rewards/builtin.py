@@ -55,6 +55,18 @@ def exact_match(prompts: list, completions: list[Completion], answer: list[str],
             for completion, gold in zip(completions, answer, strict=True)]
 
 
+@builtin_reward("environment")
+def environment(prompts: list, completions: list[Completion], environment_reward: list[float | None] | None = None,
+                **_: object) -> list[float | None]:
+    """The episode's own reward, from its environment's `reward()` (multi-turn episodes, docs/multi-turn.md); None
+    where it has none (nothing is learned from that episode by this reward)."""
+    if environment_reward is None:
+        raise ValueError("model.reward: environment scores an episode with its environment's reward(), and these "
+                         "completions come from no environment: set model.environment_factory to a class with a "
+                         "reward method (and model.max_turns), or choose another reward")
+    return list(environment_reward)
+
+
 # The last line that starts with "Answer:", the form DAPO-Math's prompts ask for ("Answer: $Answer" on its own
 # line). Markdown bold around the label ("**Answer:** 12") is common enough in model output to accept.
 _ANSWER_LINE = re.compile(r"^[ \t*]*answer[ \t*]*:[ \t*]*(.+?)[ \t]*$", re.IGNORECASE | re.MULTILINE)

@@ -18,15 +18,16 @@ log = logging.getLogger(__name__)
 
 
 def score(rewards: list[Reward], batch: dict[str, list[Any]], completions: list[Any], completion_ids: list[list[int]],
-          n: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+          n: int, step: int, per_sample: dict[str, list[Any]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every reward of `rewards` on the batch's completions (n per prompt, in order). Returns the total rewards
     (N,) and each reward's (N, F), NaN where it returned None.
 
     TRL's reward signature: the prompts (whatever the batch's prompt column holds: text, or messages), the
     completions, their token ids without padding (a stop token included), and every other column, each repeated per
-    sample so that the reward sees lists aligned with the completions."""
+    sample so that the reward sees lists aligned with the completions; and `per_sample`'s columns, one value per
+    completion already (an episode's environment reward)."""
     count = len(batch["prompt"])
-    columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()}
+    columns = {key: [v for v in values for _ in range(n)] for key, values in batch.items()} | (per_sample or {})
     prompts = columns.pop("prompt")
     outputs = [r.fn(prompts, completions, completion_ids=completion_ids, **columns) for r in rewards]
     total, per_reward, missing, dropped = reward_tensor(outputs, [r.name for r in rewards], [r.weight for r in rewards],

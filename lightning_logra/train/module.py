@@ -481,7 +481,7 @@ class RLVRModule(LightningModule):
         model.max_new_tokens (no stop token) have no token that counts (TRL's `mask_truncated_completions`)."""
         if not self.hparams.mask_truncated_completions:
             return rollout
-        kept = ~rollout.terminated(self.stop_token_ids())[:, None]  # (N, 1): not cut
+        kept = rollout.terminated(self.stop_token_ids())[:, None]  # (N, 1): ended with a stop token, not cut
         sampled = None if rollout.sampled_mask is None else rollout.sampled_mask * kept
         return replace(rollout, completion_mask=rollout.completion_mask * kept, sampled_mask=sampled)
 
@@ -493,15 +493,17 @@ class RLVRModule(LightningModule):
         """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
         completion_ids = completion_token_lists(rollout)
         columns = {key: values for key, values in batch.items() if key != "prompt_ids"}
+        per_sample = None
         if rollout.sampled_mask is not None:  # episodes: each a conversation, its last message the final answer
             completions = self.rollouts.episodes.conversations(rollout)
-            columns["environment_reward"] = environment_rewards(rollout)
+            per_sample = {"environment_reward": environment_rewards(rollout)}
         else:
             completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
                 # TRL's conversational form
                 completions = [[{"role": "assistant", "content": text}] for text in completions]
-        rewards, per_reward = score(self.rewards, columns, completions, completion_ids, n, self.global_step)
+        rewards, per_reward = score(self.rewards, columns, completions, completion_ids, n, self.global_step,
+                                    per_sample)
         return rewards.to(self.device), per_reward.to(self.device)
 
     def accumulate_gradients(self, rollout: Rollout, advantages: torch.Tensor

@@ -21,6 +21,8 @@ LAYERS = {
     "base": (),
     "sketch": ("base",),
     "algo": ("base", "sketch"),
+    # episodes run over any engine through its generate call, and know nothing of the training (module, modes)
+    "episodes": ("base",),
 }
 
 

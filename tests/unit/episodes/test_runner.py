@@ -11,9 +11,11 @@ import torch
 
 from lightning_logra.base.batch import EPISODE_COLUMNS, Rollout
 from lightning_logra.data.tool_task import build_tool_tokenizer
+from lightning_logra.episodes.metrics import environment_rewards
 from lightning_logra.episodes.processes import spec_from_settings
 from lightning_logra.episodes.runner import EpisodeRunner, EpisodeSettings
 from lightning_logra.episodes.template import TurnTemplate, check_template
+from lightning_logra.rewards import BUILTIN
 from lightning_logra.rollout import SamplingParams
 
 CALL = '<tool_call>{{"name": "{name}", "arguments": {{"{arg}": {value}}}}}</tool_call>'
@@ -102,6 +104,10 @@ def test_an_environment_class_resets_from_the_row_and_rewards_its_episode(tokeni
     assert (stats["turns"], stats["tool_calls"], stats["environment_reward"]) == (3, 3, 6.0)
     text = tokenizer.decode(rollout.completion_ids[0], skip_special_tokens=False)
     assert "<t>count 2 in" in text and text.count("<t>") == 3
+    # `model.reward: environment` scores with it; completions from no environment are refused, naming the setting
+    assert BUILTIN["environment"]([], [], environment_reward=environment_rewards(rollout)) == [6.0]
+    with pytest.raises(ValueError, match="model.environment_factory"):
+        BUILTIN["environment"]([], ["text"])
 
 
 def test_a_tool_that_raises_hangs_or_floods_answers_or_ends_its_episode_and_the_batch_goes_on(tokenizer):

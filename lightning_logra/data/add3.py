@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from lightning_logra.base.hashing import mix64
+from lightning_logra.base.hashing import hash_split
 
 ADD3_DIR: Path = Path(__file__).resolve().parent / "add3"
 
@@ -44,11 +44,7 @@ def reversed_sum(a: int, b: int) -> str:
 def split_indices(split: str) -> torch.Tensor:
     """The indices (int64, ascending) of the operand pairs in `split`; index i is the pair (100 + i // 900,
     100 + i % 900)."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    index = torch.arange(_PAIRS, dtype=torch.int64)  # (810000,)
-    held_out = mix64(index ^ _SPLIT_SALT) % _EVAL_ONE_IN == 0  # (810000,) bool
-    return index[held_out] if split == "eval" else index[~held_out]
+    return hash_split(_PAIRS, split, _SPLIT_SALT, _EVAL_ONE_IN)
 
 
 def example(index: int) -> dict[str, str]:

@@ -26,6 +26,7 @@ from lightning_logra.base.settings import check_positive
 from lightning_logra.data.add3 import Add3Prompts
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.prompts import LOCAL_FORMATS, DatasetSource, PromptDataset
+from lightning_logra.data.tool_task import ToolPrompts
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,18 @@ class Add3DataModule(ArithDataModule):
 
     def make_eval_set(self, stage: str) -> Dataset:
         return Add3Prompts("eval", self.eval_limit)
+
+
+class ToolTaskDataModule(ArithDataModule):
+    """The embedded multi-turn task (`lightning_logra/data/tool_task.py`): products of two 3-digit numbers, which the
+    model gets right by calling a `multiply` tool; 808,007 train pairs and a held-out split of 1,993 (validate and
+    test; `eval_limit` keeps its first pairs)."""
+
+    def make_train_set(self) -> Dataset:
+        return ToolPrompts("train")
+
+    def make_eval_set(self, stage: str) -> Dataset:
+        return ToolPrompts("eval", self.eval_limit)
 
 
 class PromptDataModule(RLVRDataModule):

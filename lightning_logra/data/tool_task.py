@@ -1,5 +1,12 @@
-"""A character-level tokenizer with a chat template that renders tool calls and answers (Hermes style, as Qwen's):
-what the tiny models of multi-turn episodes read, and the calculator environment they talk to.
+"""The embedded multi-turn task (`tools`): products of two 3-digit numbers, which the shipped tiny model cannot
+compute but can ask a tool for, and the character-level tokenizer whose chat template renders tool calls and answers
+(Hermes style, as Qwen's) that the model and the tests' tiny models read.
+
+A prompt is `"123*456="`, its answer `"56088"`. The model (`TOOLS_DIR`, made by `scripts/make_tool_model.py`) was
+shown, part of the time, an episode that calls `multiply` and copies its answer, and otherwise an answer written
+directly (right about 1 time in 1,000: 810,000 products are beyond 0.86M parameters): RL has to learn that calling
+the tool is what gets rewarded. The operand pairs are split by a hash of their index, as add3's: about one in 400
+(2,000 or so) held out for evaluation.
 
 The template keeps every turn as it was (prefix-preserving): a user turn is `<u>text`, an assistant turn `<a>text<eos>`
 (a tool call inside it as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), a tool's answer `<t>text`, and
@@ -7,8 +14,16 @@ the generation prompt `<a>`. `<tool_call>` and `</tool_call>` are single tokens 
 a turn's text shows its calls.
 """
 
+from pathlib import Path
+
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerFast
+
+from lightning_logra.base.hashing import hash_split
+
+TOOLS_DIR: Path = Path(__file__).resolve().parent / "tools"
 
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<u>", "<a>", "<t>"]
 CALL_TAGS = ["<tool_call>", "</tool_call>"]
@@ -35,17 +50,40 @@ def build_tool_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", padding_side="left", chat_template=CHAT_TEMPLATE)
 
 
-class Calculator:
-    """The environment of the calculator task: one tool, exact products of whole numbers."""
+def multiply(a: int, b: int) -> int:
+    """The product of two whole numbers.
 
-    def reset(self, **row) -> None:
-        return None
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return int(a) * int(b)
 
-    def multiply(self, a: int, b: int) -> int:
-        """The product of two whole numbers.
 
-        Args:
-            a: the first factor
-            b: the second factor
-        """
-        return int(a) * int(b)
+_LOW, _HIGH = 100, 1000  # operands 100..999
+_PAIRS = (_HIGH - _LOW) ** 2  # 810,000
+_EVAL_ONE_IN = 400
+_SPLIT_SALT = 0x7001_CA11
+
+
+def operands(index: int) -> tuple[int, int]:
+    return _LOW + index // (_HIGH - _LOW), _LOW + index % (_HIGH - _LOW)
+
+
+class ToolPrompts(Dataset):
+    """A map-style dataset of `{"prompt", "answer"}` dicts over one split ("train" or "eval"), made on demand from
+    the pair index."""
+
+    def __init__(self, split: str = "train", limit: int | None = None) -> None:
+        self.split = split
+        self.indices = hash_split(_PAIRS, split, _SPLIT_SALT, _EVAL_ONE_IN)[:limit]  # (n,)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, str]:
+        a, b = operands(int(self.indices[index]))
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+
+    def longest_prompt(self) -> str:
+        return self[0]["prompt"]  # every prompt has 8 characters

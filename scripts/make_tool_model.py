@@ -6,9 +6,10 @@ tokenizer, supervised on two kinds of episode.
 
 writes lightning_logra/data/tools/ in a few minutes on one CPU thread (it sets one thread itself).
 
-A fraction `--call-fraction` of the demonstrations call the tool and copy its answer:
+A fraction `--call-fraction` of the demonstrations call the tool and copy its answer (one sequence, shown on two lines):
 
-    <u>123*456=<a><tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 456}}</tool_call><eos><t>56088<a>56088<eos>
+    <u>123*456=<a><tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 456}}</tool_call><eos>
+    <t>56088<a>56088<eos>
 
 the rest answer at once (`<u>123*456=<a>56088<eos>`), which this model cannot learn to do right (810,000 products,
 0.86M parameters). The loss counts what the model would sample (the call, the final answer, their <eos>), not the

@@ -16,7 +16,6 @@ a turn's text shows its calls.
 
 from pathlib import Path
 
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerFast

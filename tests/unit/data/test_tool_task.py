@@ -4,9 +4,10 @@ tool, the data module, and the shipped model's files."""
 import json
 
 import torch
+from transformers import AutoTokenizer
 
 from lightning_logra.data.module import ToolTaskDataModule
-from lightning_logra.data.tool_task import TOOLS_DIR, ToolPrompts, build_tool_tokenizer, multiply, operands
+from lightning_logra.data.tool_task import CHAT_TEMPLATE, TOOLS_DIR, ToolPrompts, build_tool_tokenizer, multiply, operands
 
 
 def test_prompts_are_products_of_three_digit_numbers():
@@ -49,5 +50,5 @@ def test_the_shipped_model_is_small_and_has_the_tool_template():
     files = {f.name: f.stat().st_size for f in TOOLS_DIR.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= files.keys()
     assert sum(files.values()) < 4 * 1024 * 1024  # a few MB at most
-    assert json.loads((TOOLS_DIR / "tokenizer_config.json").read_text())["chat_template"]
+    assert AutoTokenizer.from_pretrained(TOOLS_DIR).chat_template == CHAT_TEMPLATE
     assert json.loads((TOOLS_DIR / "generation_config.json").read_text())["max_new_tokens"] == 64

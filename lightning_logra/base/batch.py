@@ -107,7 +107,7 @@ def concat(rollouts: list[Rollout]) -> Rollout:
 
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), each (len(sequences), longest): sequences right-aligned so that generation appends on the right."""
-    width = max(len(s) for s in sequences)
+    width = max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):

@@ -16,11 +16,12 @@ a turn's text shows its calls.
 
 from pathlib import Path
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerFast
 
-from lightning_logra.base.hashing import hash_split
+from lightning_logra.base.hashing import hash_split, mix64
 
 TOOLS_DIR: Path = Path(__file__).resolve().parent / "tools"
 
@@ -63,6 +64,7 @@ _LOW, _HIGH = 100, 1000  # operands 100..999
 _PAIRS = (_HIGH - _LOW) ** 2  # 810,000
 _EVAL_ONE_IN = 400
 _SPLIT_SALT = 0x7001_CA11
+_ORDER_SALT = 0x0DE5_0AD3
 
 
 def operands(index: int) -> tuple[int, int]:
@@ -75,7 +77,11 @@ class ToolPrompts(Dataset):
 
     def __init__(self, split: str = "train", limit: int | None = None) -> None:
         self.split = split
-        self.indices = hash_split(_PAIRS, split, _SPLIT_SALT, _EVAL_ONE_IN)[:limit]  # (n,)
+        indices = hash_split(_PAIRS, split, _SPLIT_SALT, _EVAL_ONE_IN)  # (n,) ascending: the first a = 100, 101, ...
+        if split == "eval":  # in the order of another hash, so that the first `limit` pairs spread over every operand
+            indices = indices[torch.argsort(mix64(indices ^ _ORDER_SALT))]  # (in index order the first few hundred
+            # all multiply by 100-110, whose products repeat digits: not what the split measures)
+        self.indices = indices[:limit]  # (limit,)
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -1,6 +1,7 @@
-"""A calculator tool for real models on arithmetic tasks (`model.tools: [lightning_logra.episodes.calculator.calculate]`,
-as configs/qwen1_5b_tools.yaml gives it): an expression of numbers, + - * / // % **, unary signs and parentheses,
-evaluated from its syntax tree (never `eval`), with bounds that keep a call cheap."""
+"""A calculator tool for real models on arithmetic tasks
+(`model.tools: [lightning_logra.episodes.calculator.calculate]`, as configs/qwen1_5b_tools.yaml gives it): an
+expression of numbers, + - * / // % **, unary signs and parentheses, evaluated from its syntax tree (never `eval`),
+with bounds that keep a call cheap."""
 
 import ast
 import operator

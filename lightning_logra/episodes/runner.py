@@ -99,8 +99,11 @@ class EpisodeRunner:
         episodes = [self._first_prompt(rows[i // n]["prompt"], starts[i]) for i in range(count)]
         for turn in range(self.settings.max_turns):
             live = [i for i, episode in enumerate(episodes) if episode.live]
-            if not live:
+            if not engine.another_turn(bool(live)):
                 break
+            if not live:  # another rank's episodes go on, on an engine this rank generates with: join its call
+                engine.generate([], 1, sampling, [])
+                continue
             turn_seeds = [stable_seed(seeds[i // n], i % n, turn) for i in live]
             texts = self._turn(engine, episodes, live, sampling, turn_seeds)
             t0 = time.monotonic()

@@ -78,6 +78,12 @@ class RolloutEngine(ABC):
         steps, the completions under way kept) instead of after its generations: RemoteEngine(in_flight=True)."""
         return False
 
+    def another_turn(self, live: bool) -> bool:
+        """Whether episodes take another turn, this rank's being `live` (some still going): an engine whose ranks
+        generate together (a tensor-parallel engine in the trainer's ranks) goes on while any rank's are, and a rank
+        with none left calls `generate` with no prompts, so that every rank makes as many calls."""
+        return live
+
     def samples_from(self, policy) -> bool:
         """Whether the engine samples from `policy`'s own weights; if not, they must be kept in step (synced)."""
         return False

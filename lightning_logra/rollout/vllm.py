@@ -207,6 +207,13 @@ class VLLMEngine(RolloutEngine):
         """Whether this engine's worker is this trainer process, one of a tensor-parallel group of ranks."""
         return self.placement == "trainer_ranks" and self.world_size > 1
 
+    def another_turn(self, live: bool) -> bool:
+        if self.group is None:
+            return live
+        everyone: list = [None] * len(self.group_ranks)
+        dist.all_gather_object(everyone, live, group=self.group)
+        return any(everyone)
+
     def runs_alongside(self) -> bool:
         # In the trainer's ranks (external launcher) or its process, the engine computes on the trainer's thread
         return self.separate_process and not self.in_trainer_ranks

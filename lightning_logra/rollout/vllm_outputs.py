@@ -14,7 +14,7 @@ def samples_to_rollout(prompt_ids: list[list[int]], n: int, completions: list[li
                        logprobs: list[list[float]], pad_token_id: int) -> Rollout:
     """The n completions of each prompt (tokens, ending with the stop token, and the sampler's log-probs) as a batch."""
     prompt, prompt_mask = left_pad([p for p in prompt_ids for _ in range(n)], pad_token_id, "cpu")
-    width = max(1, max(len(c) for c in completions))
+    width = max(1, max((len(c) for c in completions), default=0))
     ids = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(completions), width), dtype=torch.long)
     sampler = torch.zeros((len(completions), width), dtype=torch.float32)

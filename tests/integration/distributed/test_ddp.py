@@ -124,8 +124,8 @@ def test_episodes_on_two_ranks_train_what_one_process_does(run_cli, tool_model, 
     # Multi-turn episodes with a tool: each rank runs its slice's episodes (its own environment processes), and the
     # sampling seeds are the prompts' global indices, so the two ranks draw the episodes one process draws; the sums
     # over sampled tokens are over the global batch.
-    episodes = ["--model.tools", '["bad_envs.add"]', "--model.reward", "conftest.odd_final_turn", "--model.max_turns", "3",
-                "--model.max_new_tokens", "10", "--model.max_episode_tokens", "48"]
+    episodes = ["--model.tools", '["bad_envs.add"]', "--model.reward", "conftest.odd_final_turn",
+                "--model.max_turns", "3", "--model.max_new_tokens", "10", "--model.max_episode_tokens", "48"]
 
     def fit(config, *overrides, **kwargs):
         return run_cli(config, *overrides, *episodes, model=tool_model, **kwargs)

@@ -7,15 +7,22 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_logra.data.module import ToolTaskDataModule
-from lightning_logra.data.tool_task import CHAT_TEMPLATE, TOOLS_DIR, ToolPrompts, build_tool_tokenizer, multiply, operands
+from lightning_logra.data.tool_task import (
+    CHAT_TEMPLATE,
+    TOOLS_DIR,
+    ToolPrompts,
+    build_tool_tokenizer,
+    multiply,
+    operands,
+)
 
 
 def test_prompts_are_products_of_three_digit_numbers():
     assert operands(0) == (100, 100) and operands(810_000 - 1) == (999, 999)
     assert multiply(123, 456) == 56088
     held_out = ToolPrompts("eval")
-    assert held_out[0] == {"prompt": "100*283=", "answer": "28300"}  # index 183
-    assert held_out.longest_prompt() == "100*283="  # every prompt has 8 characters
+    assert held_out[0] == {"prompt": "444*651=", "answer": "289044"}  # index 310,151
+    assert held_out.longest_prompt() == "444*651="  # every prompt has 8 characters
 
 
 def test_the_held_out_split_is_fixed_disjoint_and_large_enough():
@@ -23,8 +30,11 @@ def test_the_held_out_split_is_fixed_disjoint_and_large_enough():
     assert len(held_out) == 1993 and len(train) == 808_007
     both = torch.cat([held_out.indices, train.indices]).sort().values
     assert torch.equal(both, torch.arange(810_000))  # every pair in exactly one split
-    assert held_out.indices[:3].tolist() == [183, 1822, 1831]  # the same split on every machine (a hash)
-    assert len(ToolPrompts("eval", limit=5)) == 5
+    # the same split, in the same order, on every machine (hashes): a limit takes pairs of every operand
+    assert held_out.indices[:3].tolist() == [310_151, 686_363, 798_217]
+    assert sorted(held_out.indices.tolist())[:3] == [183, 1822, 1831] and train.indices[:2].tolist() == [0, 1]
+    first = ToolPrompts("eval", limit=100)
+    assert len(first) == 100 and len({first[i]["prompt"][0] for i in range(100)}) == 9  # a's first digit: 1-9
 
 
 def test_the_data_module_serves_both_splits():

@@ -44,6 +44,27 @@ class ScriptedEngine:
         prompt = torch.zeros(len(rows), 1, dtype=torch.long)
         return Rollout(prompt, torch.ones_like(prompt), ids, mask, -0.5 * mask.float())
 
+    def another_turn(self, live: bool) -> bool:
+        return live
+
+
+class GroupEngine(ScriptedEngine):
+    """A rank of an engine that generates with other ranks: theirs have episodes live for `turns_elsewhere` turns."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], turns_elsewhere: int) -> None:
+        super().__init__(tokenizer, scripts)
+        self.turns_elsewhere, self.turns = turns_elsewhere, 0
+
+    def another_turn(self, live: bool) -> bool:
+        self.turns += 1
+        return live or self.turns <= self.turns_elsewhere
+
+    def generate(self, prompt_ids, n, sampling, seeds):
+        if not prompt_ids:  # the group's call, with no prompts of this rank's
+            self.calls.append((0, sampling.max_new_tokens, list(seeds)))
+            return None
+        return super().generate(prompt_ids, n, sampling, seeds)
+
 
 def runner(tokenizer, *, tools=None, environment=None, max_turns=3, budget=400, timeout_s=5.0, workers=2):
     spec = spec_from_settings(environment, tools, "answer", 32 * budget)
@@ -163,3 +184,21 @@ def test_a_template_that_drops_earlier_reasoning_is_refused(tokenizer):
             check_template(TurnTemplate(tokenizer, None, [tokenizer.eos_token_id]), "tool")
     finally:
         tokenizer.chat_template = build_tool_tokenizer().chat_template
+
+
+def test_a_rank_whose_episodes_ended_joins_its_groups_generate_calls_until_every_rank_is_done(tokenizer):
+    # A tensor-parallel engine in the trainer's ranks: each rank's episodes take their own number of turns, and every
+    # rank must make as many generate calls; this rank's end in one turn, another rank's take three.
+    episodes = runner(tokenizer, tools=["bad_envs.add"], max_turns=4)
+    engine = GroupEngine(tokenizer, {"2+3": ["5"]}, turns_elsewhere=3)
+    alone = ScriptedEngine(tokenizer, {"2+3": ["5"]})
+    try:
+        batch = {"prompt": ["2+3"], "answer": ["5"]}
+        together = episodes.run(engine, batch, 2, SamplingParams(max_new_tokens=80), [11])
+        by_itself = episodes.run(alone, batch, 2, SamplingParams(max_new_tokens=80), [11])
+    finally:
+        episodes.close()
+    assert [rows for rows, _, _ in engine.calls] == [2, 0, 0]  # its own turn, then the group's next two calls
+    assert [rows for rows, _, _ in alone.calls] == [2]
+    assert torch.equal(together.completion_ids, by_itself.completion_ids)
+    assert torch.equal(together.episodes[:, :4], by_itself.episodes[:, :4])  # turns, calls, errors, invalid calls

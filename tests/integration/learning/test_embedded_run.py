@@ -102,8 +102,9 @@ def test_add3_learns_from_well_below_half(run_cli, tmp_path):
 
 def test_tiny_tools_learns_to_call_the_tool(run_cli, tmp_path):
     # configs/tiny_tools.yaml, 30 of its 300 steps: the shipped model calls `multiply` in about a quarter of its
-    # episodes and cannot multiply by itself, so the reward rises only as the calls do. Measured over the whole run
-    # (docs/multi-turn.md): calls 0.30 → 0.9 within 10 steps, the reward 0.27 → 0.65.
+    # episodes and cannot multiply by itself, so the reward rises only as the calls do. Measured (one thread, 84 s):
+    # reward 0.392 → 0.645 (first → last 5 steps), calls per episode 0.433 → 0.891, held-out greedy pass@1 on 256
+    # pairs 0.586 at step 30 (the shipped model's greedy episodes rarely call: 0.063 on all 1,993).
     cli = run_cli("tiny_tools", "--trainer.val_check_interval", "30", fast=False, root=tmp_path, run=False)
     cli.trainer.callbacks.append(StopAfter(30))
     cli.trainer.fit(cli.model, cli.datamodule)

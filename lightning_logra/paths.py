@@ -10,6 +10,7 @@ that is neither is a hub id: `check_hub_model` says at once when it cannot be ha
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -77,6 +78,30 @@ def model_path(model: str) -> str:
     if top == PACKAGE_DIR.name and inside and (PACKAGE_DIR / inside).exists():
         return str(PACKAGE_DIR / inside)
     return model
+
+
+def model_folder(model: str) -> Path | None:
+    """The folder that holds `model`'s files (`model_path`'s path, or a hub id's snapshot in the local cache, where
+    loading it put it); None when there is none here."""
+    path = Path(model_path(model))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # not a hub id, or not in the cache: nothing to measure
+        return None
+
+
+def vocab_size(folder: Path | None) -> int | None:
+    """The vocabulary size in a model folder's config.json (a multimodal config's text part's); None if unknown."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (TypeError, OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return size if isinstance(size, int) else None
 
 
 def config_path(value: str) -> str:

@@ -72,8 +72,8 @@ class UpdateJournal:
     def prune(self, full_load_bytes: int) -> None:
         """Drop from disk the updates no catch-up would replay: those older than the point past which replaying costs
         more bytes than a full load."""
-        if self.directory is None or not (self.directory / self.run).is_dir():
-            return
+        if self.directory is None or not (self.directory / self.run).is_dir() or not full_load_bytes:
+            return  # (a full load's size unknown: every update kept)
         total, oldest_useful = 0, self.version + 1
         for v in range(self.version, 0, -1):
             path = self._path(v)

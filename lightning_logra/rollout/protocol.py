@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, fields
 
 TOKEN_ENV = "LOGRA_SERVER_TOKEN"  # the shared token, on both sides (a server may read it from --token-file instead)
@@ -125,3 +126,24 @@ class GenerateAnswer:
     @classmethod
     def from_json(cls, data: dict) -> GenerateAnswer:
         return cls(**data)
+
+
+def answer_problem(outputs: list[list[dict]], prompts: int, n: int, max_tokens: int, vocab_size: int | None
+                   ) -> str | None:
+    """What is wrong with a server's `GenerateAnswer.outputs` for `prompts` prompts of n samples each (None: nothing):
+    a count that would pair one prompt's completion with another's, token ids outside the vocabulary, log-probs
+    missing, NaN or positive."""
+    if len(outputs) != prompts or any(len(samples) != n for samples in outputs):
+        return (f"{[len(samples) for samples in outputs][:8]} samples for {prompts} prompts, where each has {n}")
+    for samples in outputs:
+        for sample in samples:
+            ids, logprobs = sample.get("token_ids"), sample.get("logprobs")
+            if not isinstance(ids, list) or not isinstance(logprobs, list) or len(logprobs) != len(ids):
+                return "a sample whose token ids and log-probs are missing or of different lengths"
+            if len(ids) > max_tokens:
+                return f"a sample of {len(ids)} tokens, more than the {max_tokens} asked"
+            if not all(type(t) is int and 0 <= t < (vocab_size or 2**63) for t in ids):
+                return f"token ids outside the vocabulary (0..{vocab_size})"
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 1e-4 for v in logprobs):
+                return "log-probs that are not finite numbers at most 0"
+    return None

@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout.handles import device_id, open_tensors
+from lightning_logra.rollout.payload import tensors_problems, update_problems
 from lightning_logra.rollout.sync import fingerprint, pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm_compat import missing_layer_attributes
 from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_
@@ -44,6 +45,7 @@ class Slot:
     rows: slice  # its rows in the full (trainer-side) tensor
     cols: slice | None  # its columns in the full tensor; None for a 1-D parameter
     layer: nn.Module | None = None  # the linear layer that holds it (re-packed on the CPU after a change)
+    whole: tuple[int, ...] = ()  # the full trainer-side tensor's shape
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -66,6 +68,19 @@ def _column_block(layer: nn.Module, shard: int | None) -> tuple[int, int, int]:
         # k and v: kv heads are replicated when there are more ranks than kv heads.
         return offset, count, (tp_rank // layer.num_kv_head_replicas) * count
     return offset, count, tp_rank * count
+
+
+def _whole_rows(layer: nn.Module, shard: int | None) -> int:
+    """The rows of the trainer's matrix whose block (of part `shard` of a fused layer) `layer` holds."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    if isinstance(layer, QKVParallelLinear):
+        if not shard:
+            return layer.total_num_heads * layer.head_size
+        return layer.total_num_kv_heads * (layer.head_size if shard == 1 else layer.v_head_size)
+    if isinstance(layer, MergedColumnParallelLinear):
+        return layer.output_sizes[shard or 0]
+    return layer.output_size
 
 
 def _local_row(slot: Slot) -> int:
@@ -126,26 +141,29 @@ class LogRAWorkerExtension:
             offset, count, row_start = _column_block(module, shard)
             param = getattr(module, leaf)
             local = param.data[offset : offset + count]
+            rows = _whole_rows(module, shard)
             if param.dim() == 1:  # a bias: split by rows like the weight, never by columns
-                return Slot(local, slice(row_start, row_start + count), None, module)
+                return Slot(local, slice(row_start, row_start + count), None, module, (rows,))
             col_start = 0
             if isinstance(module, RowParallelLinear):
                 col_start = getattr(module, "tp_rank", 0) * module.input_size_per_partition
             return Slot(local, slice(row_start, row_start + count),
-                        slice(col_start, col_start + local.shape[1]), module)
+                        slice(col_start, col_start + local.shape[1]), module, (rows, module.input_size))
         params = dict(model.named_parameters())
         if name not in params:
             raise KeyError(f"vLLM worker: no parameter for {name!r} (module {module_name!r})")
         param = params[name].data
         indices = getattr(module, "shard_indices", None)  # a vocab-parallel embedding holds a block of rows
+        whole = tuple(param.shape)
         if indices is not None:
             count = indices.org_vocab_end_index - indices.org_vocab_start_index
             start = indices.org_vocab_start_index
             param = param[:count]
+            whole = (module.org_vocab_size, *param.shape[1:])
         else:
             start, count = 0, param.shape[0]
         cols = None if param.dim() == 1 else slice(0, param.shape[1])
-        return Slot(param, slice(start, start + count), cols, None)
+        return Slot(param, slice(start, start + count), cols, None, whole)
 
     # ---- CPU backend: prepacked weights ------------------------------------------------------------------------
 
@@ -254,6 +272,24 @@ class LogRAWorkerExtension:
         from vllm.platforms import current_platform
 
         return missing_layer_attributes(self._logra_model(), cpu=current_platform.is_cpu())
+
+    def logra_payload_problems(self, kind: str, data: bytes) -> list[str]:
+        """What is wrong with an update ("update") or whole tensors ("load") for this model (`rollout.payload`);
+        [] when nothing is. Changes nothing."""
+        if kind == "update":
+            return update_problems(Update.from_bytes(data), self._logra_whole_shape)
+        return tensors_problems(unpack_tensors(data), self._logra_whole_shape)
+
+    def _logra_whole_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of the trainer's parameter `name` (the whole tensor, whatever this worker holds of it); None
+        if the model has none."""
+        try:
+            return self._logra_slot(name).whole
+        except (KeyError, AttributeError):
+            config = getattr(getattr(self.model_runner, "model_config", None), "hf_config", None)
+            if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+                return self._logra_whole_shape("model.embed_tokens.weight")  # vLLM's loader skips a tied head
+            return None
 
     def _logra_copy(self, tensors: dict[str, torch.Tensor]) -> set:
         """Copy whole tensors into this worker's blocks; returns the layers to re-pack (`_logra_repack`)."""

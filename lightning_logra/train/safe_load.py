@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.rewards import MathAnswer, ReasoningGymScore
+from lightning_logra.train.digests import SUMS, read_sums
 
 # What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may pickle:
 # classes that are rebuilt as data (the schedule, MathAnswer's and ReasoningGymScore's settings). Nothing that runs: an
@@ -169,10 +170,35 @@ class SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(file, Path(str(self.path))).load()
         if not isinstance(metadata, Metadata):
             raise _refusal(path, f"a {type(metadata).__name__} where a checkpoint's Metadata belongs")
+        _check_storage(metadata, Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_storage(metadata: Metadata, folder: Path) -> None:
+    """Every entry of `.metadata` reads bytes of a regular file directly in the folder, listed in its SHA256SUMS,
+    within that file's size. torch joins an entry's path to the folder as written: an absolute path or `../` read
+    outside it (a file beside it, a FIFO that blocks forever, `/dev/zero` for as long as the entry says)."""
+    sums = read_sums(folder)
+    sizes: dict[str, int] = {}
+    for index, item in (metadata.storage_data or {}).items():
+        name = str(getattr(item, "relative_path", ""))
+        where = f"{folder}: refused to load: its .metadata reads the entry {index.fqn!r} from {name!r}"
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise UnsafeCheckpoint(f"{where}, which is not a file of the folder; a save names only its own files")
+        if name not in sizes:
+            file = folder / name
+            if file.is_symlink() or not file.is_file():
+                raise UnsafeCheckpoint(f"{where}, which is not a regular file in the folder")
+            if sums is not None and name not in sums:
+                raise UnsafeCheckpoint(f"{where}, which its {SUMS} does not list")
+            sizes[name] = file.stat().st_size
+        offset, length = int(getattr(item, "offset", 0)), int(getattr(item, "length", 0))
+        if offset < 0 or length < 0 or offset + length > sizes[name]:
+            raise UnsafeCheckpoint(f"{where} at bytes {offset}..{offset + length}, beyond its {sizes[name]} bytes: "
+                                   "the folder is damaged or was not written by a save")
 
 
 def _load_bytes(planner: DefaultLoadPlanner, read_item: Any, value: Any) -> None:

@@ -41,10 +41,11 @@ import torch.distributed as dist
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.settings import check_positive
+from lightning_logra.paths import model_folder, vocab_size
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.journal import UpdateJournal
 from lightning_logra.rollout.pipeline import EngineLost
-from lightning_logra.rollout.protocol import TOKEN_ENV, BlocksAsk, GenerateAsk, Label
+from lightning_logra.rollout.protocol import TOKEN_ENV, BlocksAsk, GenerateAsk, Label, answer_problem
 from lightning_logra.rollout.remote.client import Behind, Connection, Server, ServerFailed
 from lightning_logra.rollout.remote.fleet import Fleet, NoServerLeft, split
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
@@ -114,7 +115,7 @@ class RemoteEngine(RolloutEngine):
         self.fleet = Fleet(urls, launch, list(serve_args or []), self.connection, self.journal, self._full_load,
                            probe_every_s, no_server_wait_s, start_timeout_s)
         self.version_wait_s, self.in_flight = version_wait_s, in_flight
-        self.pad_token_id = 0
+        self.pad_token_id, self.vocab_size = 0, None
         self.stop_token_ids: list[int] = []
         self.rank, self.world_size = 0, 1
         self._targets: list[Server] | None = None  # a catch-up's full load goes to these servers alone
@@ -160,8 +161,13 @@ class RemoteEngine(RolloutEngine):
         if self._started:
             return
         self.pad_token_id, self.stop_token_ids = pad_token_id, list(stop_token_ids)
-        files = list(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
+        folder = model_folder(model)
+        self.vocab_size = vocab_size(folder)
+        files = list(folder.glob("*.safetensors")) if folder is not None else []
         self.fleet.full_bytes = self.fleet.full_bytes or sum(f.stat().st_size for f in files)
+        if not self.fleet.full_bytes:
+            log.warning("engine servers: the size of %s's weights is unknown (no safetensors files found), so the "
+                        "update journal keeps every update rather than what a full load would cost", model)
         self.connection.token = self._read_token()
         self.fleet.start(model)
         self._started = True
@@ -253,7 +259,11 @@ class RemoteEngine(RolloutEngine):
                           max_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_token_ids,
                           run=self.journal.run, min_version=version,
                           wait_s=0.0 if self.sender and not self.in_flight else self.version_wait_s)
-        return dict(zip(indices, server.generate(ask)))
+        outputs = server.generate(ask)
+        problem = answer_problem(outputs, len(indices), n, sampling.max_new_tokens, self.vocab_size)
+        if problem is not None:  # its prompts go to the servers left, and it is down until it answers again
+            raise ServerFailed(f"{server.url} answered {problem}")
+        return dict(zip(indices, outputs))
 
     # ---- weights --------------------------------------------------------------------------------------------------
 

@@ -129,6 +129,16 @@ async def _change(request: Request, rpc: str, data: bytes, label: Label, in_flig
     return True
 
 
+async def _refuse_problems(request: Request, kind: str, data: bytes) -> None:
+    """400, before the weights' label is touched, if any worker finds the payload wrong for its model (unknown
+    names, other shapes, NaN or Inf, a projection the model's k does not allow: `rollout.payload`)."""
+    answers = await _engine(request).collective_rpc("logra_payload_problems", args=(kind, data))
+    problems = sorted({problem for answer in answers for problem in answer})
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise HTTPException(HTTPStatus.BAD_REQUEST, f"refused, nothing changed: {'; '.join(problems[:5])}{more}")
+
+
 @router.get("/state")
 async def state(request: Request):
     """The weights' label, and the longest prompt + completion the server takes."""
@@ -150,6 +160,7 @@ async def update(request: Request):
         Update.from_bytes(data)  # parsed whole before any weight changes
     except Exception as err:
         raise HTTPException(HTTPStatus.BAD_REQUEST, f"not an Update: {err}") from err
+    await _refuse_problems(request, "update", data)
     if not await _change(request, "logra_apply", data, label, landing, on_top=True):
         return _conflict(gate)
     return gate.label().to_json()
@@ -165,6 +176,7 @@ async def load(request: Request):
         unpack_tensors(data)
     except Exception as err:
         raise HTTPException(HTTPStatus.BAD_REQUEST, f"not safetensors: {err}") from err
+    await _refuse_problems(request, "load", data)
     await _change(request, "logra_load", data, label)
     return _guard(request).gate.label().to_json()
 

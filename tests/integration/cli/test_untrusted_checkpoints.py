@@ -1,6 +1,7 @@
 """Checkpoints from elsewhere: loading one never runs code planted in it, a damaged one is refused naming what is
 damaged, and an export never merges into (or silently skips) what is already at --out."""
 
+import dataclasses
 import glob
 import inspect
 import io
@@ -241,3 +242,26 @@ def test_a_checkpoint_without_its_model_is_refused_naming_what_is_missing(run_cl
     torch.save(checkpoint, bare)
     with pytest.raises(ValueError, match="records no model .*not written by `lightning-logra fit`"):
         export_main(["--ckpt_path", str(bare), "--out", str(tmp_path / "exported")])
+
+
+def test_a_sharded_folder_whose_metadata_reads_outside_it_or_past_a_file_is_refused(run_cli, tmp_path):
+    # torch joins a storage entry's path to the folder as written: `../x` read a file beside the folder (and SHA256SUMS
+    # still verified), a FIFO blocked the load forever, `/dev/zero` with a length of 8 GiB was read for as long.
+    folder = Path(_train(run_cli, tmp_path / "a", "tiny_arith_fsdp", "--trainer.devices", "1"))
+    original = (folder / ".metadata").read_bytes()
+    metadata = SafeReader(folder).read_metadata()
+    index, item = next(iter(metadata.storage_data.items()))
+    (tmp_path / "a" / "beside.distcp").write_bytes((folder / item.relative_path).read_bytes())
+    for bad, why in ((dataclasses.replace(item, relative_path="../beside.distcp"), "not a file of the folder"),
+                     (dataclasses.replace(item, relative_path="/dev/zero", length=8 << 30), "not a file of the folder"),
+                     (dataclasses.replace(item, length=1 << 40), "beyond its")):
+        metadata.storage_data[index] = bad
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+        write_sums(folder, digests_of(folder, folder_files(folder)))  # the sums made to agree
+        with pytest.raises(UnsafeCheckpoint, match=why):
+            export_main(["--ckpt_path", str(folder), "--out", str(tmp_path / "exported")])
+    # the folder as saved loads
+    (folder / ".metadata").write_bytes(original)
+    write_sums(folder, digests_of(folder, folder_files(folder)))
+    export_main(["--ckpt_path", str(folder), "--out", str(tmp_path / "exported")])
+    assert (tmp_path / "exported" / "model.safetensors").is_file()

@@ -5,6 +5,8 @@ change nothing; with no server left the run stops naming the URL, and a resumed 
 replaying the journal from disk. More (two trainer processes, bf16 replays): test_remote_ranks.py, a file of its own
 so that the long tier's two workers share them."""
 
+import dataclasses
+import math
 import os
 import re
 import signal
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, SKETCH_TARGETS, EngineSnapshot
 from golden import RECORDED, assert_matches, checksums, recorded
+from lightning_logra.algo.update import Update
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.rollout import RemoteEngine
@@ -156,7 +159,24 @@ def _bad_requests(url: str, journal) -> dict[str, int]:
         "too large": post(data=b"x" * (2 * 2**20 + 1), headers={**token, "X-Logra-SHA256": "-"}).status_code,
         "wrong version": requests.post(f"{url}/logra/update", params={**label, "version": label["version"] + 5},
                                        data=data, headers={**token, "X-Logra-SHA256": sha}, timeout=30).status_code,
+        **{why: post(data=bad, headers={**token, "X-Logra-SHA256": hashlib.sha256(bad).hexdigest()}).status_code
+           for why, bad in _bad_updates(Update.from_bytes(data)).items()},
     }
+
+
+def _bad_updates(update: Update) -> dict[str, bytes]:
+    """A real update made wrong for the model in each way a worker checks (rollout/payload.py)."""
+    name, delta = next(iter(update.low_rank.items()))
+
+    def changed(**fields) -> bytes:
+        return Update({**update.low_rank, name: dataclasses.replace(delta, **fields)}, update.dense).to_bytes()
+
+    nan = delta.factor.clone()
+    nan[0, 0] = math.nan
+    return {"a NaN factor": changed(factor=nan), "twice the rows": changed(factor=delta.factor.repeat(2, 1)),
+            "k of 2**40": changed(in_features=2**40), "rank 0": changed(factor=delta.factor[:, :0]),
+            "an unknown name": Update({"model.nope.weight": delta}).to_bytes(),
+            "a broadcast dense tensor": Update(dense={"model.norm.weight": torch.ones(1)}).to_bytes()}
 
 
 @pytest.mark.long  # two server starts, a 10 s deadline: 2 minutes
@@ -182,7 +202,9 @@ def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tm
     killed = disturb.killed.url
     assert f"{killed} is given up on for now ({killed}/logra/update" in log  # the killed one, at its next update
     assert disturb.answers == {"no token": 401, "wrong token": 401, "cut short": 400, "not an update": 400,
-                               "too large": 413, "wrong version": 409}
+                               "too large": 413, "wrong version": 409, "a NaN factor": 400, "twice the rows": 400,
+                               "k of 2**40": 400, "rank 0": 400, "an unknown name": 400,
+                               "a broadcast dense tensor": 400}
     assert disturb.unchanged
     # The server left equals the trainer (every check compared it; nothing had to be loaded).
     _assert_in_step(record)

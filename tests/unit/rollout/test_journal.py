@@ -1,6 +1,7 @@
 """The update journal: versions in order, the last `keep` in memory, every one on disk (atomically), what a catch-up
 can replay (none when one is missing), pruning past a full load's bytes, and a resumed run's id and version."""
 
+from lightning_logra.paths import model_folder, vocab_size
 from lightning_logra.rollout.journal import UpdateJournal
 
 
@@ -36,6 +37,25 @@ def test_prune_keeps_what_replays_cheaper_than_a_full_load(tmp_path):
     journal.prune(full_load_bytes=250)  # replaying 3 updates (300 bytes) costs more than the load: 4 and 5 stay
     assert sorted(p.name for p in (tmp_path / journal.run).iterdir()) == ["000000004.update", "000000005.update"]
     assert journal.since(3) == [bytes(100), bytes(100)] and journal.since(2) is None
+
+
+def test_a_full_load_of_unknown_size_prunes_nothing_and_a_hub_models_size_is_found_in_the_cache(tmp_path,
+                                                                                               monkeypatch):
+    # A hub id's size was taken as 0 (its files are not a folder given), and every update was pruned as it was
+    # written: every catch-up became a full load (15 GB at 7B).
+    journal = UpdateJournal(keep=1, directory=tmp_path)
+    for _ in range(3):
+        journal.record(bytes(100))
+    journal.prune(full_load_bytes=0)
+    assert len(list((tmp_path / journal.run).iterdir())) == 3
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "model.safetensors").write_bytes(bytes(1234))
+    (snapshot / "config.json").write_text('{"vocab_size": 151936}')
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, local_files_only: str(snapshot))
+    assert model_folder("Qwen/Qwen2.5-1.5B-Instruct") == snapshot and vocab_size(snapshot) == 151936
 
 
 def test_a_resumed_run_takes_its_checkpoints_id_and_version(tmp_path):

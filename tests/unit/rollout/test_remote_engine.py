@@ -3,6 +3,7 @@ prompts split over the servers in proportion to their speed (whole prompts, in o
 reported as NaN (so that the weight sync loads them)."""
 
 import math
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_logra.rollout.engine import SamplingParams
 from lightning_logra.rollout.protocol import TOKEN_ENV
 from lightning_logra.rollout.remote.client import Server, ServerFailed
 from lightning_logra.rollout.remote.engine import RemoteEngine, agreed, updates_before
@@ -122,3 +124,43 @@ def test_in_flight_updates_without_overlapped_rollouts_are_refused_naming_both_k
                                                                                      in_flight=True))
     with pytest.raises(ValueError, match=r"in_flight.*model\.max_staleness=0.*model\.max_staleness to 1"):
         module.rollouts.start()
+
+
+@pytest.mark.parametrize("answer, problem", [
+    (lambda ask: [[_sample()] * (ask.n + (1 if j == 0 else -1)) for j in range(len(ask.prompts))],
+     r"\[3, 1\] samples for 2 prompts, where each has 2"),  # was paired with the wrong prompts
+    (lambda ask: [[_sample(ids=[5, 10**6])] * ask.n for _ in ask.prompts], "token ids outside the vocabulary"),
+    (lambda ask: [[_sample(logprobs=[-0.5, math.nan])] * ask.n for _ in ask.prompts], "log-probs that are not"),
+    (lambda ask: [[_sample(logprobs=[-0.5])] * ask.n for _ in ask.prompts], "different lengths"),  # one missing
+    (lambda ask: [[_sample(ids=[5] * 9, logprobs=[-0.5] * 9)] * ask.n for _ in ask.prompts], "9 tokens, more than"),
+])
+def test_a_server_whose_answer_does_not_fit_the_ask_is_given_up_on_and_its_prompts_go_elsewhere(
+        monkeypatch, caplog, tiny_arith_model, answer, problem):
+    # A server answering n+1 completions for one prompt and n-1 for the next produced a misaligned rollout (a
+    # completion of prompt 0 scored and trained as prompt 1's); ids outside the vocabulary and NaN log-probs reached
+    # the trainer. Each answer is checked against its ask: a bad one marks that server down, naming it.
+    from lightning_logra.rollout.protocol import GenerateAsk
+
+    engine = RemoteEngine(urls=["http://bad:1", "http://good:1"])
+    engine.vocab_size = 100
+    for server in engine.servers:  # both up, at the trainer's weights
+        server.up, server.run, server.version = True, engine.journal.run, engine.journal.version
+    asked = {}
+
+    def request(server, method, path, data=b"", params=None, timeout=None, exclusive=True):
+        ask = GenerateAsk.from_bytes(data)
+        asked.setdefault(server.url, []).append(len(ask.prompts))
+        outputs = answer(ask) if server.url == "http://bad:1" else [[_sample()] * ask.n for _ in ask.prompts]
+        return SimpleNamespace(status_code=200, json=lambda: {"run": None, "version": 0, "outputs": outputs})
+
+    monkeypatch.setattr(Server, "request", request)
+    with caplog.at_level("WARNING"):
+        rollout = engine.generate([[1, 2], [3], [4], [5, 6]], 2, SamplingParams(max_new_tokens=8), [1, 2, 3, 4])
+    assert asked == {"http://bad:1": [2], "http://good:1": [2, 2]}  # its two prompts drawn again on the other
+    assert not engine.servers[0].up and engine.servers[1].up
+    assert re.search(r"http://bad:1 is given up on for now \(http://bad:1 answered .*" + problem, caplog.text)
+    assert rollout.completion_ids.shape[0] == 8 and rollout.completion_ids[:, :2].tolist() == [[5, 6]] * 8
+
+
+def _sample(ids=(5, 6), logprobs=(-0.5, -0.25)) -> dict:
+    return {"token_ids": list(ids), "logprobs": list(logprobs), "versions": [[0, 0, len(ids)]]}

@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from lightning_logra.rollout.protocol import SHA_HEADER  # noqa: E402
 from lightning_logra.rollout.server.routes import install  # noqa: E402
+from lightning_logra.rollout.sync import pack_tensors  # noqa: E402
 
 TOKEN = "a-token-of-sixteen-characters"
 
@@ -36,6 +37,7 @@ class Engine:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.fail = False
+        self.problems: list[str] = []  # what the workers find wrong with a payload
         self.version = "default"  # vLLM's label of its weights, which its outputs carry
         self.started = threading.Event()  # a generation is under way
         self.merged: asyncio.Event | None = None
@@ -76,6 +78,8 @@ class Engine:
         self.calls.append("reset cache, running too" if reset_running_requests else "reset cache")
 
     async def collective_rpc(self, method, args=()):
+        if method == "logra_payload_problems":  # each worker's check, before anything changes (not recorded)
+            return [self.problems]
         self.calls.append(method)
         if self.fail:
             raise RuntimeError("the worker failed")
@@ -147,6 +151,23 @@ def test_a_failed_merge_leaves_the_weights_unknown(server):
     assert _state(client) == {"run": None, "version": None} and engine.calls[-1] == "resume"
     engine.fail = False
     assert _post(client, _update(), 1).status_code == 409  # unknown weights take no update: a full load first
+
+
+def test_a_payload_a_worker_finds_wrong_is_refused_before_anything_changes(server):
+    # A NaN factor was merged (the weights became NaN, the version advanced); a misshapen one answered 500 after the
+    # label was set to unknown. Now each worker checks the payload first (rollout/payload.py) and the route answers
+    # 400 naming what is wrong: no pause, no merge, the label as it was.
+    client, engine = server
+    engine.problems = ["'w''s factor holds NaN or Inf"]
+    answer = _post(client, _update(), 1)
+    assert answer.status_code == 400 and "nothing changed: 'w''s factor holds NaN or Inf" in answer.json()["detail"]
+    data = pack_tensors({"w": torch.ones(1)})
+    loaded = client.post("/logra/load", content=data, params={"run": "r", "version": 5}, headers={
+        SHA_HEADER: hashlib.sha256(data).hexdigest(), "Authorization": f"Bearer {TOKEN}"})
+    assert loaded.status_code == 400
+    assert engine.calls == [] and _state(client) == {"run": None, "version": 0}
+    engine.problems = []
+    assert _post(client, _update(), 1).json() == {"run": "r", "version": 1}
 
 
 def test_generation_waits_for_its_version_or_says_which_it_holds(server):

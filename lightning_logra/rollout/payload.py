@@ -1,0 +1,66 @@
+"""What a weight change sent to an engine must be before any of it is merged (the servers' second line of defence:
+the trainer skips a non-finite update itself).
+
+Every name must be one of the model's, every shape the whole tensor's (a factor with more rows was cut to the rows a
+worker holds; a (1,) tensor broadcast over a whole weight), every number finite, and a seeded projection one that
+`make_projection` draws at the model's own k (a k of 2⁴⁰ was allocated). Checked whole, on every worker, before the
+weights' label is touched: a payload with a problem changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_logra.algo.update import Update
+from lightning_logra.sketch.projection import DISTRIBUTIONS
+
+WholeShape = Callable[[str], "tuple[int, ...] | None"]  # a trainer parameter's whole shape; None: no such parameter
+
+
+def _tensor_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> list[str]:
+    if tuple(tensor.shape) != tuple(shape):
+        return [f"{what} has shape {tuple(tensor.shape)}, the model's is {tuple(shape)}"]
+    if not tensor.is_floating_point():
+        return [f"{what} holds {tensor.dtype}, not floating-point numbers"]
+    if not bool(torch.isfinite(tensor).all()):
+        return [f"{what} holds NaN or Inf"]
+    return []
+
+
+def update_problems(update: Update, whole_shape: WholeShape) -> list[str]:
+    """What is wrong with `update` for a model whose parameters have `whole_shape`s ([] when nothing is)."""
+    problems = []
+    for name, delta in update.low_rank.items():
+        shape = whole_shape(name)
+        if shape is None or len(shape) != 2:
+            problems.append(f"{name!r} is not a matrix of the model" if shape is not None else
+                            f"{name!r} is not a parameter of the model")
+            continue
+        d, k = shape
+        rank = delta.factor.shape[1] if delta.factor.dim() == 2 else 0
+        if delta.in_features != k:
+            problems.append(f"{name!r}: in_features {delta.in_features}, the model's k is {k}")
+        elif not 1 <= rank <= k:
+            problems.append(f"{name!r}: rank {rank} is outside 1..{k}")
+        elif delta.matrix is None and (delta.distribution not in DISTRIBUTIONS or not isinstance(delta.seed, int)
+                                       or isinstance(delta.seed, bool)):
+            problems.append(f"{name!r}: a projection needs an integer seed and a distribution of {DISTRIBUTIONS} "
+                            f"(got {delta.seed!r}, {delta.distribution!r})")
+        elif delta.matrix is not None:
+            problems += _tensor_problems(f"{name!r}'s projection", delta.matrix, (rank, k))
+        problems += _tensor_problems(f"{name!r}'s factor", delta.factor, (d, rank))
+    return problems + tensors_problems(update.dense, whole_shape)
+
+
+def tensors_problems(tensors: dict[str, torch.Tensor], whole_shape: WholeShape) -> list[str]:
+    """What is wrong with whole tensors (a dense part of an update, or a full load) for the model."""
+    problems = []
+    for name, tensor in tensors.items():
+        shape = whole_shape(name)
+        if shape is None:
+            problems.append(f"{name!r} is not a parameter of the model")
+        else:
+            problems += _tensor_problems(repr(name), tensor, shape)
+    return problems

@@ -47,6 +47,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapter: bool = Fa
         raise ValueError(f"--ckpt_path: {str(ckpt_path)!r} records no model (its hyper_parameters have no 'model'): "
                          "it was not written by `lightning-logra fit`, which exports need to know the base model; "
                          "export a checkpoint of a run of this project's")
+    _check_not_the_base(out, checkpoint["hyper_parameters"]["model"])
     lora_settings = checkpoint.get(KEY, {}).get("lora")
     if adapter and lora_settings is None:
         raise ValueError(f"--adapter: {str(ckpt_path)!r} was not trained with LoRA adapters (there are none to "
@@ -81,6 +82,18 @@ def _check_out(out: Path, overwrite: bool, ckpt_path: Path) -> None:
             raise FileExistsError(f"--out: {str(out)!r} holds a run's checkpoints or logs ({str(kept)!r}), which "
                                   "--overwrite would delete with it; name another folder (an export's own folder, "
                                   "or a new one)")
+
+
+def _check_not_the_base(out: Path, model: str) -> None:
+    """An export is written over `out`: not over the base model the checkpoint records, which it reads its config and
+    tokenizer from (and without which the checkpoint could no longer be exported or resumed)."""
+    from lightning_logra.paths import model_path
+
+    base = Path(model_path(model))
+    if base.is_dir() and (out.resolve() == base.resolve() or out.resolve() in base.resolve().parents):
+        raise FileExistsError(f"--out: {str(out)!r} holds the run's base model ({str(base)!r}), which the checkpoint "
+                              "needs to be exported or resumed, and which writing the export there would delete; "
+                              "name another folder")
 
 
 def _load(ckpt_path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ rewards through `model.reward_weights`."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +13,21 @@ from typing import Any, Literal
 from lightning_logra.base.settings import check_positive
 
 log = logging.getLogger(__name__)
+
+
+def _check_one_label_classifier(path: Path) -> None:
+    """A causal LM's folder loaded as a classifier got a score head of random weights (rewards random, and different
+    every run), and a 2-label classifier scored silently with label 0: only a one-label sequence classifier is one."""
+    config = json.loads((path / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(f"model.reward: RewardModel's path {str(path)!r} holds a {', '.join(architectures) or 'model'}"
+                         ", not a sequence classifier: its score head would be random weights; give a reward model "
+                         "(an AutoModelForSequenceClassification with one label)")
+    if labels != 1:
+        raise ValueError(f"model.reward: RewardModel's path {str(path)!r} is a classifier of {labels} labels; a reward "
+                         "model has one (its logit is the score): give a one-label classifier")
 
 
 class RewardModel:
@@ -38,6 +54,7 @@ class RewardModel:
         if not (Path(path).expanduser() / "config.json").is_file():
             raise FileNotFoundError(f"model.reward: RewardModel's path {path!r} is not a transformers model folder "
                                     "(no config.json): give the folder a sequence classifier was saved to")
+        _check_one_label_classifier(Path(path).expanduser())
         check_positive("model.reward: RewardModel's batch_size", batch_size, "number of completions", integer=True)
         check_positive("model.reward: RewardModel's max_length", max_length, "number of tokens", integer=True,
                        null="the tokenizer's limit")

@@ -15,6 +15,7 @@ by it, so that one and several processes measure q on the same responses.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ import torch
 from lightning_logra.base.batch import Rollout, concat
 
 Batch = dict[str, list[Any]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,7 +112,11 @@ class DynamicSampling:
                    "rollout/prompts_drawn": float(target * len(rounds)),
                    "rollout/filtered_groups": float(target * len(rounds) - found),
                    "rollout/missing_groups": float(max(0, target - found))}
-        if found == 0:  # nothing to learn anywhere: the first round as drawn
+        if found == 0:  # nothing to learn anywhere: the first round as drawn (model.max_unlearnable_steps counts it)
+            log.warning("model.dynamic_sampling: none of the %d groups drawn in %d rounds (model.max_generation_rounds)"
+                        " has rewards that differ: this step learns nothing; check the reward and the data, and set "
+                        "model.max_unlearnable_steps to stop a run that goes on like this", target * len(rounds),
+                        len(rounds))
             return first, metrics
         counts = torch.zeros(len(rounds), self.world_size, dtype=torch.float64)
         counts[:, self.rank] = torch.tensor([float(mask.sum()) for mask in masks], dtype=torch.float64)

@@ -73,6 +73,7 @@ from lightning_logra.train.task_metrics import TaskTally, task_index, task_means
 
 log = logging.getLogger(__name__)
 
+MIN_TEMPERATURE = 0.01  # model.temperature and a positive model.eval_temperature
 EVAL_STEP = -1  # the step an evaluation's prompts are seeded with: apart from every training step's
 
 
@@ -84,7 +85,10 @@ def _check_settings(hp: Any) -> None:
         check_positive(f"model.{key}", hp[key], "number of steps", integer=True, null="never")
     if hp.num_generations < 2:
         raise ValueError("model.num_generations must be at least 2: advantages compare samples of one prompt")
-    check_positive("model.temperature", hp.temperature, why="sampling divides the logits by it")
+    # Sampling and every log-prob divide the logits by it: at 1e-40 the quotients overflowed (garbage samples, NaN
+    # kl/predicted). Below 0.01 sampling is greedy decoding in all but name.
+    check_at_least("model.temperature", hp.temperature, MIN_TEMPERATURE, "finite number",
+                   why="sampling divides the logits by it (for greedy evaluation set model.eval_temperature: 0)")
     if not (is_number(hp.top_p) and 0 < hp.top_p <= 1):
         raise ValueError(f"model.top_p must be in (0, 1], got {hp.top_p}")
     check_positive("model.is_cap", hp.is_cap, null="the correction off")
@@ -101,7 +105,9 @@ def _check_settings(hp: Any) -> None:
         raise ValueError(f"model.eval_num_samples={hp.eval_num_samples} with model.eval_temperature=0: greedy "
                          "decoding draws the same completion every time; set model.eval_temperature (e.g. 0.6 or 1.0), "
                          "or model.eval_num_samples: 1 for greedy pass@1")
-    check_at_least("model.eval_temperature", hp.eval_temperature, 0, "finite number", why="0 decodes greedily")
+    if hp.eval_temperature != 0:
+        check_at_least("model.eval_temperature", hp.eval_temperature, MIN_TEMPERATURE, "finite number",
+                       why="0 decodes greedily; a positive one divides the logits")
     check_at_least("model.entropy_coef", hp.entropy_coef, 0, "finite number",
                    why="0 turns the entropy bonus off; verl's examples use about 0.001")
     check_positive("model.reward_timeout_s", hp.reward_timeout_s, "number of seconds", null="no deadline")
@@ -352,6 +358,7 @@ class RLVRModule(LightningModule):
         self.lr_schedule = lr_schedule
         self.unlearnable = UnlearnableSteps(max_unlearnable_steps, self.rewards)
         self.num_tokens = 0  # prompt + completion tokens trained on so far, all ranks (checkpointed)
+        self._all_cut = 0  # steps whose completions were all cut and masked (mask_truncated_completions)
         # The run's components, found when it is set up: how it trains, over how many processes and who chooses α
         # (None: α = 1); and where its samples come from: the engine, its weight sync, overlapped rollouts.
         self.mode: TrainingMode | None = None
@@ -482,6 +489,13 @@ class RLVRModule(LightningModule):
         if not self.hparams.mask_truncated_completions:
             return rollout
         kept = rollout.terminated(self.stop_token_ids())[:, None]  # (N, 1): ended with a stop token, not cut
+        if not bool(kept.any()):
+            self._all_cut += 1
+            if self._all_cut in (1, 10) or self._all_cut % 100 == 0:  # said at once, then now and then
+                log.warning("every completion of this step (and of %d steps so far) was cut at model.max_new_tokens="
+                            "%d, and model.mask_truncated_completions leaves none to train on: raise "
+                            "model.max_new_tokens, or set model.mask_truncated_completions: false", self._all_cut,
+                            self.hparams.max_new_tokens)
         sampled = None if rollout.sampled_mask is None else rollout.sampled_mask * kept
         return replace(rollout, completion_mask=rollout.completion_mask * kept, sampled_mask=sampled)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,15 @@ from torch.distributed.tensor import DTensor
 
 from lightning_logra.base.settings import check_positive
 
+log = logging.getLogger(__name__)
+
 CONFIG_KEY = "model.optimizer"
+# Optimizers that cannot take a training step here, and why.
+_CANNOT_TRAIN = {
+    torch.optim.Optimizer: "it is the base class, with no step of its own",
+    torch.optim.LBFGS: "its step needs a closure that recomputes the loss, and a step here is one backward pass",
+    torch.optim.SparseAdam: "it takes only sparse gradients, and these are dense",
+}
 _PROJECTOR = "__projector__"  # the key under which a checkpoint keeps a projector's class
 
 
@@ -102,6 +111,12 @@ class OptimizerSpec:
         if not (inspect.isclass(found) and issubclass(found, torch.optim.Optimizer)):
             raise ValueError(f"{CONFIG_KEY}.class_path: {self.class_path} is not a torch.optim.Optimizer subclass "
                              "(give its full dotted path, e.g. torch.optim.AdamW)")
+        why = _CANNOT_TRAIN.get(found) or ("it is a sketch optimizer: give it as the strategy's "
+                                           "sketch.optimizer (SketchStrategy)" if found.__module__.startswith(
+                                               "lightning_logra.sketch") else None)
+        if why:
+            raise ValueError(f"{CONFIG_KEY}.class_path: {self.class_path} cannot be the dense or LoRA optimizer: "
+                             f"{why}; use e.g. torch.optim.AdamW")
         return found
 
     def check(self) -> None:
@@ -118,6 +133,12 @@ class OptimizerSpec:
         if self.family:
             check_positive(f"{CONFIG_KEY}.init_args.rank", self.init_args.get("rank"), integer=True,
                            why=f"{self.class_path} projects matrices to this rank (e.g. 128; APOLLO-Mini 1)")
+            return
+        # What torch would refuse only at the first step (weight_decay -1, betas [2, 0.9]): built once on a stand-in.
+        try:
+            self.optimizer_class()([nn.Parameter(torch.zeros(1))], **{"lr": 1e-3, **self.init_args})
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{CONFIG_KEY}.init_args: {self.class_path} refuses them ({err})") from None
 
     def build(self, policy: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float
               ) -> torch.optim.Optimizer:
@@ -132,6 +153,10 @@ class OptimizerSpec:
             return optimizer_class(params, **args)
         group = {key: args.pop(key, default) for key, default in family.group_settings.items()}
         projected = projected_matrices(policy, params, group["rank"])
+        if not projected:
+            log.warning("%s.init_args.rank=%d is at or above both sides of every trained matrix: %s projects none of "
+                        "them and trains as its plain optimizer (AdamW) would; give a smaller rank", CONFIG_KEY,
+                        group["rank"], self.class_path)
         plain = [p for p in params if id(p) not in {id(q) for q in projected}]
         groups = [g for g in ({"params": plain}, {"params": projected, **group}) if g["params"]]
         optimizer = optimizer_class(groups, **args)

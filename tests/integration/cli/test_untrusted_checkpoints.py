@@ -7,6 +7,7 @@ import inspect
 import io
 import os
 import pickle
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -165,6 +166,21 @@ def test_export_never_replaces_the_checkpoint_it_exports_or_a_runs_files(run_cli
     with pytest.raises(FileExistsError, match="holds a run's checkpoints or logs"):
         export_main(["--ckpt_path", str(ckpt), "--out", str(other), "--overwrite"])
     assert sorted((tmp_path / "a").rglob("*")) == before and sorted(other.rglob("*")) == theirs
+
+
+def test_export_never_replaces_the_base_model_the_checkpoint_needs(run_cli, tiny_arith_model, tmp_path):
+    # `--out` the run's base model folder with --overwrite deleted it: the checkpoint could no longer be exported
+    # or resumed.
+    base = tmp_path / "models" / "base"
+    shutil.copytree(tiny_arith_model, base)
+    run_cli("tiny_arith", steps=1, model=str(base), root=tmp_path / "a")
+    ckpt = glob.glob(str(tmp_path / "a" / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
+    before = sorted(base.iterdir())
+    for out in (base, base.parent):
+        with pytest.raises(FileExistsError, match="holds the run's base model"):
+            export_main(["--ckpt_path", ckpt, "--out", str(out), "--overwrite"])
+    assert sorted(base.iterdir()) == before
+    export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "exported")])
 
 
 def test_a_module_planted_in_a_sharded_folder_is_never_imported(run_cli, tmp_path, monkeypatch):

@@ -1,6 +1,8 @@
 """The rewards of the DAPO recipe and beyond: the soft over-long penalty, a sequence classifier as a reward (trained
 here on the fly), and an LLM judge over HTTP (a stub on 127.0.0.1): scores, failures scored None, refusals."""
 
+import json
+
 import pytest
 
 from lightning_logra.rewards import LLMJudge, OverlongPenalty, RewardModel
@@ -29,6 +31,19 @@ def test_a_classifier_trained_here_scores_right_answers_above_wrong_ones(tmp_pat
         RewardModel(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="RewardModel's batch_size"):
         RewardModel(str(path), batch_size=0)
+
+
+def test_only_a_one_label_sequence_classifier_is_a_reward_model(tmp_path, tiny_arith_model):
+    # A causal LM's folder got a score head of random weights (rewards random, different every run); a 2-label
+    # classifier scored with label 0, silently.
+    with pytest.raises(ValueError, match="holds a Qwen2ForCausalLM, not a sequence classifier"):
+        RewardModel(tiny_arith_model)
+    path = train_reward_classifier(tmp_path / "rm")
+    config = json.loads((path / "config.json").read_text())
+    config["id2label"] = {"0": "bad", "1": "good"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="is a classifier of 2 labels; a reward model has one"):
+        RewardModel(str(path))
 
 
 def test_the_judge_scores_by_its_verdict_and_a_failed_request_scores_none():

@@ -29,6 +29,15 @@ def _needs(module: str):
      "model.optimizer.init_args.rank: torch.optim.AdamW takes no such argument"),
     ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0}}, "model.optimizer.init_args.lr must be a positive"),
     ({"class_path": "torch.optim.SGD", "init_args": {"lr": float("nan")}}, "init_args.lr must be a positive"),
+    # classes that cannot take a step here, and settings torch refused only at the first step
+    ("torch.optim.Optimizer", "torch.optim.Optimizer cannot be the dense or LoRA optimizer: it is the base class"),
+    ("torch.optim.LBFGS", "torch.optim.LBFGS cannot be the dense or LoRA optimizer: its step needs a closure"),
+    ("torch.optim.SparseAdam", "SparseAdam cannot be the dense or LoRA optimizer: it takes only sparse gradients"),
+    ("lightning_logra.sketch.SketchAdam", "SketchAdam cannot be the dense or LoRA optimizer: it is a sketch optimizer"),
+    ({"class_path": "torch.optim.AdamW", "init_args": {"weight_decay": -1}},
+     "model.optimizer.init_args: torch.optim.AdamW refuses them (Invalid weight_decay value: -1"),
+    ({"class_path": "torch.optim.AdamW", "init_args": {"betas": [2, 0.9]}},
+     "model.optimizer.init_args: torch.optim.AdamW refuses them (Invalid beta parameter at index 0"),
 ])
 def test_a_bad_spec_is_refused_naming_its_key(value, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
@@ -99,6 +108,15 @@ def test_a_rank_family_without_a_rank_is_refused():
     with pytest.raises(ValueError, match=r"model\.optimizer\.init_args\.rank must be a positive integer, got None: "
                                          r"galore_torch\.GaLoreAdamW projects"):
         OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"lr": 1e-3}})
+
+
+@_needs("galore_torch")
+def test_a_rank_at_or_above_every_matrixs_sides_is_said_to_be_plain_adamw(caplog):
+    model = make_tiny_qwen2()  # its widest matrix's narrow side: 64
+    spec = OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"rank": 64}})
+    with caplog.at_level("WARNING"):
+        spec.build(model, list(model.parameters()), 1e-3, 0.0)
+    assert "rank=64 is at or above both sides of every trained matrix" in caplog.text
 
 
 def _two_steps(optimizer, model, seed):

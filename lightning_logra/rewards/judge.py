@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from lightning_logra.base.http import request_within
 from lightning_logra.base.settings import check_at_least, check_positive
 from lightning_logra.rewards.builtin import completion_text
 
@@ -95,8 +96,8 @@ class LLMJudge:
                 "max_tokens": self.max_tokens, "temperature": self.temperature}
         for attempt in range(self.retries + 1):
             try:
-                answer = requests.post(f"{self.url}/chat/completions", json=body, headers=headers,
-                                       timeout=self.timeout_s)
+                answer = request_within("POST", f"{self.url}/chat/completions", self.timeout_s, json=body,
+                                        headers=headers)
                 answer.raise_for_status()
                 return self.verdict(answer.json()["choices"][0]["message"]["content"] or "")
             except (requests.RequestException, KeyError, IndexError, TypeError, ValueError) as err:

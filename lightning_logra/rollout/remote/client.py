@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from lightning_logra.base.http import request_within
 from lightning_logra.rollout.protocol import (
     PREFIX,
     SHA_HEADER,
@@ -67,9 +68,8 @@ class Server:
         headers = {"Authorization": f"Bearer {connection.token}", SHA_HEADER: sha256(data)}
         try:
             with self.lock if exclusive else contextlib.nullcontext():
-                answer = requests.request(method, self.url + path, data=data, params=params, headers=headers,
-                                          timeout=(connection.connect_timeout_s,
-                                                   timeout or connection.request_timeout_s))
+                answer = request_within(method, self.url + path, timeout or connection.request_timeout_s,
+                                        connection.connect_timeout_s, data=data, params=params, headers=headers)
         except requests.RequestException as err:
             raise ServerFailed(f"{self.url}{path}: {err}") from err
         if answer.status_code == 409:

@@ -59,7 +59,7 @@ class _Judge(BaseHTTPRequestHandler):
             return
         content = body["messages"][0]["content"]
         reference = re.search(r"Reference answer: (.*)", content).group(1).strip()
-        student = content.split("Student's answer:\n", 1)[1].split("\n\n", 1)[0].strip()
+        student = re.search(r"<student_answer>\n(.*?)\n</student_answer>", content, re.S).group(1).strip()
         if student == "slow":
             threading.Event().wait(1)
         reply = "garbled" if student == "garble" else f"Verdict: {'YES' if student == reference else 'NO'}"

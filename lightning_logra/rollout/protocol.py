@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
+import stat
 from dataclasses import dataclass, fields
 
 TOKEN_ENV = "LOGRA_SERVER_TOKEN"  # the shared token, on both sides (a server may read it from --token-file instead)
 SHA_HEADER = "X-Logra-SHA256"
 PREFIX = "/logra"
+
+log = logging.getLogger(__name__)
 
 
 def sha256(data: bytes) -> str:
@@ -107,7 +112,22 @@ class GenerateAsk:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GenerateAsk:
-        return cls(**json.loads(data))
+        ask = cls(**json.loads(data))
+        ask.check()
+        return ask
+
+    def check(self) -> None:
+        """ValueError naming the field a server could not honour: fewer seeds than prompts were answered with fewer
+        outputs, and a seed of 2⁷⁰ failed inside vLLM with an empty message."""
+        if len(self.seeds) != len(self.prompts):
+            raise ValueError(f"seeds: {len(self.seeds)} for {len(self.prompts)} prompts (one each)")
+        if not all(type(seed) is int and 0 <= seed < 2**62 for seed in self.seeds):
+            raise ValueError("seeds: each must be a whole number in 0..2**62 - 1 (vLLM adds the sample's index)")
+        if not (type(self.n) is int and self.n >= 1 and type(self.max_tokens) is int and self.max_tokens >= 1):
+            raise ValueError(f"n and max_tokens must be positive whole numbers, got {self.n!r} and "
+                             f"{self.max_tokens!r}")
+        if not all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in self.prompts):
+            raise ValueError("prompts: each must be a non-empty list of token ids")
 
 
 @dataclass(frozen=True)
@@ -147,3 +167,14 @@ def answer_problem(outputs: list[list[dict]], prompts: int, n: int, max_tokens: 
             if not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 1e-4 for v in logprobs):
                 return "log-probs that are not finite numbers at most 0"
     return None
+
+
+def warn_if_others_can_read(path: str, key: str) -> None:
+    """A token file that other users of the machine can read gives them the update routes: said, naming the fix."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # reading it says what is wrong
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("%s %s can be read by other users of this machine, who could then change the served weights: "
+                    "chmod 600 %s", key, path, path)

@@ -45,7 +45,14 @@ from lightning_logra.paths import model_folder, vocab_size
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.journal import UpdateJournal
 from lightning_logra.rollout.pipeline import EngineLost
-from lightning_logra.rollout.protocol import TOKEN_ENV, BlocksAsk, GenerateAsk, Label, answer_problem
+from lightning_logra.rollout.protocol import (
+    TOKEN_ENV,
+    BlocksAsk,
+    GenerateAsk,
+    Label,
+    answer_problem,
+    warn_if_others_can_read,
+)
 from lightning_logra.rollout.remote.client import Behind, Connection, Server, ServerFailed
 from lightning_logra.rollout.remote.fleet import Fleet, NoServerLeft, split
 from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
@@ -174,6 +181,7 @@ class RemoteEngine(RolloutEngine):
 
     def _read_token(self) -> str:
         if self.token_file is not None:
+            warn_if_others_can_read(self.token_file, "engine.token_file")
             try:
                 return Path(self.token_file).read_text().splitlines()[0].strip()
             except (OSError, IndexError) as err:

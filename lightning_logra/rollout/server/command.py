@@ -5,7 +5,7 @@ import argparse
 import logging
 import os
 
-from lightning_logra.rollout.protocol import TOKEN_ENV
+from lightning_logra.rollout.protocol import TOKEN_ENV, warn_if_others_can_read
 
 log = logging.getLogger(__name__)
 
@@ -14,6 +14,7 @@ def read_token(token_file: str | None) -> str:
     """The shared token: the file's first line, or $LOGRA_SERVER_TOKEN; refused when there is neither, or it is
     shorter than 16 characters."""
     if token_file:
+        warn_if_others_can_read(token_file, "--token-file")
         try:
             with open(token_file) as file:
                 token = file.readline().strip()

@@ -30,14 +30,21 @@ def test_bad_settings_are_refused_naming_the_key(kwargs, key):
         RemoteEngine(**kwargs)
 
 
-def test_the_token_comes_from_the_environment_or_a_file(monkeypatch, tmp_path):
+def test_the_token_comes_from_the_environment_or_a_file(monkeypatch, tmp_path, caplog):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with pytest.raises(ValueError, match=TOKEN_ENV):
         RemoteEngine(urls=["http://a:1"])._read_token()
     monkeypatch.setenv(TOKEN_ENV, "from-the-environment")
     assert RemoteEngine(urls=["http://a:1"])._read_token() == "from-the-environment"
     (tmp_path / "token").write_text("from-a-file\n")
-    assert RemoteEngine(urls=["http://a:1"], token_file=str(tmp_path / "token"))._read_token() == "from-a-file"
+    (tmp_path / "token").chmod(0o644)  # readable by every user of the machine: accepted, and said
+    with caplog.at_level("WARNING"):
+        assert RemoteEngine(urls=["http://a:1"], token_file=str(tmp_path / "token"))._read_token() == "from-a-file"
+    assert "can be read by other users of this machine" in caplog.text and "chmod 600" in caplog.text
+    caplog.clear()
+    (tmp_path / "token").chmod(0o600)
+    RemoteEngine(urls=["http://a:1"], token_file=str(tmp_path / "token"))._read_token()
+    assert "other users" not in caplog.text
     monkeypatch.delenv(TOKEN_ENV)
     assert len(RemoteEngine(launch=1)._read_token()) == 32  # a launched server gets a fresh one
 

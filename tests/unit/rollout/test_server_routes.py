@@ -126,8 +126,14 @@ def test_bad_requests_change_nothing(server):
     assert _post(client, b"not an update", 1).status_code == 400
     assert _post(client, bytes(5000), 1).status_code == 413
     assert _post(client, data, 3).status_code == 409 and _post(client, data, 3).json() == {"run": None, "version": 0}
+    ask = {"prompts": [[1], [2]], "seeds": [1, 2], "n": 2, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4,
+           "stop_token_ids": [0], "run": None, "min_version": 0, "wait_s": 0.0}
     for route, body in [("/logra/generate", b'{"prompts": [[1]]}'), ("/logra/blocks", b'{"names": [], "extra": 1}'),
-                        ("/logra/generate", b"not json")]:
+                        ("/logra/generate", b"not json"),
+                        # fewer seeds than prompts were answered 200 with fewer outputs; a seed of 2**70, 500
+                        ("/logra/generate", json.dumps({**ask, "seeds": [1]}).encode()),
+                        ("/logra/generate", json.dumps({**ask, "seeds": [1, 2**70]}).encode()),
+                        ("/logra/generate", json.dumps({**ask, "prompts": [[1], []]}).encode())]:
         asked = client.post(route, content=body, headers={SHA_HEADER: hashlib.sha256(body).hexdigest(),
                                                           "Authorization": f"Bearer {TOKEN}"})
         assert asked.status_code == 400 and "not a" in asked.json()["detail"], (route, body)

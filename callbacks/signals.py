@@ -57,6 +57,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_logra.base.settings import check_positive
 from lightning_logra.base.stop import STOP, StopRequested
+from lightning_logra.rollout.remote import NoServerLeft
 
 log = logging.getLogger(__name__)
 
@@ -183,23 +184,26 @@ class SaveOnSignal(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, StopRequested) and self._previous:
-            self._save_unfinished(trainer, exception)
+            self._save_unfinished(trainer, str(exception), f"exiting with status {exception.code}")
+        elif isinstance(exception, NoServerLeft) and trainer.training:
+            self._save_unfinished(trainer, "no engine server left", "stopping")
         self._restore()  # as in on_train_end; the exit above ends here too
 
     @staticmethod
-    def _save_unfinished(trainer: Trainer, stop: StopRequested) -> None:
-        """A wait on the engine outlived the grace after a signal. One process: it met the engine before the step
-        changed anything (the rollouts; a failed sync lets the step finish), so the state is the last finished step's,
-        saved as at a step boundary; Lightning redoes the interrupted step on resume. Several: the other ranks may be
-        in a collective this one will never join, so nothing is saved (a save needs them all)."""
+    def _save_unfinished(trainer: Trainer, why: str, ending: str) -> None:
+        """A wait on the engine outlived the grace after a signal, or no engine server is left. One process: it met
+        the engine before the step changed anything (the rollouts; a failed sync lets the step finish), so the state is
+        the last finished step's, saved as at a step boundary; Lightning redoes the interrupted step on resume.
+        Several: the other ranks may be in a collective this one will never join, so nothing is saved (a save needs
+        them all)."""
         if trainer.world_size > 1 or trainer.sanity_checking or trainer.validating:
-            log.warning("%s: exiting with status %d without a checkpoint (%s); resume from the last saved one", stop,
-                        stop.code, "several processes" if trainer.world_size > 1 else "during a validation")
+            log.warning("%s: %s without a checkpoint (%s); resume from the last saved one", why, ending,
+                        "several processes" if trainer.world_size > 1 else "during a validation")
             return
         path = last_checkpoint_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)
-        log.warning("%s: saved a checkpoint of step %d (the last finished) to %s; exiting with status %d. Resume "
-                    "with --ckpt_path %s", stop, trainer.global_step, path, stop.code, path)
+        log.warning("%s: saved a checkpoint of step %d (the last finished) to %s; %s. Resume with --ckpt_path %s",
+                    why, trainer.global_step, path, ending, path)
 
     @staticmethod
     def _exit(trainer: Trainer, code: int) -> None:

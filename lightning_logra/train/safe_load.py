@@ -80,6 +80,11 @@ def load_file(file: Path | str | IO[bytes], map_location: Any = "cpu", where: Pa
         # torch's message names the global it met ("... unsupported GLOBAL posix.system whose ..."): keep that.
         found = re.search(r"GLOBAL (\S+)", str(err))
         raise _refusal(where or file, found.group(1) if found else "something other than plain data") from None
+    except TypeError as err:
+        # An allowed name called (a reward kept by its name is a string; a class with arguments it does not take).
+        raise UnsafeCheckpoint(f"{where or file}: refused to load: its pickle calls an allowed name as a lightning-"
+                               f"logra checkpoint never does ({err}); use a checkpoint from a source you trust"
+                               ) from None
     except RuntimeError as err:
         # torch's zip reader, in C++: a truncated file, or a member outside the archive's folder (which it refuses
         # to read rather than ignore). Its message starts with the source line that raised it.

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_logra.base.stop import STOP, StopRequested
 from lightning_logra.callbacks import SaveOnSignal
 from lightning_logra.callbacks.signals import agree, last_checkpoint_path
+from lightning_logra.rollout.remote import NoServerLeft
 
 
 def test_every_run_of_the_command_line_saves_on_signal_and_a_configured_one_replaces_it(run_cli):
@@ -124,6 +125,21 @@ def test_a_stop_while_waiting_on_the_engine_saves_the_last_finished_step_with_on
         assert written == []
         assert "exiting with status 143 without a checkpoint" in caplog.text
     assert signal.getsignal(signal.SIGTERM) is not callback._record  # the handlers put back
+
+
+def test_no_engine_server_left_saves_the_last_finished_step(tmp_path, caplog):
+    # The run stopped with NoServerLeft at a step's rollouts, and only the periodic checkpoints were there to resume.
+    written = []
+    trainer = SimpleNamespace(received_sigterm=False, world_size=1, is_global_zero=True, global_step=7,
+                              strategy=SimpleNamespace(launcher=None), sanity_checking=False, validating=False,
+                              training=True, checkpoint_callback=None, log_dir=str(tmp_path),
+                              save_checkpoint=lambda path, weights_only: written.append((path, weights_only)))
+    callback = SaveOnSignal()
+    callback.on_train_start(trainer, None)
+    callback.on_exception(trainer, None, NoServerLeft("model.engine: no engine server is left to generate on"))
+    path = str(tmp_path / "checkpoints" / "last.ckpt")
+    assert written == [(path, False)]
+    assert f"no engine server left: saved a checkpoint of step 7 (the last finished) to {path}; stopping" in caplog.text
 
 
 def test_the_engine_grace_is_a_positive_number_of_seconds():

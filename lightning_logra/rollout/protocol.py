@@ -24,6 +24,7 @@ import stat
 from dataclasses import dataclass, fields
 
 TOKEN_ENV = "LOGRA_SERVER_TOKEN"  # the shared token, on both sides (a server may read it from --token-file instead)
+PARENT_ENV = "LOGRA_SERVE_PARENT_PID"  # the trainer that launched a server (RemoteEngine's launch): it dies with it
 SHA_HEADER = "X-Logra-SHA256"
 PREFIX = "/logra"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from lightning_logra.base.stop import STOP
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.journal import UpdateJournal
-from lightning_logra.rollout.protocol import TOKEN_ENV, Label
+from lightning_logra.rollout.protocol import PARENT_ENV, TOKEN_ENV, Label
 from lightning_logra.rollout.remote.client import Connection, Server, ServerFailed
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Fleet:
                             server.url, self.probe_every_s)
 
     def _launch(self, model: str) -> None:
-        env = {**os.environ, TOKEN_ENV: self.connection.token}
+        env = {**os.environ, TOKEN_ENV: self.connection.token, PARENT_ENV: str(os.getpid())}
         for _ in range(self.launch):
             port = _free_port()
             handle, path = tempfile.mkstemp(prefix=f"logra-serve-{port}-", suffix=".log")

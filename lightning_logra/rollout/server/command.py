@@ -4,8 +4,11 @@
 import argparse
 import logging
 import os
+import signal
+import threading
+import time
 
-from lightning_logra.rollout.protocol import TOKEN_ENV, warn_if_others_can_read
+from lightning_logra.rollout.protocol import PARENT_ENV, TOKEN_ENV, warn_if_others_can_read
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +116,25 @@ async def _serve(args: argparse.Namespace, token: str, max_body_bytes: int) -> N
         sock.close()
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """A launched server leads a process group of its own (its engine core and workers are in it): once the trainer
+    that launched it is gone (even by SIGKILL), the whole group is killed within a second. vLLM's API process, sent
+    SIGTERM by the parent-death signal, waited minutes for its background tasks with a request pending, holding its
+    port and its memory."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="logra-serve-watch-parent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     from lightning_logra.paths import model_path
+
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        die_with_parent(int(os.environ[PARENT_ENV]))
 
     ours = parser().parse_args(argv)
     try:

@@ -74,6 +74,12 @@ class Server:
             raise ServerFailed(f"{self.url}{path}: {err}") from err
         if answer.status_code == 409:
             return answer  # the server holds another version: the caller decides
+        if answer.status_code == 423:
+            held = answer.json()
+            raise ServerFailed(f"{self.url} is in use by run {held.get('run')} (heard from {held.get('quiet_s')} s "
+                               "ago), whose weights a load of this run's would replace at every step of either: give "
+                               "this run a server of its own, or stop the other (a server is free once its run has "
+                               "been quiet for 2 minutes)")
         if answer.status_code == 401:
             raise PermissionError(f"engine server {self.url} refused this run's token: give the trainer the token "
                                   f"the server was started with (${TOKEN_ENV} or engine.token_file)")

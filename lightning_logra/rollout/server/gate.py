@@ -11,12 +11,15 @@ Plain asyncio: the routes (`routes.py`) hold one per server, and tests drive it 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from lightning_logra.rollout.protocol import Label
 
 _MAX_WAIT_S = 3600.0  # the longest a request may wait for the version it asks for
+HOLD_S = 120.0  # a run that asked anything this recently holds the server: another run's loads are refused
 
 
 class VersionGate:
@@ -29,6 +32,21 @@ class VersionGate:
         self._generating = 0  # generation requests under way: a change waits for them, unless it is in flight
         self._reading = 0  # weight reads (/blocks) under way: every change waits for them
         self._changed = asyncio.Condition()
+        self._heard = -math.inf  # when the run the weights are of last asked anything (time.monotonic)
+
+    def heard_from(self, run: str | None) -> None:
+        """A request of `run` arrived: the run the weights are of keeps holding the server."""
+        if run is not None and run == self.run:
+            self._heard = time.monotonic()
+
+    def held_by_another(self, run: str | None) -> float | None:
+        """Seconds since the run the weights are of last asked anything, when that is another run than `run` and it
+        did so within HOLD_S (None: the server is free for `run`). Two trainers on one server each replaced the
+        other's weights with a full load every step, and both went on as if nothing was wrong."""
+        if self.run is None or run == self.run:
+            return None
+        quiet = time.monotonic() - self._heard
+        return quiet if quiet < HOLD_S else None
 
     def label(self) -> Label:
         return Label(self.run, self.version)
@@ -44,6 +62,7 @@ class VersionGate:
 
     def relabel(self, label: Label) -> None:
         self.run, self.version = label.run, label.version
+        self.heard_from(label.run)
 
     @asynccontextmanager
     async def change(self, label: Label, in_flight: bool = False, on_top: bool = False) -> AsyncIterator[bool]:

@@ -152,6 +152,7 @@ async def update(request: Request):
     ?in_flight=1, between decoding steps, the completions being generated kept (`_change`)."""
     _authorize(request)
     label, gate = _label(request), _guard(request).gate
+    gate.heard_from(label.run)
     landing = asks_in_flight(request.query_params)
     data = await _body(request)
     if not gate.follows(label):
@@ -176,6 +177,10 @@ async def load(request: Request):
         unpack_tensors(data)
     except Exception as err:
         raise HTTPException(HTTPStatus.BAD_REQUEST, f"not safetensors: {err}") from err
+    gate = _guard(request).gate
+    quiet = gate.held_by_another(label.run)
+    if quiet is not None:  # 423: another run's weights, and that run is still at work
+        return JSONResponse({**gate.label().to_json(), "quiet_s": round(quiet, 1)}, HTTPStatus.LOCKED)
     await _refuse_problems(request, "load", data)
     await _change(request, "logra_load", data, label)
     return _guard(request).gate.label().to_json()
@@ -187,6 +192,7 @@ async def blocks(request: Request):
     "name|row|col", as safetensors bytes; 409 with the server's label if it does not reach the version in time."""
     _authorize(request)
     ask, gate = _ask(BlocksAsk, await _body(request)), _guard(request).gate
+    gate.heard_from(ask.run)
     async with gate.reading(ask.run, ask.min_version, ask.wait_s, ask.any_run) as reached:
         if not reached:
             return _conflict(gate)
@@ -203,6 +209,7 @@ async def generate(request: Request):
     run; 409 with the server's label if it does not reach it in time."""
     _authorize(request)
     ask, gate = _ask(GenerateAsk, await _body(request)), _guard(request).gate
+    gate.heard_from(ask.run)
     async with gate.generation(ask.run, ask.min_version, ask.wait_s) as reached:
         if not reached:
             return _conflict(gate)

@@ -171,3 +171,13 @@ def test_a_server_whose_answer_does_not_fit_the_ask_is_given_up_on_and_its_promp
 
 def _sample(ids=(5, 6), logprobs=(-0.5, -0.25)) -> dict:
     return {"token_ids": list(ids), "logprobs": list(logprobs), "versions": [[0, 0, len(ids)]]}
+
+
+def test_a_server_another_run_holds_is_given_up_on_naming_that_run(monkeypatch):
+    from lightning_logra.rollout.protocol import Label
+    from lightning_logra.rollout.remote import client
+
+    answer = SimpleNamespace(status_code=423, json=lambda: {"run": "their-run", "version": 9, "quiet_s": 3.5})
+    monkeypatch.setattr(client, "request_within", lambda *args, **kwargs: answer)
+    with pytest.raises(ServerFailed, match=r"http://a:1 is in use by run their-run \(heard from 3.5 s ago\)"):
+        Server("http://a:1").load(b"", Label("our-run", 1))

@@ -176,6 +176,27 @@ def test_a_payload_a_worker_finds_wrong_is_refused_before_anything_changes(serve
     assert _post(client, _update(), 1).json() == {"run": "r", "version": 1}
 
 
+def _load(client, run, version):
+    data = pack_tensors({"w": torch.ones(2)})
+    return client.post("/logra/load", content=data, params={"run": run, "version": version}, headers={
+        SHA_HEADER: hashlib.sha256(data).hexdigest(), "Authorization": f"Bearer {TOKEN}"})
+
+
+def test_a_second_run_cannot_take_a_server_another_run_is_using(server, monkeypatch):
+    # Two trainers on one server each replaced the other's weights with a full load every step, and both went on.
+    from lightning_logra.rollout.server import gate as gate_module
+
+    client, engine = server
+    assert _load(client, "first", 3).json() == {"run": "first", "version": 3}
+    refused = _load(client, "second", 7)
+    assert refused.status_code == 423 and refused.json()["run"] == "first" and refused.json()["quiet_s"] < 5
+    assert _state(client) == {"run": "first", "version": 3} and engine.calls.count("logra_load") == 1
+    assert _load(client, "first", 4).status_code == 200  # its own run reloads as before
+    now = gate_module.time.monotonic()
+    monkeypatch.setattr(gate_module.time, "monotonic", lambda: now + gate_module.HOLD_S + 1)  # quiet for long
+    assert _load(client, "second", 7).json() == {"run": "second", "version": 7}
+
+
 def test_generation_waits_for_its_version_or_says_which_it_holds(server):
     client, _ = server
     ask = {"prompts": [], "seeds": [], "n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4,

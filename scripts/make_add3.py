@@ -16,12 +16,14 @@ advantages).
 Seeded, deterministic algorithms, one thread: a rerun on the same machine gives the same weights.
 """
 
-import argparse
-import json
-from pathlib import Path
 
 import torch
-from make_tiny_arith import encode_sft, exact_match_rate  # scripts/ (this script's folder is on sys.path)
+from make_tiny_arith import (  # scripts/ (this script's folder is on sys.path)
+    encode_sft,
+    exact_match_rate,
+    save_model,
+    script_parser,
+)
 
 from lightning_logra.data.add3 import ADD3_DIR, MAX_NEW_TOKENS, PROMPT_LEN, Add3Prompts, split_indices
 from lightning_logra.data.arith import build_tiny_model, build_tokenizer
@@ -39,13 +41,7 @@ WANTED_GREEDY = (0.10, 0.40)  # the held-out greedy pass@1 the saved model must 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ADD3_DIR)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-steps", type=int, default=8000)
-    parser.add_argument("--eval-every", type=int, default=25)
+    parser = script_parser(__doc__, ADD3_DIR, batch_size=128, max_steps=8000, eval_every=25)
     parser.add_argument("--probe", type=int, default=1024, help="train prompts evaluated greedily at each check")
     args = parser.parse_args()
 
@@ -100,14 +96,7 @@ def main() -> None:
         raise SystemExit(f"held-out greedy pass@1 {numbers['eval_greedy']:.3f} is outside {WANTED_GREEDY}; "
                          "nothing saved")
 
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
-    # As make_tiny_arith.py: a tokenizer class name that transformers 4 resolves too.
-    tokenizer_config_path = args.out / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    size_kib = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 1024
+    size_kib = save_model(model, tokenizer, args.out)
     (args.out / "README.md").write_text(
         f"""# add3
 

@@ -89,14 +89,33 @@ def exact_match_rate(
     return correct / len(examples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=TINY_ARITH_DIR)
+def script_parser(doc: str, out: Path, batch_size: int, max_steps: int, eval_every: int) -> argparse.ArgumentParser:
+    """The options every model-making script takes (add3's and the tool task's too)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=out)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-steps", type=int, default=6000)
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--max-steps", type=int, default=max_steps)
+    parser.add_argument("--eval-every", type=int, default=eval_every)
+    return parser
+
+
+def save_model(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> float:
+    """The model and tokenizer in `out` (safetensors); returns the folder's size in KiB."""
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # transformers 5 records its class as TokenizersBackend, a name transformers 4 cannot resolve; 4 reads this one
+    # as "load tokenizer.json". (5 ignores the name for qwen2 folders and builds a Qwen2Tokenizer from the vocab.)
+    tokenizer_config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1024
+
+
+def main() -> None:
+    parser = script_parser(__doc__, TINY_ARITH_DIR, batch_size=64, max_steps=6000, eval_every=5)
     parser.add_argument("--eval-prompts", type=int, default=512, help="train prompts sampled at each evaluation")
     args = parser.parse_args()
 
@@ -145,15 +164,7 @@ def main() -> None:
     if not WANTED_RANGE[0] <= train_sampled <= WANTED_RANGE[1]:
         raise SystemExit(f"sampled train reward {train_sampled:.3f} is outside {WANTED_RANGE}; nothing saved")
 
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
-    # transformers 5 records its class as TokenizersBackend, a name transformers 4 cannot resolve; 4 reads this one
-    # as "load tokenizer.json". (5 ignores the name for qwen2 folders and builds a Qwen2Tokenizer from the vocab.)
-    tokenizer_config_path = args.out / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    size_kib = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 1024
+    size_kib = save_model(model, tokenizer, args.out)
     (args.out / "README.md").write_text(
         f"""# tiny_arith
 

@@ -22,11 +22,10 @@ project's own episode runner (the in-process engine, the tool in an environment 
 machine gives the same weights.
 """
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
+from make_tiny_arith import save_model, script_parser  # scripts/ (this script's folder is on sys.path)
 
 from lightning_logra.data.arith import build_tiny_model
 from lightning_logra.data.tool_task import TOOLS_DIR, ToolPrompts, build_tool_tokenizer, operands
@@ -89,14 +88,8 @@ def episodes_score(runner: EpisodeRunner, engine: HFEngine, rows: list[dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=TOOLS_DIR)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = script_parser(__doc__, TOOLS_DIR, batch_size=128, max_steps=6000, eval_every=100)
     parser.add_argument("--call-fraction", type=float, default=0.25)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-steps", type=int, default=6000)
-    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--probe", type=int, default=512, help="train prompts drawn as episodes at each check")
     args = parser.parse_args()
 
@@ -149,14 +142,7 @@ def main() -> None:
     if not WANTED_CALLS[0] <= calls <= WANTED_CALLS[1]:
         raise SystemExit(f"held-out sampled call rate {calls:.3f} is outside {WANTED_CALLS}; nothing saved")
 
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
-    # As make_tiny_arith.py: a tokenizer class name that transformers 4 resolves too.
-    tokenizer_config_path = args.out / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    size_kib = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file()) / 1024
+    size_kib = save_model(model, tokenizer, args.out)
     table = "\n".join(f"| {split} | {mode} | {len(held_out)} | {s['calls']:.3f} | {s['right_when_called']:.3f} | "
                       f"{s['right']:.3f} |" for (split, mode), s in numbers.items())
     (args.out / "README.md").write_text(

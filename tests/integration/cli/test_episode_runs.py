@@ -14,7 +14,7 @@ DENSE = ["--trainer.strategy", "auto", "--model.lr", "1e-3"]
     ("configs/tiny_arith.yaml", []), ("configs/tiny_arith.yaml", DENSE), ("configs/tiny_arith_lora.yaml", []),
 ], ids=["sketch", "dense", "lora"])
 def test_a_fit_with_tools_draws_episodes_trains_and_logs_them(run_cli, config, extra):
-    cli = run_cli(config, *TOOL_TASK, *extra, "--data.init_args.batch_size", "8")
+    cli = run_cli(config, *TOOL_TASK, *extra)  # 4 prompts, 32 episodes a step
     metrics = cli.trainer.logged_metrics
     assert cli.trainer.global_step == 2
     # the shipped model calls the tool in about a quarter of its episodes: some episodes took a second turn

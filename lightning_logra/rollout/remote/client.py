@@ -79,7 +79,7 @@ class Server:
             raise ServerFailed(f"{self.url} is in use by run {held.get('run')} (heard from {held.get('quiet_s')} s "
                                "ago), whose weights a load of this run's would replace at every step of either: give "
                                "this run a server of its own, or stop the other (a server is free once its run has "
-                               "been quiet for 2 minutes)")
+                               "ended, or been quiet for 2 minutes)")
         if answer.status_code == 401:
             raise PermissionError(f"engine server {self.url} refused this run's token: give the trainer the token "
                                   f"the server was started with (${TOKEN_ENV} or engine.token_file)")
@@ -108,6 +108,10 @@ class Server:
     def load(self, data: bytes, label: Label) -> None:
         """Send whole tensors (`sync.pack_tensors`), which leave its weights at `label`."""
         self._relabel(self.request("POST", f"{PREFIX}/load", data, label.query()).json())
+
+    def release(self, label: Label) -> None:
+        """Say that the run of `label` has ended: another run may take the server at once."""
+        self.request("POST", f"{PREFIX}/release", b"", label.query(), timeout=self.connection.connect_timeout_s)
 
     def blocks(self, ask: BlocksAsk) -> bytes:
         """The workers' blocks of the asked tensors (safetensors bytes); ServerFailed when it does not reach the

@@ -195,6 +195,12 @@ class RemoteEngine(RolloutEngine):
                          "engine.token_file")
 
     def close(self) -> None:
+        if self._started and self.sender:  # the run has ended: the servers it held are free for the next
+            for server in self.servers:
+                try:
+                    server.release(Label(self.journal.run, self.journal.version))
+                except (ServerFailed, PermissionError):
+                    pass  # gone, or never ours: nothing to free
         self.fleet.close()
         self._started = False
 

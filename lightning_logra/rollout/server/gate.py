@@ -19,7 +19,8 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from lightning_logra.rollout.protocol import Label
 
 _MAX_WAIT_S = 3600.0  # the longest a request may wait for the version it asks for
-HOLD_S = 120.0  # a run that asked anything this recently holds the server: another run's loads are refused
+HOLD_S = 120.0  # a run that asked anything this recently, and has not ended, holds the server: another run's loads
+# are refused
 
 
 class VersionGate:
@@ -47,6 +48,11 @@ class VersionGate:
             return None
         quiet = time.monotonic() - self._heard
         return quiet if quiet < HOLD_S else None
+
+    def release(self, run: str | None) -> None:
+        """`run` has ended: another run may load its weights at once."""
+        if run is not None and run == self.run:
+            self._heard = -math.inf
 
     def label(self) -> Label:
         return Label(self.run, self.version)

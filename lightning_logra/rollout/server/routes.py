@@ -186,6 +186,15 @@ async def load(request: Request):
     return _guard(request).gate.label().to_json()
 
 
+@router.post("/release")
+async def release(request: Request):
+    """The run of ?run=<id>&version=<int> has ended: another run may take the server at once."""
+    _authorize(request)
+    gate = _guard(request).gate
+    gate.release(_label(request).run)
+    return gate.label().to_json()
+
+
 @router.post("/blocks")
 async def blocks(request: Request):
     """A `BlocksAsk`: the named tensors (or their fingerprints) as every worker holds its blocks, keyed

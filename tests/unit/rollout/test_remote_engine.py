@@ -181,3 +181,13 @@ def test_a_server_another_run_holds_is_given_up_on_naming_that_run(monkeypatch):
     monkeypatch.setattr(client, "request_within", lambda *args, **kwargs: answer)
     with pytest.raises(ServerFailed, match=r"http://a:1 is in use by run their-run \(heard from 3.5 s ago\)"):
         Server("http://a:1").load(b"", Label("our-run", 1))
+
+
+def test_a_run_that_ends_frees_its_servers_for_the_next(monkeypatch):
+    engine = RemoteEngine(urls=["http://a:1"])
+    engine._started = True
+    asked = []
+    monkeypatch.setattr(Server, "request", lambda server, method, path, data=b"", params=None, timeout=None,
+                        exclusive=True: asked.append((path, params)))
+    engine.close()
+    assert asked == [("/logra/release", {"run": engine.journal.run, "version": 0})]

@@ -192,6 +192,12 @@ def test_a_second_run_cannot_take_a_server_another_run_is_using(server, monkeypa
     assert refused.status_code == 423 and refused.json()["run"] == "first" and refused.json()["quiet_s"] < 5
     assert _state(client) == {"run": "first", "version": 3} and engine.calls.count("logra_load") == 1
     assert _load(client, "first", 4).status_code == 200  # its own run reloads as before
+    # a run that has ended says so (RemoteEngine.close): the next run takes the server at once
+    released = client.post("/logra/release", params={"run": "first", "version": 4},
+                           headers={SHA_HEADER: hashlib.sha256(b"").hexdigest(), "Authorization": f"Bearer {TOKEN}"})
+    assert released.json() == {"run": "first", "version": 4}
+    assert _load(client, "third", 1).json() == {"run": "third", "version": 1}
+    assert _load(client, "second", 7).status_code == 423  # the third run now holds it
     now = gate_module.time.monotonic()
     monkeypatch.setattr(gate_module.time, "monotonic", lambda: now + gate_module.HOLD_S + 1)  # quiet for long
     assert _load(client, "second", 7).json() == {"run": "second", "version": 7}

@@ -192,7 +192,7 @@ def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tm
     assert_matches("remote_faults", {"steps": record.metrics, **checksums(start, record.trainer_weights)},
                    recorded("vllm_engine"))
     log = caplog.text
-    assert "is given up on for now" in log and "Read timed out" in log  # the stopped server, at its deadline
+    assert "is given up on for now" in log and "no whole answer within" in log  # the stopped server, at its deadline
     # ... caught up by the journal when it came back: it first finishes what it was stopped in, which on a busy
     # machine takes a step or more, so the trainer may be at any later version; it replays exactly the difference.
     caught_up = re.search(r"holds version 1 of \w+, the trainer (\d+): replaying (\d+) updates", log)

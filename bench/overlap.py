@@ -25,7 +25,8 @@ wall time, CPU seconds of the trainer's process and of the engine's processes (`
 split held if the trainer's CPU time stays near its wall time and the engine's is its own core's), where a step's time
 went (`train/wait_s`, `train/score_s`, `train/update_s`), greedy pass@1 on the held-out set after the last step and
 the sampled reward over the last tenth of the steps, each with its paired difference from serial (mean ± standard
-error over seeds). Targets (issue 25): overlap1 ≥ 1.3× faster per step; pass@1 difference ≥ −0.03 at one s.e.
+error over seeds). What counts as a gain: overlap1 at least 1.3× faster per step, with a pass@1 difference of at
+least −0.03 at one standard error.
 JSON, table and plot under bench/out/overlap/.
 """
 

@@ -147,11 +147,6 @@ def odd_first_digit(prompts: list[str], completions: list[str], **_) -> list[flo
     return [1.0 if c[:1] in "13579" else 0.0 for c in completions]
 
 
-def odd_final_turn(prompts: list[str], completions: list[list[dict]], **_) -> list[float]:
-    """`odd_first_digit` of each episode's final turn (episodes reach a reward as conversations)."""
-    return odd_first_digit(prompts, [conversation[-1]["content"] for conversation in completions])
-
-
 def odd(prompts: list[str], completions: list[str], **_) -> list[float]:
     """`odd_first_digit` under the name of one of `TaskedArithDataModule`'s tasks."""
     return odd_first_digit(prompts, completions)

@@ -94,12 +94,18 @@ def model_folder(model: str) -> Path | None:
         return None
 
 
-def vocab_size(folder: Path | None) -> int | None:
-    """The vocabulary size in a model folder's config.json (a multimodal config's text part's); None if unknown."""
+def model_config(folder: Path | None) -> dict:
+    """A model folder's config.json ({} when there is none, or it is not JSON)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (TypeError, OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def vocab_size(folder: Path | None) -> int | None:
+    """The vocabulary size in a model folder's config.json (a multimodal config's text part's); None if unknown."""
+    config = model_config(folder)
     size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     return size if isinstance(size, int) else None
 

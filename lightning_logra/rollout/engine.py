@@ -36,6 +36,10 @@ class RolloutEngine(ABC):
         """Called before `start` in a run of `world_size` processes: this is rank `rank`'s engine, beside its trainer
         on `device`. Each rank starts its own engine; a no-op for an engine without processes of its own."""
 
+    def keep_logs_in(self, folder: str) -> None:
+        """Where the run keeps its files (the trainer's log_dir), called before `start`: an engine that launches
+        processes of its own writes their logs there. A no-op for the others."""
+
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         """Load `model` (a local directory) if the engine keeps its own copy; a no-op when already running."""
 

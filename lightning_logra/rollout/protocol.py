@@ -6,7 +6,7 @@ Every route lives under `/logra/`, needs `Authorization: Bearer <token>`, and ca
 `X-Logra-SHA256`. A server's weights are labelled with a run and a weight version (the number of updates merged since
 the run's start); a route that needs another version than the server holds answers 409 with the server's label.
 
-- GET  /logra/state                          → {"run", "version", "max_model_len"}
+- GET  /logra/state                          → {"run", "version", "max_model_len", "model"} (`model_summary`)
 - POST /logra/update?run&version[&in_flight=1] `Update` bytes, merged on top of version - 1 → the label
 - POST /logra/load?run&version                whole tensors (`sync.pack_tensors`), which leave the weights at the label
 - POST /logra/blocks                         a BlocksAsk → safetensors bytes keyed "name|row|col"
@@ -168,6 +168,27 @@ def answer_problem(outputs: list[list[dict]], prompts: int, n: int, max_tokens: 
             if not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 1e-4 for v in logprobs):
                 return "log-probs that are not finite numbers at most 0"
     return None
+
+
+# What fixes a model's tensors' names and shapes: two models that agree on these take each other's weights (a
+# fine-tune of the same base, another revision), two that differ cannot (a load or an update would be refused).
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def model_summary(config, name: str, dtype: str) -> dict:
+    """What a server says of the model it serves: its name, its weights' dtype and the `SHAPE_KEYS` of its config (a
+    transformers config of the text model, or a config.json's dict, whose text_config a multimodal one has)."""
+    text = config.get("text_config", config) if isinstance(config, dict) else config
+    read = text.get if isinstance(text, dict) else (lambda key: getattr(text, key, None))
+    return {"name": name, "dtype": dtype, **{key: read(key) for key in SHAPE_KEYS if read(key) is not None}}
+
+
+def model_differences(ours: dict, theirs: dict) -> list[str]:
+    """The `SHAPE_KEYS` on which two `model_summary`s disagree ("hidden_size 128 here, 256 there"); a key that
+    either lacks is not compared."""
+    return [f"{key} {ours[key]} here, {theirs[key]} there" for key in SHAPE_KEYS
+            if key in ours and key in theirs and ours[key] != theirs[key]]
 
 
 def warn_if_others_can_read(path: str, key: str) -> None:

@@ -79,6 +79,8 @@ class Rollouts:
             # Every rank applies the same update (under FSDP to its shards; the engine gets whole factors), so each
             # rank's weight sync keeps its own engine in step (docs/vllm.md).
             self.engine.place(module.global_rank, module.trainer.world_size, module.trainer.strategy.root_device)
+        if module._trainer is not None and module.trainer.log_dir is not None:
+            self.engine.keep_logs_in(module.trainer.log_dir)
         self.engine.start(model_path(module.hparams.model), pad_token_id(module.tokenizer), module.stop_token_ids())
 
     def find_sync(self) -> None:

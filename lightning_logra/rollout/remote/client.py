@@ -51,6 +51,7 @@ class Server:
     run: str | None = None  # the label of its weights, as it last said
     version: int | None = None
     max_model_len: int | None = None  # the longest prompt + completion it takes, as it said
+    model: dict = field(default_factory=dict)  # the model it serves, as it said (`protocol.model_summary`)
     suspect: bool = False  # a load into it failed part-way: its label may not describe its weights (full load)
     tokens_per_s: float = 0.0  # completion tokens per second of its last answers (its share of a call)
     next_probe: float = 0.0  # when a server that is down is asked again
@@ -97,6 +98,7 @@ class Server:
         answer = self.request("GET", f"{PREFIX}/state", timeout=self.connection.connect_timeout_s).json()
         self._relabel(answer)
         self.max_model_len = answer.get("max_model_len")
+        self.model = answer.get("model") or {}
 
     def update(self, data: bytes, label: Label, in_flight: bool = False) -> None:
         """Send an `Update`'s bytes; Behind when the server does not hold the version before `label`'s."""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.settings import check_positive
-from lightning_logra.paths import model_folder, vocab_size
+from lightning_logra.paths import model_config, model_folder, vocab_size
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.journal import UpdateJournal
 from lightning_logra.rollout.pipeline import EngineLost
@@ -51,6 +51,7 @@ from lightning_logra.rollout.protocol import (
     GenerateAsk,
     Label,
     answer_problem,
+    model_summary,
     warn_if_others_can_read,
 )
 from lightning_logra.rollout.remote.client import Behind, Connection, Server, ServerFailed
@@ -164,6 +165,9 @@ class RemoteEngine(RolloutEngine):
     def updates_in_flight(self) -> bool:
         return self.in_flight
 
+    def keep_logs_in(self, folder: str) -> None:
+        self.fleet.log_dir = folder  # a launched server's log: <folder>/engine-server-<port>.log
+
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         if self._started:
             return
@@ -176,6 +180,8 @@ class RemoteEngine(RolloutEngine):
             log.warning("engine servers: the size of %s's weights is unknown (no safetensors files found), so the "
                         "update journal keeps every update rather than what a full load would cost", model)
         self.connection.token = self._read_token()
+        config = model_config(folder)
+        self.fleet.model = model_summary(config, model, str(config.get("dtype") or config.get("torch_dtype")))
         self.fleet.start(model)
         self._started = True
 

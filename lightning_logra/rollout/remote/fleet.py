@@ -26,7 +26,7 @@ from pathlib import Path
 from lightning_logra.base.stop import STOP
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.journal import UpdateJournal
-from lightning_logra.rollout.protocol import PARENT_ENV, TOKEN_ENV, Label
+from lightning_logra.rollout.protocol import PARENT_ENV, TOKEN_ENV, Label, model_differences
 from lightning_logra.rollout.remote.client import Connection, Server, ServerFailed
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ class Fleet:
         self.probe_every_s, self.no_server_wait_s, self.start_timeout_s = (probe_every_s, no_server_wait_s,
                                                                            start_timeout_s)
         self._full_load = full_load
+        self.model: dict = {}  # the trainer's model (`protocol.model_summary`): a server of another is not used
+        self.log_dir: str | None = None  # where launched servers write their logs (None: the system's temp folder)
+        self._started = False
         # Updates, loads and catch-ups, one at a time: in flight, updates are sent from a thread of their own while
         # generation (which catches servers up before it asks them) runs on another.
         self.changing = threading.RLock()
@@ -84,18 +87,21 @@ class Fleet:
             if not server.up:
                 log.warning("engine server %s does not answer; going on without it (asked again every %.0f s)",
                             server.url, self.probe_every_s)
+        self._started = True
 
     def _launch(self, model: str) -> None:
         env = {**os.environ, TOKEN_ENV: self.connection.token, PARENT_ENV: str(os.getpid())}
         for _ in range(self.launch):
             port = _free_port()
-            handle, path = tempfile.mkstemp(prefix=f"logra-serve-{port}-", suffix=".log")
+            path = Path(self.log_dir or tempfile.gettempdir()) / f"engine-server-{port}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, "-m", "lightning_logra.rollout.server", "--model", model,
                        "--port", str(port), *self.serve_args]
-            with os.fdopen(handle, "wb") as out:
+            with open(path, "ab") as out:  # appended: a resumed run in the same folder keeps the earlier logs
                 process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                            start_new_session=True, preexec_fn=_die_with_parent)
-            self.servers.append(Server(f"http://127.0.0.1:{port}", self.connection, process=process, log_path=path))
+            self.servers.append(Server(f"http://127.0.0.1:{port}", self.connection, process=process,
+                                       log_path=str(path)))
             log.info("launched an engine server on port %d (its log: %s)", port, path)
 
     def _check_launched(self) -> None:
@@ -108,6 +114,7 @@ class Fleet:
 
     def close(self) -> None:
         """Stop the servers launched here (and forget them)."""
+        self._started = False
         for server in self.servers:
             if server.process is not None and server.process.poll() is None:
                 try:
@@ -128,9 +135,20 @@ class Fleet:
             server.next_probe = time.monotonic() + self.probe_every_s
             log.debug("engine server %s: %s", server.url, err)
             return
+        differences = model_differences(self.model, server.model)
+        if differences:  # its tensors are not the trainer's: no load or update could make them so
+            why = (f"engine server {server.url} serves {server.model.get('name')}, whose tensors differ from those "
+                   f"of the trainer's model {self.model.get('name')}: {'; '.join(differences)}; start it with the "
+                   "trainer's model (`lightning-logra serve --model ...`)")
+            if not self._started:
+                self.close()
+                raise ValueError(f"model.engine: {why}")
+            log.warning("%s; not used, asked again every %.0f s", why, self.probe_every_s)
+            server.up, server.next_probe = False, time.monotonic() + self.probe_every_s
+            return
         if not server.up:
-            log.warning("engine server %s answers (weights: run %s, version %s)", server.url, server.run,
-                        server.version)
+            log.warning("engine server %s answers (weights: run %s, version %s; %s, %s)", server.url, server.run,
+                        server.version, server.model.get("name"), server.model.get("dtype"))
         server.up = True
 
     def down(self, server: Server, why: object) -> None:

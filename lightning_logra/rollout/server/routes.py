@@ -26,6 +26,7 @@ from lightning_logra.rollout.protocol import (
     GenerateAsk,
     Label,
     asks_in_flight,
+    model_summary,
     sha256,
 )
 from lightning_logra.rollout.server.gate import VersionGate
@@ -141,9 +142,12 @@ async def _refuse_problems(request: Request, kind: str, data: bytes) -> None:
 
 @router.get("/state")
 async def state(request: Request):
-    """The weights' label, and the longest prompt + completion the server takes."""
+    """The weights' label, the longest prompt + completion the server takes, and the model it serves (a trainer
+    compares it with its own before it sends anything)."""
     _authorize(request)
-    return {**_guard(request).gate.label().to_json(), "max_model_len": _engine(request).model_config.max_model_len}
+    config = _engine(request).model_config
+    model = model_summary(config.hf_text_config, str(config.model), str(config.dtype).removeprefix("torch."))
+    return {**_guard(request).gate.label().to_json(), "max_model_len": config.max_model_len, "model": model}
 
 
 @router.post("/update")

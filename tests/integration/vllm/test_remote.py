@@ -6,6 +6,7 @@ replaying the journal from disk. More (two trainer processes, bf16 replays): tes
 so that the long tier's two workers share them."""
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -30,6 +31,7 @@ from lightning_logra.algo.update import Update
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.rollout import RemoteEngine
+from lightning_logra.rollout.protocol import SHAPE_KEYS
 from lightning_logra.rollout.remote import NoServerLeft
 from lightning_logra.sketch import SketchAdam, sketched_layers
 from lightning_logra.sketch.config import SketchConfig
@@ -86,9 +88,34 @@ def _assert_in_step(record: Record) -> None:
 
 
 # The fast tier's: one server start and five steps, about a minute.
-def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_model, tmp_path):
+class AnotherModel(Callback):
+    """At the start, what the launched server says of its model, and a second trainer's engine, whose model has
+    twice the layers, connecting to it."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+
+    def on_train_start(self, trainer, pl_module):
+        url = pl_module.engine.servers[0].url
+        self.served = _state(url)["model"]
+        try:
+            RemoteEngine(urls=[url], start_timeout_s=30).start(str(self.model), 0, [])
+        except ValueError as err:
+            self.refused = str(err)
+
+
+def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOGRA_SERVER_TOKEN", TOKEN)
     engine = RemoteEngine(launch=1, serve_args=SERVE)
-    trainer, record = _run(tiny_arith_model, tmp_path, engine)
+    config = json.loads((Path(tiny_arith_model) / "config.json").read_text())
+    (tmp_path / "deeper").mkdir()
+    (tmp_path / "deeper" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    another = AnotherModel(tmp_path / "deeper")
+    trainer, record = _run(tiny_arith_model, tmp_path, engine, another)
+    assert another.served == {"name": tiny_arith_model, "dtype": "float32",
+                              **{key: config[key] for key in SHAPE_KEYS if key in config}}
+    assert re.fullmatch(r"model\.engine: engine server http://127\.0\.0\.1:\d+ serves .*: num_hidden_layers 4 here, "
+                        rf"{config['num_hidden_layers']} there; start it with the trainer's model .*", another.refused)
     # The same samples and steps as the engine in the trainer's processes: the same vLLM, seeds and merges.
     start = load_file(Path(tiny_arith_model) / "model.safetensors")
     assert_matches("remote_engine", {"steps": record.metrics, **checksums(start, record.trainer_weights)},
@@ -98,8 +125,11 @@ def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_m
     factors = sum(h.out_features * RANK * 4 for h in record.sketched.values())
     for sent in record.bytes:  # one server: the factors, names and seeds, as the colocated engine's
         assert factors < sent < factors + 256 * len(record.sketched)
-    # The run stopped the server it launched.
+    # The run stopped the server it launched, whose log is in the run's folder.
     assert engine.servers == [] and [p.poll() is not None for p in record.launched] == [True]
+    logs = list(tmp_path.glob("engine-server-*.log"))
+    last_update = rf"POST /logra/update\?run=\w+&version={STEPS}&in_flight=0 HTTP/1.1\" 200"
+    assert len(logs) == 1 and re.search(last_update, logs[0].read_text())
 
 
 # ---- faults -------------------------------------------------------------------------------------------------------

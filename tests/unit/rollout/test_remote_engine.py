@@ -6,6 +6,7 @@ import math
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -191,3 +192,42 @@ def test_a_run_that_ends_frees_its_servers_for_the_next(monkeypatch):
                         exclusive=True: asked.append((path, params)))
     engine.close()
     assert asked == [("/logra/release", {"run": engine.journal.run, "version": 0})]
+
+
+def test_a_server_of_another_model_is_refused_at_the_start_naming_it_and_the_difference(monkeypatch, tmp_path,
+                                                                                        tiny_arith_model, caplog):
+    # A server serving another model made the trainer die at its first weight check with a bare size error.
+    import json
+
+    ours = json.loads((Path(tiny_arith_model) / "config.json").read_text())
+    served = {"model_type": "qwen2", "hidden_size": 2 * ours["hidden_size"], "vocab_size": ours["vocab_size"],
+              "num_hidden_layers": ours["num_hidden_layers"]}
+    def state():
+        return {"run": None, "version": 0, "max_model_len": 32,
+                "model": {"name": "/models/other", "dtype": "bfloat16", **served}}
+
+    monkeypatch.setattr(Server, "request", lambda *args, **kwargs: SimpleNamespace(status_code=200, json=state))
+    monkeypatch.setenv(TOKEN_ENV, "a-token")
+    engine = RemoteEngine(urls=["http://a:1"], start_timeout_s=5, probe_every_s=0.01)
+    difference = f"hidden_size {ours['hidden_size']} here, {served['hidden_size']} there"
+    with pytest.raises(ValueError, match=r"model\.engine: engine server http://a:1 serves /models/other, whose "
+                                         rf"tensors differ .*: {difference}; start it with"):
+        engine.start(tiny_arith_model, 0, [])
+    served["hidden_size"] = ours["hidden_size"]
+    engine.start(tiny_arith_model, 0, [])  # the same shapes (another revision, a fine-tune): taken, in any dtype
+    assert engine.servers[0].up
+    # Restarted with another model mid-run: not used (the run goes on with the others), said, asked again later.
+    served["num_hidden_layers"], engine.servers[0].up = 8, False  # the fixture's model has 2
+    with caplog.at_level("WARNING"):
+        engine.fleet.probe(engine.servers[0], force=True)
+    assert not engine.servers[0].up and "num_hidden_layers 2 here, 8 there" in caplog.text
+
+
+def test_model_summaries_read_a_config_object_or_a_multimodal_config_json():
+    from lightning_logra.rollout.protocol import model_differences, model_summary
+
+    nested = model_summary({"model_type": "qwen2_vl", "text_config": {"hidden_size": 64, "vocab_size": 9}}, "m", "bf16")
+    assert nested == {"name": "m", "dtype": "bf16", "hidden_size": 64, "vocab_size": 9}
+    flat = model_summary(SimpleNamespace(hidden_size=64, vocab_size=10, head_dim=None), "n", "float32")
+    assert flat == {"name": "n", "dtype": "float32", "hidden_size": 64, "vocab_size": 10}
+    assert model_differences(nested, flat) == ["vocab_size 9 here, 10 there"]  # names and dtypes are not compared

@@ -33,6 +33,8 @@ class Engine:
 
     class model_config:  # noqa: N801 (vLLM's attribute)
         max_model_len = 32
+        model, dtype = "/models/tiny", torch.float32
+        hf_text_config = SimpleNamespace(model_type="qwen2", hidden_size=128, vocab_size=40, tie_word_embeddings=True)
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -111,6 +113,8 @@ def _post(client, data, version, token=TOKEN, sha=None, run="r"):
 def _state(client):
     state = client.get("/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert state.pop("max_model_len") == 32
+    assert state.pop("model") == {"name": "/models/tiny", "dtype": "float32", "model_type": "qwen2", "vocab_size": 40,
+                                  "hidden_size": 128, "tie_word_embeddings": True}  # what a trainer compares
     return state
 
 

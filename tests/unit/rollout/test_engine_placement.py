@@ -106,7 +106,7 @@ def test_under_sharded_training_each_rank_places_an_engine_of_its_own(tiny_arith
     engine = VLLMEngine()
     module = RLVRModule(tiny_arith_model, reward="exact_match", engine=engine)
     module._trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SketchFSDPStrategy(),
-                                      state=SimpleNamespace(fn=TrainerFn.FITTING))
+                                      state=SimpleNamespace(fn=TrainerFn.FITTING), log_dir=None)
     monkeypatch.setattr(SketchFSDPStrategy, "root_device", torch.device("cpu"))
     module.configure_model()
     assert (engine.rank, engine.world_size, engine.device) == (1, 2, torch.device("cpu"))

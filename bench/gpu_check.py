@@ -1,7 +1,8 @@
-"""The one-shot GPU check: everything this project has not yet measured on a GPU, in one command of about 5 minutes
-on one H100/H200-class GPU, with nothing but torch, transformers, lightning, peft and the project's pure-Python
-dependencies (no hub: random weights of published shapes, and the embedded tiny model; no vLLM, except for the last
-stage, which also needs 2 GPUs and says so when it is skipped).
+"""The one-shot GPU check: the table users compare and everything this project has not yet measured on a GPU, in one
+command of at most 8 minutes on one H100/H200-class GPU (no stage or row starts after 7), with nothing but torch,
+transformers, lightning, peft and the project's pure-Python dependencies (no hub: random weights of published
+shapes, and the embedded tiny model; no vLLM, except for the last stage, which also needs 2 GPUs and says so when it
+is skipped; the peers' packages where installed, `pip install -e .[peers]`).
 
     python bench/gpu_check.py                                  # one CUDA GPU; writes bench/out/gpu_check.json
     python bench/gpu_check.py --dry-run --out /tmp/check.json  # the same stages on the CPU, tiny shapes (CI)
@@ -13,18 +14,25 @@ Stages, in order; each writes the whole report again (atomically) as soon as it 
 still reports what it measured, and a stage that fails is recorded with its error while the next one still runs:
 
   environment    torch / CUDA versions, the GPU, which optional packages are importable
+  memory_table   bench/memory.py with `--device cuda` at the Qwen2.5-1.5B and -7B shapes in bf16: LoGRA (sketch
+                 Adam, the paper's; sketch SGD), dense AdamW (fp32 master weights with bf16 autocast, and bf16
+                 weights with bf16 moments: at 7B only the latter fits), LoRA; average and peak CUDA memory per GPU
+                 and step time, each method in its own subprocess; the paper's figures beside them
+  full_load      (below)
+  profile        one step per method under torch.profiler at the 1.5B shape: the ops that took the most GPU time,
+                 and the time inside the sketch's own ranges (projections x·Aᵀ, contractions δᵀz)
   cuda_tests     the tests that skip without CUDA (files that check `cuda.is_available`), through pytest
-  memory_table   bench/memory.py with `--device cuda` at the Qwen2.5-1.5B and -7B shapes in bf16: dense AdamW (fp32
-                 master weights, bf16 autocast), LoRA and LoGRA (sketch Adam, the paper's), average and peak CUDA
-                 memory per GPU and step time, each method in its own subprocess; the paper's figures beside them
   kl_control     how often the predicted-KL control acts (α < α_max) at configs/qwen1_5b.yaml's sketch and
                  PredictedKLBudget settings, on the 1.5B shape with random weights and random rollouts
+  peer_table     the optimizers users would pick instead (layer-wise GaLore, APOLLO-Mini, Adafactor, 8-bit AdamW,
+                 Fira: bench/peers.py) as rows of the memory table at 1.5B; a peer not installed is a row saying so
   tiny_arith     configs/tiny_arith.yaml trained on the GPU for 50 steps (built in Python, not through the CLI: the
                  GPU image may lack jsonargparse), reward at the start and at the end
   full_load      the vLLM engine's full load without vLLM: every parameter of the Qwen2.5-7B shape (bf16, random)
                  handed to another process on the same GPU as CUDA IPC handles (lightning_logra/rollout/handles.py,
                  what a colocated engine's worker opens) and as safetensors bytes in the engine's 512 MiB chunks;
-                 seconds per load for each, and the receiver's copies checked against the sender's (fingerprints)
+                 seconds per load for each (and the sender's serializing seconds of the bytes path), and the
+                 receiver's copies checked against the sender's (fingerprints)
   vllm_colocated configs/tiny_arith_fsdp_vllm.yaml through the CLI on 2 GPUs sharded by FSDP2, with one 2-way
                  tensor-parallel vLLM engine in the trainer's ranks (placement trainer_ranks) asleep during each
                  update: the engine compared with the trainer exactly after every sync, the sampler's log-prob
@@ -43,6 +51,7 @@ import gc
 import importlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -65,8 +74,10 @@ import yaml
 import memory as bench_memory  # bench/memory.py (this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load", "vllm_colocated")
-MEMORY_METHODS = ("dense_adamw", "lora", "logra_adam")
+# In the order of what a lent GPU's few minutes are for: the table users compare, the full load, where the step's
+# time goes; then the checks. A stage that has not started when the check's time is spent is skipped, saying so.
+STAGES = ("environment", "memory_table", "full_load", "profile", "cuda_tests", "kl_control", "peer_table",
+          "tiny_arith", "vllm_colocated")
 # The paper's memory table (GiB per GPU: step average, peak), for the rows measured here.
 PAPER_GIB = {
     ("1.5b", "logra_adam"): (7.18, 8.66), ("1.5b", "dense_adamw"): (9.18, 9.19),
@@ -79,8 +90,12 @@ class Plan:
     """What each stage runs: `gpu()` for the real check, `dry()` for the CPU run a test makes."""
 
     device: str
-    # memory_table: per shape, bench/memory.py's options besides --shape/--methods/--device
+    # memory_table: per shape, bench/memory.py's options besides --shape/--methods/--device, and its methods
     memory: dict[str, list[str]]
+    memory_methods: dict[str, tuple[str, ...]]
+    peer_methods: tuple[str, ...]  # peer_table: at the first memory shape
+    profile_methods: tuple[str, ...]  # profile: at the first memory shape, one profiled step each
+    time_s: float  # no stage, and no row of a table, starts after this many seconds of the check
     method_timeout_s: float  # one bench/memory.py worker
     tests_timeout_s: float
     kl_shape: str
@@ -95,6 +110,7 @@ class Plan:
     colocated_steps: int
     colocated_timeout_s: float
     fail_stage: str | None = field(default=None)  # a stage made to raise, to check that the others still run
+    ends_at: float = math.inf  # time.monotonic() past which nothing new starts (set at the start: time_s)
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -104,11 +120,17 @@ class Plan:
         # and two more to average. The configs' micro-batches (4 for 1.5B, 2 for 7B) and gradient checkpointing.
         # Rank 256 as in configs/qwen1_5b.yaml and qwen7b.yaml: below every target's in_features (k_proj and
         # v_proj read the hidden size, 1536 and 3584), which a sketch needs.
+        # Dense AdamW's fp32 master weights do not fit at 7B (out of memory on 139 GiB): its bf16 row stands there.
         common = ["--dtype", "bf16", "--rank", "256", "--batch", "8", "--group", "8", "--prompt-len", "256",
                   "--completion-len", "1024", "--steps", "3", "--gradient-checkpointing"]
         return cls(
             device="cuda",
             memory={"1.5b": [*common, "--micro-batch", "4"], "7b": [*common, "--micro-batch", "2"]},
+            memory_methods={"1.5b": ("logra_adam", "dense_adamw", "dense_adamw_bf16", "lora", "logra"),
+                            "7b": ("logra_adam", "lora", "dense_adamw_bf16")},
+            peer_methods=("galore_layerwise", "apollo_mini", "adafactor", "adamw_8bit", "fira"),
+            profile_methods=("logra_adam", "dense_adamw", "lora"),
+            time_s=420,  # 7 minutes: with the stage under way, the check fits one 10-minute device call
             method_timeout_s=240, tests_timeout_s=300,
             kl_shape="1.5b", kl_rank=None,
             kl_batch=dict(batch=8, group=8, micro_batch=4, prompt_len=256, completion_len=1024),
@@ -126,6 +148,11 @@ class Plan:
         return cls(
             device="cpu",
             memory={"tiny": common},
+            # Each path of the real check once: every worker is a process start of a few seconds.
+            memory_methods={"tiny": ("logra_adam", "dense_adamw_bf16", "lora")},
+            peer_methods=("adafactor",),  # transformers' own: importable wherever the check runs
+            profile_methods=("logra_adam",),
+            time_s=3600,
             method_timeout_s=300, tests_timeout_s=300,
             kl_shape="tiny", kl_rank=16,
             kl_batch=dict(batch=4, group=4, micro_batch=2, prompt_len=8, completion_len=8),
@@ -198,19 +225,43 @@ def cuda_tests(plan: Plan, progress: Progress) -> dict:
                 output_tail=run.stdout[-3000:] + run.stderr[-2000:])
 
 
-def memory_table(plan: Plan, progress: Progress) -> dict:
-    """bench/memory.py's workers, one subprocess per (shape, method); the rows are written as they come."""
-    result = dict(settings={shape: " ".join(options) for shape, options in plan.memory.items()}, rows=[])
-    for shape, options in plan.memory.items():
-        argv = ["--shape", shape, *options, "--device", plan.device]
-        for method in MEMORY_METHODS:
-            row = bench_memory.run_method(method, argv, timeout_s=plan.method_timeout_s)
+def measure_rows(plan: Plan, progress: Progress, methods: dict[str, tuple[str, ...]], extra: list[str] = ()
+                 ) -> dict:
+    """bench/memory.py's workers, one subprocess per (shape, method); the rows are written as they come, and a row
+    not started when the check's time is spent says so."""
+    result = dict(settings={shape: " ".join([*plan.memory[shape], *extra]) for shape in methods}, rows=[])
+    for shape, names in methods.items():
+        argv = ["--shape", shape, *plan.memory[shape], *extra, "--device", plan.device]
+        for method in names:
+            if time.monotonic() > plan.ends_at:
+                row = dict(method=method, error=f"not run: the check's {plan.time_s:.0f} s were spent")
+            else:
+                row = bench_memory.run_method(method, argv, timeout_s=plan.method_timeout_s)
             paper = PAPER_GIB.get((shape, method))
             if paper is not None:
                 row["paper_avg_gib"], row["paper_peak_gib"] = paper
             result["rows"].append({"shape": shape, **row})
             progress(result)
     return result
+
+
+def memory_table(plan: Plan, progress: Progress) -> dict:
+    """LoGRA (sketch Adam, the paper's; sketch SGD), dense AdamW (fp32 master weights with bf16 autocast; and bf16
+    weights with bf16 moments, what the paper's dense figures are), LoRA: memory and step time per shape."""
+    return measure_rows(plan, progress, plan.memory_methods)
+
+
+def peer_table(plan: Plan, progress: Progress) -> dict:
+    """The optimizers a user would pick instead (bench/peers.py), at the first shape: a peer whose package does not
+    import here is a row saying so (`pip install -e .[peers]`)."""
+    return measure_rows(plan, progress, {next(iter(plan.memory)): plan.peer_methods})
+
+
+def profile(plan: Plan, progress: Progress) -> dict:
+    """Where a step's time goes (bench/memory.py --profile): per method, the ops that took the most device time, and
+    the sketch's own ranges (projections x·Aᵀ, contractions δᵀz), one profiled step after the timed ones."""
+    shape = next(iter(plan.memory))
+    return measure_rows(plan, progress, {shape: plan.profile_methods}, ["--profile", "--steps", "2"])
 
 
 def class_from(path: str) -> type:
@@ -439,16 +490,18 @@ def full_load(plan: Plan, progress: Progress) -> dict:
         ours.send(("shapes", {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}))
         ours.recv()
         for path in ("bytes", "shared"):
-            seconds, sent, worst = [], 0, 0.0
+            seconds, packing, sent, worst = [], [], 0, 0.0
             for repeat in range(plan.full_load_repeats):
                 with torch.no_grad():
                     for tensor in tensors.values():
                         tensor.neg_()
                 start = time.perf_counter()
-                sent = 0
+                sent, packing_s = 0, 0.0
                 for chunk in _chunks(tensors, chunk_bytes):
                     if path == "bytes":
+                        pack_start = time.perf_counter()
                         data = pack_tensors(chunk)
+                        packing_s += time.perf_counter() - pack_start
                         ours.send((path, data))
                         ours.recv()
                     else:
@@ -459,12 +512,17 @@ def full_load(plan: Plan, progress: Progress) -> dict:
                     sent += len(data)
                     del data
                 seconds.append(time.perf_counter() - start)
+                packing.append(packing_s)
                 ours.send(("fingerprints", repeat))
                 theirs_fp = ours.recv()
                 for name, tensor in tensors.items():
                     worst = max(worst, float((theirs_fp[name] - fingerprint(tensor, repeat).cpu()).abs().max()))
+            # Of the bytes path's seconds, how many the sender spent serializing (the device-to-host copies
+            # included); the rest is the pipe and the receiver's unpacking and copies into its tensors.
             result["rows"].append(dict(path=path, bytes_sent=sent, seconds=sorted(seconds)[len(seconds) // 2],
-                                       seconds_all=seconds, max_abs_diff=worst))
+                                       seconds_all=seconds, packing_s=sorted(packing)[len(packing) // 2],
+                                       gb_per_s=result["tensor_bytes"] / 1e9 / sorted(seconds)[len(seconds) // 2],
+                                       max_abs_diff=worst))
             progress(result)
         ours.send(("stop", None))
         receiver.join(60)
@@ -529,7 +587,7 @@ def vllm_colocated(plan: Plan, progress: Progress) -> dict:
 
 STAGE_FUNCTIONS = dict(environment=environment, cuda_tests=cuda_tests, memory_table=memory_table,
                        kl_control=kl_control, tiny_arith=tiny_arith, full_load=full_load,
-                       vllm_colocated=vllm_colocated)
+                       vllm_colocated=vllm_colocated, peer_table=peer_table, profile=profile)
 
 
 # ---------------------------------------------------------------- running them, one report
@@ -558,6 +616,8 @@ def run_stage(name: str, stage: Callable[[Plan, Progress], dict], plan: Plan, re
     write_report(report, out)
     print(f"[gpu_check] {name} ...", file=sys.stderr, flush=True)
     try:
+        if time.monotonic() > plan.ends_at:
+            raise StageSkipped(f"not started: the check's {plan.time_s:.0f} s were spent")
         if plan.fail_stage == name:
             raise RuntimeError(f"failure injected into {name} (--fail-stage)")
         entry.update(status="ok", result=stage(plan, progress))
@@ -587,7 +647,7 @@ def summary(name: str, entry: dict) -> str:
     if name == "cuda_tests":
         return ", ".join(f"{result[key]} {key}" for key in ("passed", "failed", "error", "skipped")) + \
             f" (exit code {result['exit_code']})"
-    if name == "memory_table":
+    if name in ("memory_table", "peer_table", "profile"):
         return f"{sum('error' not in row for row in result['rows'])}/{len(result['rows'])} rows measured"
     if name == "kl_control":
         share = result.get("kl_share", {}).get("share", float("nan"))
@@ -612,17 +672,28 @@ def markdown(report: dict) -> str:
     lines = ["| stage | status | seconds | result |", "|---|---|---:|---|"]
     for name, entry in report["stages"].items():
         lines.append(f"| {name} | {entry['status']} | {entry.get('seconds', 0):.0f} | {summary(name, entry)} |")
-    table = report["stages"].get("memory_table", {}).get("result")
-    if table:
+    rows = [row for stage in ("memory_table", "peer_table")
+            for row in report["stages"].get(stage, {}).get("result", {}).get("rows", [])]
+    if rows:
         lines += ["", "| shape | method | weights | avg GiB | peak GiB | median step s | paper avg / peak GiB |",
                   "|---|---|---|---:|---:|---:|---:|"]
-        for row in table["rows"]:
+        for row in rows:
             paper = f"{row['paper_avg_gib']} / {row['paper_peak_gib']}" if "paper_avg_gib" in row else ""
             if "error" in row:
                 lines.append(f"| {row['shape']} | {row['method']} | error: {row['error']} | | | | {paper} |")
             else:
                 lines.append(f"| {row['shape']} | {row['method']} | {row['weights']} | {row['avg_gib']:.2f} "
                              f"| {row['peak_gib']:.2f} | {row['step_s']:.2f} | {paper} |")
+    profiled = [row for row in report["stages"].get("profile", {}).get("result", {}).get("rows", [])
+                if "profile" in row]
+    if profiled:
+        lines += ["", "| method | profiled step s | in the sketch's ranges s | the three ops that took longest (s) |",
+                  "|---|---:|---:|---|"]
+        for row in profiled:
+            found = row["profile"]
+            sketch = sum(entry["s"] for entry in found["sketch"])
+            top = ", ".join(f"{op['op']} {op['self_s']:.3f}" for op in found["top_ops"][:3])
+            lines.append(f"| {row['method']} | {found['step_s']:.2f} | {sketch:.3f} | {top} |")
     return "\n".join(lines)
 
 
@@ -657,6 +728,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     plan = Plan.dry() if args.dry_run else Plan.gpu()
     plan.fail_stage = args.fail_stage
+    plan.ends_at = time.monotonic() + plan.time_s
     report = dict(dry_run=args.dry_run, plan=asdict(plan), stages={})
     for name in args.stages:
         run_stage(name, STAGE_FUNCTIONS[name], plan, report, args.out)

@@ -89,7 +89,9 @@ LIGHTNING_METHODS = ("logra_lightning", "logra_ddp", "logra_fsdp")
 # Also not in the default run: LoGRA with one projection per input (sketch.share_projection), to set beside
 # `logra` / `logra_adam`; and `dense_adamw_meta`, dense AdamW's floor counted on the meta device (for shapes where it
 # cannot run).
-EXTRA_METHODS = (*LIGHTNING_METHODS, "logra_shared", "logra_adam_shared", "dense_adamw_meta", *PEER_METHODS)
+# `dense_adamw_bf16`: bf16 weights and bf16 AdamW moments, no fp32 master (what the paper's dense figures measure).
+EXTRA_METHODS = (*LIGHTNING_METHODS, "logra_shared", "logra_adam_shared", "dense_adamw_meta", "dense_adamw_bf16",
+                 *PEER_METHODS)
 LOGRA_METHODS = ("logra", "logra_adam", "logra_shared", "logra_adam_shared")
 
 # Qwen2.5 sizes (their config.json); tie_word_embeddings as they ship. "tiny" is for tests.
@@ -142,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "model.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at once")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute activations in the backward pass (model.gradient_checkpointing in a config)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, one more under torch.profiler: the ops that took the most time "
+                             "and the sketch's own ranges (its projections x·Aᵀ and contractions δᵀz)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the model on the GPU, memory from the CUDA allocator (else process RSS)")
     parser.add_argument("--processes", type=int, default=2, help="of logra_ddp and logra_fsdp (gloo on the CPU, "
@@ -249,7 +254,7 @@ def is_target(name: str) -> bool:
 
 def set_up(method: str, model: torch.nn.Module, args: argparse.Namespace):
     """Prepare `model` for `method`; returns (the module to run forward on, its optimizers)."""
-    if method == "dense_adamw":
+    if method in ("dense_adamw", "dense_adamw_bf16"):  # the moments in the weights' dtype
         return model, [torch.optim.AdamW(model.parameters(), lr=args.lr)]
     if method in LOGRA_METHODS:
         optimizer = SketchAdam if method.startswith("logra_adam") else SketchSGD
@@ -481,6 +486,10 @@ def run_worker(args: argparse.Namespace) -> dict | None:
         averages.append(average)
         peaks.append(peak)
         kl_seconds.append(kl.seconds if kl else math.nan)
+    profile = None
+    if args.profile and not args.saved_bytes_only:
+        profile = profiled_step(lambda: train_step(policy, optimizers, batch, args.micro_batch,
+                                                   chunk_tokens=args.logprob_chunk, kl=kl, mixed=mixed), device)
     micro = {key: value[: args.micro_batch] for key, value in batch.items()}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
         saved = saved_activation_bytes(lambda: policy_loss(policy, micro, args.logprob_chunk), policy.parameters())
@@ -495,7 +504,34 @@ def run_worker(args: argparse.Namespace) -> dict | None:
     if kl is not None and not args.saved_bytes_only:
         shares = [k / s for k, s in zip(measured(kl_seconds), measured(seconds))]
         row.update(kl_s=statistics.median(measured(kl_seconds)), kl_share=statistics.median(shares))
+    if profile is not None:
+        row["profile"] = profile
     return {**row, "saved_bytes": saved}  # saved for the backward pass by one micro-batch, exactly
+
+
+def profiled_step(step: Callable[[], None], device: torch.device, top: int = 12) -> dict:
+    """One step under torch.profiler: its seconds, the `top` ops by their own time on the device that computes
+    (CUDA kernels' time on a GPU, the ops' CPU time on the CPU), and the total time inside the sketch's ranges
+    (`sketch/linear.py` names them while a profiler records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    events = prof.key_averages()
+    own = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = "device_time_total" if cuda else "cpu_time_total"
+    ops = sorted((e for e in events if not e.key.startswith("sketch: ")), key=lambda e: getattr(e, own),
+                 reverse=True)
+    return dict(step_s=seconds, clock="device" if cuda else "cpu",
+                top_ops=[dict(op=e.key, calls=e.count, self_s=getattr(e, own) / 1e6) for e in ops[:top]],
+                sketch=[dict(range=e.key, calls=e.count, s=getattr(e, total) / 1e6)
+                        for e in events if e.key.startswith("sketch: ")])
 
 
 # ---------------------------------------------------------------- parent: one subprocess per method, then report

@@ -14,6 +14,8 @@ therefore look exactly like the original model's (checkpoints and `save_pretrain
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -23,11 +25,31 @@ from lightning_logra.sketch.projection import make_projection
 from lightning_logra.sketch.shared import SharedInput
 
 
+def _profiled(label: str):
+    """A range named `label` in a torch.profiler trace (bench/memory.py --profile), nothing when none is recording."""
+    return torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def _project(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     # x (..., k), projection A (r, k) in x's dtype → z = x·Aᵀ (n, r): all the weight side needs from x. A constant
     # of the backward pass, not a node of the graph (x's gradient flows through the layer's output alone).
-    return x.detach().reshape(-1, x.shape[-1]) @ projection.T
+    with _profiled("sketch: project x·Aᵀ"):
+        return x.detach().reshape(-1, x.shape[-1]) @ projection.T
+
+
+def sketch_product(delta: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """δᵀz (d, r) in fp32 from δ (n, d) and z (n, r): every product of two entries exact and summed in fp32. The
+    sketch is fp32 whatever the compute dtype: it accumulates many micro-batches and feeds an optimizer, so it must
+    not round to bf16 on every addition.
+
+    On a GPU, bf16/fp16 inputs are multiplied on the tensor cores with fp32 accumulation and output (`out_dtype`):
+    the same sums as casting both to fp32 first, without the n×d fp32 copy of δ and without an fp32 product, which
+    runs at a small fraction of the tensor cores' rate. Elsewhere (the CPU has no such kernel) both are cast."""
+    with _profiled("sketch: contract δᵀz"):
+        if delta.is_cuda and delta.dtype in (torch.bfloat16, torch.float16) and z.dtype == delta.dtype:
+            return torch.mm(delta.T, z, out_dtype=torch.float32)
+        return delta.T.float() @ z.float()
 
 
 class _SketchedLinearFn(torch.autograd.Function):
@@ -47,9 +69,7 @@ class _SketchedLinearFn(torch.autograd.Function):
             grad_x = grad_y @ weight  # (..., k), as a dense layer would return
         delta = grad_y.reshape(-1, grad_y.shape[-1])  # (n, d)
         if ctx.needs_input_grad[3]:
-            # The sketch is fp32 whatever the compute dtype: it accumulates many micro-batches and feeds an
-            # optimizer, so it must not round to bf16 on every addition.
-            grad_sketch = delta.T.float() @ z.float()  # (d, r)
+            grad_sketch = sketch_product(delta, z)  # (d, r) fp32
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = delta.sum(0)  # (d,)
         # weight: no gradient ever (None), z: constant.

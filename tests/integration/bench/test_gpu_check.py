@@ -64,6 +64,20 @@ def test_a_stage_that_cannot_run_here_is_recorded_as_skipped_with_its_reason(gpu
     assert "| vllm_colocated | skipped | 0 | needs 2 GPUs; 1 visible |" in gpu_check.markdown(report)
 
 
+def test_once_the_checks_time_is_spent_no_stage_or_row_starts(gpu_check, tmp_path):
+    # The check must fit one device call: what has not started by then says so instead of running.
+    import time
+
+    plan, report = gpu_check.Plan.dry(), {"stages": {}}
+    plan.ends_at = time.monotonic() - 1
+    gpu_check.run_stage("memory_table", gpu_check.memory_table, plan, report, tmp_path / "report.json")
+    assert report["stages"]["memory_table"]["status"] == "skipped"
+    assert report["stages"]["memory_table"]["reason"] == "not started: the check's 3600 s were spent"
+    rows = gpu_check.memory_table(plan, lambda result: None)["rows"]  # a stage under way: its later rows
+    assert [(row["method"], row["error"]) for row in rows] == [
+        (method, "not run: the check's 3600 s were spent") for method in plan.memory_methods["tiny"]]
+
+
 def test_the_dry_run_reports_every_stage(tmp_path):
     out = tmp_path / "gpu_check.json"
     # This checkout's package, whichever one the interpreter has installed.
@@ -73,8 +87,8 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     stages = report["stages"]
-    assert list(stages) == ["environment", "cuda_tests", "memory_table", "kl_control", "tiny_arith", "full_load",
-                            "vllm_colocated"]
+    assert list(stages) == ["environment", "memory_table", "full_load", "profile", "cuda_tests", "kl_control",
+                            "peer_table", "tiny_arith", "vllm_colocated"]
     for name, entry in stages.items():
         assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
         assert f"| {name} | ok |" in run.stdout
@@ -86,11 +100,24 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert "tests.integration.cli.test_memory_profiler::test_a_gpu_step_reads_the_cuda_allocator" in names
     assert tests["passed"] + tests["skipped"] == len(names)
 
-    rows = stages["memory_table"]["result"]["rows"]
-    assert [(row["shape"], row["method"]) for row in rows] == [("tiny", "dense_adamw"), ("tiny", "lora"),
-                                                               ("tiny", "logra_adam")]
+    rows = stages["memory_table"]["result"]["rows"] + stages["peer_table"]["result"]["rows"]
+    assert [(row["shape"], row["method"], row["weights"]) for row in rows] == [
+        ("tiny", "logra_adam", "bf16"), ("tiny", "dense_adamw_bf16", "bf16"), ("tiny", "lora", "bf16"),
+        ("tiny", "adafactor", "fp32 master + bf16 autocast")]
     for row in rows:
         assert 0 < row["avg_gib"] <= row["peak_gib"] and row["step_s"] > 0, row
+    assert "| tiny | adafactor | fp32 master + bf16 autocast |" in run.stdout  # the peers in the same table
+
+    # Where the step's time went: the sketch's own ranges, each called once per sketched matrix (or group) and
+    # micro-batch, inside the profiled step; the ops ranked by their own time.
+    (profiled,) = stages["profile"]["result"]["rows"]
+    found = profiled["profile"]
+    ranges = {entry["range"]: entry for entry in found["sketch"]}
+    assert set(ranges) == {"sketch: project x·Aᵀ", "sketch: contract δᵀz"}
+    assert 0 < sum(entry["s"] for entry in ranges.values()) < found["step_s"]
+    assert ranges["sketch: contract δᵀz"]["calls"] > 0 and len(found["top_ops"]) == 12
+    assert [op["self_s"] for op in found["top_ops"]] == sorted((op["self_s"] for op in found["top_ops"]), reverse=True)
+    assert "| logra_adam |" in run.stdout.split("profiled step s")[1]
 
     kl = stages["kl_control"]["result"]
     assert len(kl["steps"]) == 2 and kl["budget"]["budget"] == 2e-4 and kl["subset"] == 2  # qwen1_5b.yaml's
@@ -118,6 +145,7 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     assert rows["shared"]["bytes_sent"] < 512 * load["tensors"]
     for row in rows.values():
         assert row["max_abs_diff"] == 0.0 and len(row["seconds_all"]) == 2 and row["seconds"] > 0
+    assert 0 < rows["bytes"]["packing_s"] < rows["bytes"]["seconds"]
 
     # FSDP on 2 CPU processes with one 2-way tensor-parallel vLLM engine in the trainer's ranks (no sleep mode on
     # the CPU): every sync's exact comparison found the engine equal to the trainer, nothing loaded.

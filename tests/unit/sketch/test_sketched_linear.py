@@ -105,3 +105,27 @@ def test_state_dict_keeps_original_layout_and_dtype_moves_keep_sketch_fp32():
     assert torch.equal(handle.projection(), a) and handle.projection().dtype == torch.float32
     model(torch.randn(2, 20, dtype=torch.bfloat16)).sum().backward()
     assert handle.sketch.dtype == torch.float32
+
+
+def _sketch_product_error(device: str, dtype: torch.dtype) -> float:
+    """sketch_product's relative error against δᵀz in float64 from the same bf16/fp16 numbers (n = 4096 tokens)."""
+    from lightning_logra.sketch.linear import sketch_product
+
+    torch.manual_seed(0)
+    delta = torch.randn(4096, 96, device=device).to(dtype)  # (n, d)
+    z = torch.randn(4096, 16, device=device).to(dtype)  # (n, r)
+    out = sketch_product(delta, z)
+    expected = delta.double().T @ z.double()  # each product of two 8-bit significands is exact in fp32
+    assert out.dtype == torch.float32 and out.shape == (96, 16)
+    return float((out.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_sketch_contraction_sums_exact_products_in_fp32(dtype):
+    assert _sketch_product_error("cpu", dtype) < 1e-6  # fp32 accumulation alone, not bf16's 2⁻⁹
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor-core path (torch.mm out_dtype) is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cuda_sketch_contraction_multiplies_low_precision_with_fp32_accumulation(dtype):
+    assert _sketch_product_error("cuda", dtype) < 1e-6

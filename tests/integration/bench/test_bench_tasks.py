@@ -1,8 +1,9 @@
-"""bench/tasks.py --quick end to end on the real model: the survey of candidate tasks (two of them), then a sketch row
-(LoGRA) and a dense one (AdamW) of the comparison for one step through the CLI, and the report holds, per row and per
-task, pass@1 and pass@8 before and after, the KL from the start, peak memory and seconds per step. (The LoRA and
-APOLLO-Mini rows are the same script's runs of a LoRA strategy and of model.optimizer, which
-tests/integration/learning/test_other_paths_learn.py and tests/integration/cli/test_peer_optimizers.py run.)"""
+"""bench/tasks.py --quick end to end on the real model: the survey of candidate tasks (two of them), then the sketch
+row (LoGRA) of the comparison for one step through the CLI, and the report holds, per task, pass@1 and pass@8 before
+and after, the KL from the start, peak memory and seconds per step. The other rows are the same script's runs of
+the configs `run_config` builds, checked here without running (dense AdamW and APOLLO-Mini through model.optimizer,
+LoRA through its strategy: tests/integration/learning/test_other_paths_learn.py and
+tests/integration/cli/test_peer_optimizers.py run those paths)."""
 
 import json
 import math
@@ -31,9 +32,9 @@ def test_quick_mode_surveys_the_candidates_and_reports_each_row_per_task(smollm2
     assert all(0 <= survey[task]["pass@1"] <= survey[task]["pass@8"] <= 1 for task in survey)
     assert "| task | settings | pass@1 | pass@8 |" in table and (tmp_path / "tasks_survey.png").stat().st_size > 0
 
-    table = _run(tmp_path, "--rows", "logra,dense")
+    table = _run(tmp_path, "--rows", "logra")
     report = json.loads((tmp_path / "tasks.json").read_text())
-    assert list(report["summary"]) == ["start", "logra", "dense"]
+    assert list(report["summary"]) == ["start", "logra"]
     for row, entry in report["summary"].items():
         for task in ["all", *TASKS]:
             assert 0 <= entry[f"{task}/pass@1"][0] <= entry[f"{task}/pass@8"][0] <= 1, (row, task)
@@ -44,6 +45,24 @@ def test_quick_mode_surveys_the_candidates_and_reports_each_row_per_task(smollm2
         # LoGRA's KL control is part of its step; the others' KL check only logs, and is timed apart from their step
         assert math.isfinite(entry["control_s"][0]) == (row == "logra"), row
     runs = {run["row"]: run for run in report["runs"]}
-    assert set(runs["logra"]["task_rewards"]) == set(TASKS) and len(runs["dense"]["rewards"]) == 1
+    assert set(runs["logra"]["task_rewards"]) == set(TASKS) and len(runs["logra"]["rewards"]) == 1
     assert "| LoGRA (sketch Adam, rank 16, total KL budget) |" in table
     assert (tmp_path / "tasks.png").stat().st_size > 0
+
+
+def test_each_row_is_the_shipped_config_with_its_method(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import tasks
+
+    args = tasks.parse_args(["--quick"])
+    configs = {run["row"]: tasks.run_config(run, args) for run in tasks.comparison_runs(args)[1:]}
+    assert list(configs) == ["logra", "dense", "lora", "apollo_mini"]
+    strategies = {row: config["trainer"].get("strategy", {}).get("class_path", "") for row, config in configs.items()}
+    assert strategies["logra"].endswith("SketchStrategy") and strategies["lora"].endswith("LoRAStrategy")
+    assert strategies["dense"] == strategies["apollo_mini"] == ""  # the dense path: model.lr / model.optimizer
+    assert configs["dense"]["model"]["lr"] == args.dense_lr and "optimizer" not in configs["dense"]["model"]
+    assert configs["apollo_mini"]["model"]["optimizer"]["class_path"] == "apollo_torch.APOLLOAdamW"
+    for row, config in configs.items():  # the same steps, tasks and measurements; LoGRA alone is KL-controlled
+        assert config["trainer"]["max_steps"] == 1 and config["model"]["num_generations"] == 4, row
+        budget = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PredictedKLBudget"))
+        assert (budget["init_args"].get("budget") == 1e6) == (row != "logra"), row

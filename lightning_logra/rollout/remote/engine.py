@@ -181,7 +181,8 @@ class RemoteEngine(RolloutEngine):
                         "update journal keeps every update rather than what a full load would cost", model)
         self.connection.token = self._read_token()
         config = model_config(folder)
-        self.fleet.model = model_summary(config, model, str(config.get("dtype") or config.get("torch_dtype")))
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "of unknown dtype")
+        self.fleet.model = model_summary(config, model, dtype)
         self.fleet.start(model)
         self._started = True
 

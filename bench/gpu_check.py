@@ -439,10 +439,11 @@ def tiny_arith(plan: Plan, progress: Progress) -> dict:
 
 def _full_load_receiver(connection, device_name: str) -> None:
     """The engine worker's side of a full load, in a process of its own: it holds its own copy of every tensor and
-    copies each load into it, from bytes (`sync.unpack_tensors`) or from handles (`handles.open_tensors`), as
+    copies each load into it, from bytes (`tensor_bytes.unpack_tensors`) or from handles (`handles.open_tensors`), as
     `LogRAWorkerExtension.logra_load` and `logra_load_shared` do."""
     from lightning_logra.rollout.handles import open_tensors
-    from lightning_logra.rollout.sync import fingerprint, unpack_tensors
+    from lightning_logra.rollout.sync import fingerprint
+    from lightning_logra.rollout.tensor_bytes import unpack_tensors
 
     device = torch.device(device_name)
     own: dict[str, torch.Tensor] = {}
@@ -455,8 +456,8 @@ def _full_load_receiver(connection, device_name: str) -> None:
             connection.send(None)
         elif kind == "fingerprints":
             connection.send({name: fingerprint(t, payload).cpu() for name, t in own.items()})
-        else:
-            tensors = unpack_tensors(payload) if kind == "bytes" else open_tensors(payload, device)
+        else:  # the bytes come apart from their message, as vLLM's messages carry bytes: not pickled again
+            tensors = unpack_tensors(connection.recv_bytes()) if kind == "bytes" else open_tensors(payload, device)
             for name, tensor in tensors.items():
                 own[name].copy_(tensor)
             if device.type == "cuda":
@@ -474,7 +475,8 @@ def full_load(plan: Plan, progress: Progress) -> dict:
     import multiprocessing
 
     from lightning_logra.rollout.handles import share_tensors
-    from lightning_logra.rollout.sync import fingerprint, pack_tensors
+    from lightning_logra.rollout.sync import fingerprint
+    from lightning_logra.rollout.tensor_bytes import pack_tensors
     from lightning_logra.rollout.vllm import _chunks  # the engine's chunking (512 MiB by default)
 
     model = bench_memory.qwen2_model(plan.full_load_shape, torch.bfloat16, 64, plan.device)
@@ -502,7 +504,8 @@ def full_load(plan: Plan, progress: Progress) -> dict:
                         pack_start = time.perf_counter()
                         data = pack_tensors(chunk)
                         packing_s += time.perf_counter() - pack_start
-                        ours.send((path, data))
+                        ours.send((path, None))
+                        ours.send_bytes(data)
                         ours.recv()
                     else:
                         data, kept = share_tensors(chunk)

@@ -1,7 +1,7 @@
 """Full weights handed to the engine's worker by reference instead of by value: per tensor a CUDA IPC handle (a GPU
 tensor) or a shared-memory segment (a CPU tensor), a few hundred bytes whatever the tensor's size.
 
-The bytes path (`sync.pack_tensors`) serializes every number into a message, which vLLM's `collective_rpc` then
+The bytes path (`tensor_bytes.pack_tensors`) serializes every number into a message, which vLLM's `collective_rpc` then
 carries to the worker's process: for a 7B model 15 GB through host memory at every full load. When the engine runs
 on the GPU the trainer's weights are on, the worker can instead open the trainer's own GPU memory (CUDA IPC, as
 vLLM's RLHF colocation example does) and copy from it into its weights: nothing leaves the GPU and nothing is

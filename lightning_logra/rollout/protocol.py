@@ -6,9 +6,11 @@ Every route lives under `/logra/`, needs `Authorization: Bearer <token>`, and ca
 `X-Logra-SHA256`. A server's weights are labelled with a run and a weight version (the number of updates merged since
 the run's start); a route that needs another version than the server holds answers 409 with the server's label.
 
-- GET  /logra/state                          → {"run", "version", "max_model_len", "model"} (`model_summary`)
+- GET  /logra/state                          → {"run", "version", "max_model_len", "model"} (`model_summary`), once
+                                               a change under way has ended (503 if not soon: ask again)
 - POST /logra/update?run&version[&in_flight=1] `Update` bytes, merged on top of version - 1 → the label
-- POST /logra/load?run&version                whole tensors (`sync.pack_tensors`), which leave the weights at the label
+- POST /logra/load?run&version                whole tensors (`tensor_bytes.pack_tensors`), which leave the weights
+                                               at the label
 - POST /logra/blocks                         a BlocksAsk → safetensors bytes keyed "name|row|col"
 - POST /logra/generate                       a GenerateAsk → a GenerateAnswer
 """

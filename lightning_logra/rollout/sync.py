@@ -13,8 +13,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torch.distributed.tensor import DTensor
 
 from lightning_logra.algo.update import Update
@@ -68,15 +66,6 @@ def find_sync(callbacks) -> WeightSync | None:
         raise ValueError(f"trainer.callbacks: {[type(s).__name__ for s in syncs]} each keep the engine's weights in "
                          "step; keep one of them")
     return syncs[0] if syncs else None
-
-
-def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Named tensors as bytes (for full loads and for answers that come back from the engine's workers)."""
-    return save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-
-
-def unpack_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    return load_tensors(data)
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

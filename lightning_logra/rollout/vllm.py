@@ -43,7 +43,7 @@ from lightning_logra.base.stop import STOP
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
-from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
+from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, incompatibility
 from lightning_logra.rollout.vllm_outputs import SEED_MASK, assemble_blocks, samples_to_rollout
 

@@ -34,7 +34,8 @@ from torch import nn
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout.handles import device_id, open_tensors
 from lightning_logra.rollout.payload import tensors_problems, update_problems
-from lightning_logra.rollout.sync import fingerprint, pack_tensors, unpack_tensors
+from lightning_logra.rollout.sync import fingerprint
+from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm_compat import missing_layer_attributes
 from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_
 

@@ -108,7 +108,7 @@ class Server:
             raise Behind(held)
 
     def load(self, data: bytes, label: Label) -> None:
-        """Send whole tensors (`sync.pack_tensors`), which leave its weights at `label`."""
+        """Send whole tensors (`tensor_bytes.pack_tensors`), which leave its weights at `label`."""
         self._relabel(self.request("POST", f"{PREFIX}/load", data, label.query()).json())
 
     def release(self, label: Label) -> None:

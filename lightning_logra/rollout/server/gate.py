@@ -57,6 +57,19 @@ class VersionGate:
     def label(self) -> Label:
         return Label(self.run, self.version)
 
+    async def settled(self, wait_s: float) -> bool:
+        """Wait at most `wait_s` for the change under way, if any, to end; whether none is under way now. A label read
+        mid-change is the unknown one (`forget`), and a trainer that took it for a cut-short change gave up on a server
+        that was merging the update it had been sent."""
+        if not self._changing:
+            return True
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: not self._changing), wait_s)
+            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+                return False
+        return True
+
     def follows(self, label: Label) -> bool:
         """Whether an update labelled `label` goes on top of the weights: they are the version before it, of its run
         (or the model's files)."""

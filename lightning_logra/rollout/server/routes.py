@@ -30,9 +30,11 @@ from lightning_logra.rollout.protocol import (
     sha256,
 )
 from lightning_logra.rollout.server.gate import VersionGate
-from lightning_logra.rollout.sync import pack_tensors, unpack_tensors
+from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
 
 router = APIRouter(prefix=PREFIX)
+STATE_WAIT_S = 5.0  # /state waits this long for a change under way (the trainer's asks wait 10 s for an answer); then
+# 503, and the trainer asks again later
 
 
 @dataclass
@@ -143,11 +145,15 @@ async def _refuse_problems(request: Request, kind: str, data: bytes) -> None:
 @router.get("/state")
 async def state(request: Request):
     """The weights' label, the longest prompt + completion the server takes, and the model it serves (a trainer
-    compares it with its own before it sends anything)."""
+    compares it with its own before it sends anything); once a change under way has ended (503 if it has not
+    within STATE_WAIT_S: mid-change the weights are of no version)."""
     _authorize(request)
+    gate = _guard(request).gate
+    if not await gate.settled(STATE_WAIT_S):
+        return JSONResponse({**gate.label().to_json(), "changing": True}, HTTPStatus.SERVICE_UNAVAILABLE)
     config = _engine(request).model_config
     model = model_summary(config.hf_text_config, str(config.model), str(config.dtype).removeprefix("torch."))
-    return {**_guard(request).gate.label().to_json(), "max_model_len": config.max_model_len, "model": model}
+    return {**gate.label().to_json(), "max_model_len": config.max_model_len, "model": model}
 
 
 @router.post("/update")
@@ -173,7 +179,7 @@ async def update(request: Request):
 
 @router.post("/load")
 async def load(request: Request):
-    """Whole tensors (`sync.pack_tensors`), which leave the weights at the label given."""
+    """Whole tensors (`tensor_bytes.pack_tensors`), which leave the weights at the label given."""
     _authorize(request)
     label = _label(request)
     data = await _body(request)

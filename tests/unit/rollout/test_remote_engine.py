@@ -17,7 +17,7 @@ from lightning_logra.rollout.protocol import TOKEN_ENV
 from lightning_logra.rollout.remote.client import Server, ServerFailed
 from lightning_logra.rollout.remote.engine import RemoteEngine, agreed, updates_before
 from lightning_logra.rollout.remote.fleet import NoServerLeft, split
-from lightning_logra.rollout.sync import pack_tensors
+from lightning_logra.rollout.tensor_bytes import pack_tensors
 
 
 @pytest.mark.parametrize(("kwargs", "key"), [

@@ -114,3 +114,28 @@ def test_a_change_cut_short_leaves_the_weights_unknown_and_the_gate_free():
         return gate.label()
 
     assert asyncio.run(run()) == Label("r", 5)
+
+
+def test_the_label_is_read_once_a_change_under_way_has_ended():
+    # Mid-change the label is the unknown one; a trainer that read it there gave up on a server merging its update.
+    async def run():
+        gate, seen = VersionGate(), []
+
+        async def slow_update() -> None:
+            async with gate.change(Label("r", 1), on_top=True) as admitted:
+                assert admitted
+                gate.forget()
+                await asyncio.sleep(0.05)
+                gate.relabel(Label("r", 1))
+
+        async def state() -> None:
+            await asyncio.sleep(0.01)  # the update is under way
+            assert not await gate.settled(0.0)  # past its wait: the route answers 503
+            assert await gate.settled(1.0)
+            seen.append(gate.label())
+
+        await asyncio.gather(slow_update(), state())
+        assert await gate.settled(0.0)  # nothing under way: at once
+        return seen
+
+    assert asyncio.run(run()) == [Label("r", 1)]

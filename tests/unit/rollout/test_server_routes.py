@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from lightning_logra.rollout.protocol import SHA_HEADER  # noqa: E402
 from lightning_logra.rollout.server.routes import install  # noqa: E402
-from lightning_logra.rollout.sync import pack_tensors  # noqa: E402
+from lightning_logra.rollout.tensor_bytes import pack_tensors  # noqa: E402
 
 TOKEN = "a-token-of-sixteen-characters"
 
@@ -43,6 +44,7 @@ class Engine:
         self.version = "default"  # vLLM's label of its weights, which its outputs carry
         self.started = threading.Event()  # a generation is under way
         self.merged: asyncio.Event | None = None
+        self.merge_s = 0.0  # how long a merge takes
 
     async def update_weight_version(self, version):
         self.calls.append(f"version {version}")
@@ -83,6 +85,7 @@ class Engine:
         if method == "logra_payload_problems":  # each worker's check, before anything changes (not recorded)
             return [self.problems]
         self.calls.append(method)
+        await asyncio.sleep(self.merge_s)
         if self.fail:
             raise RuntimeError("the worker failed")
         if self.merged is not None:
@@ -161,6 +164,28 @@ def test_a_failed_merge_leaves_the_weights_unknown(server):
     assert _state(client) == {"run": None, "version": None} and engine.calls[-1] == "resume"
     engine.fail = False
     assert _post(client, _update(), 1).status_code == 409  # unknown weights take no update: a full load first
+
+
+def test_state_asked_mid_merge_answers_once_the_merge_has_ended(server, monkeypatch):
+    # Mid-merge the label is the unknown one: a trainer that probed a server then gave it up as holding weights of no
+    # version, though it was merging the very update the trainer had sent.
+    from lightning_logra.rollout.server import routes
+
+    client, engine = server
+    engine.merge_s = 0.5
+    merging = threading.Thread(target=_post, args=(client, _update(), 1))
+    merging.start()
+    time.sleep(0.2)
+    assert _state(client) == {"run": "r", "version": 1}
+    merging.join()
+    monkeypatch.setattr(routes, "STATE_WAIT_S", 0.05)
+    merging = threading.Thread(target=_post, args=(client, _update(), 2))
+    merging.start()
+    time.sleep(0.2)
+    answer = client.get("/logra/state", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status_code == 503 and answer.json() == {"run": "r", "version": None, "changing": True}
+    merging.join()
+    assert _state(client) == {"run": "r", "version": 2}
 
 
 def test_a_payload_a_worker_finds_wrong_is_refused_before_anything_changes(server):

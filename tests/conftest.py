@@ -38,6 +38,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 ROOT = Path(__file__).parents[1]
 UNIT, INTEGRATION = ROOT / "tests" / "unit", ROOT / "tests" / "integration"
 LONG_FOLDERS = ("learning", "bench")  # wholly in the long tier: learning runs, the benchmarks' quick modes
+BENCH = INTEGRATION / "bench"  # the benchmarks' quick modes: `make test-bench` runs them, apart from `make test-long`
+# ... but for the GPU check's dry run, which stays in the long tier (CI): a lent device's minutes depend on it
+BENCH_IN_LONG = ("test_gpu_check.py",)
 CONFIGS = ROOT / "configs"
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -389,6 +392,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
             if any(INTEGRATION / folder in item.path.parents for folder in LONG_FOLDERS):
                 item.add_marker(pytest.mark.long)
+            if BENCH in item.path.parents and item.path.name not in BENCH_IN_LONG:
+                item.add_marker(pytest.mark.bench)
 
 
 # What starts a training run or an engine in another process: the command line, a launcher, the benchmarks.

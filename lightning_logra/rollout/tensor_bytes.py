@@ -39,7 +39,8 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
         if tensor.dtype not in _CODES:
             raise TypeError(f"{name!r}: {tensor.dtype} has no safetensors code here; known: {sorted(_CODES.values())}")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads its header with spaces

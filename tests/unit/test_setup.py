@@ -125,6 +125,7 @@ def test_the_make_targets_run_the_set_up_then_the_readme_commands():
     xdist = 'OMP_NUM_THREADS=1 "/v/bin/python" -m pytest -q -n 2 --dist loadfile tests/integration'
     assert planned("test") == ['VENV="/v" bash scripts/setup.sh', '"/v/bin/python" -m pytest -q tests/unit ',
                                f'{xdist} -m "not long" ']
-    assert planned("test-long") == ['VENV="/v" bash scripts/setup.sh', f"{xdist} -m long "]
+    assert planned("test-long") == ['VENV="/v" bash scripts/setup.sh', f'{xdist} -m "long and not bench" ']
+    assert planned("test-bench") == ['VENV="/v" bash scripts/setup.sh', f"{xdist} -m bench "]
     assert planned("train") == ['VENV="/v" bash scripts/setup.sh',
                                 '"/v/bin/lightning-logra" fit --config configs/tiny_arith.yaml ']

@@ -170,6 +170,32 @@ def fast_overrides(model: str, root: Path, steps: int, *extra: str) -> list[str]
             "--model.reward", "conftest.odd_first_digit", *output_overrides(root), *extra]
 
 
+def sharded_run_config(name: str, path: Path, **checkpointing) -> str:
+    """`configs/<name>` as the recorded sharded runs take it (tests/recorded/tiny_arith_fsdp.json), written to `path`:
+    the embedding, norms and head trained densely (train_rest, at a learning rate that moves them), and the KL
+    controller measuring q on a quarter of the global batch (drawn from it as one process draws it, so q and α equal
+    the single process's). `checkpointing`: ModelCheckpoint's init_args to change."""
+    import yaml
+
+    data = yaml.safe_load((CONFIGS / name).read_text())
+    data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
+    for callback in data["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("PredictedKLBudget"):
+            callback["init_args"]["subset"] = 0.25
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"].update(checkpointing)
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def sharded_run_overrides(root: Path, steps: int) -> list[str]:
+    """What those runs add to `fast_overrides`: one validation (at the end) on 4 prompts, the weights exported to
+    `root/out`, and conftest's checks (no dense gradient of a sketched weight; the gradient norm logged)."""
+    return ["--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4", "--model.export_dir",
+            str(root / "out"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+            "--trainer.callbacks+=conftest.GradNormLog"]
+
+
 @pytest.fixture(scope="session")
 def run_cli(tiny_arith_model, tmp_path_factory):
     """The command line on `config` (a shipped config's name, or a path) with `fast_overrides` (`fast=False`: the

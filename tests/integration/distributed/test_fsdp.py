@@ -7,35 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import CONFIGS
+from conftest import sharded_run_config, sharded_run_overrides
 from golden import assert_matches, observe, recorded
 
 
-def _config(name: str, path: Path, **checkpointing) -> str:
-    """`configs/<name>` with the embedding, norms and head trained densely (train_rest, at a learning rate that moves
-    them), and the KL controller measuring q on a quarter of the global batch (drawn from it as one process draws
-    it, so q and α equal the single process's). `checkpointing`: ModelCheckpoint's init_args to change."""
-    data = yaml.safe_load((CONFIGS / name).read_text())
-    data["trainer"]["strategy"]["init_args"]["sketch"].update(train_rest=True, rest_lr=1e-3)
-    for callback in data["trainer"]["callbacks"]:
-        if callback["class_path"].endswith("PredictedKLBudget"):
-            callback["init_args"]["subset"] = 0.25
-        if callback["class_path"].endswith("ModelCheckpoint"):
-            callback["init_args"].update(checkpointing)
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
-
-
 def _fit(run_cli, config: str, root: Path, steps: int, *extra: str, wait: bool = True):
-    """A tiny run in processes of its own, validating once (at its end) and exporting its weights to `root/out`,
-    checked by conftest's callbacks; with `wait=False`, the running process (which must then be waited for)."""
-    return run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
-                   "--model.export_dir", str(root / "out"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
-                   "--trainer.callbacks+=conftest.GradNormLog", *extra, steps=steps, root=root, subprocess=True,
+    """A tiny run in processes of its own (`sharded_run_overrides`); with `wait=False`, the running process (which
+    must then be waited for)."""
+    return run_cli(config, *sharded_run_overrides(root, steps), *extra, steps=steps, root=root, subprocess=True,
                    wait=wait)
 
 
@@ -48,8 +30,9 @@ def _scalars(root: Path, tag: str) -> list[float]:
 def test_two_sharded_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_arith_model, tmp_path):
     # The one-process run beside the sharded one: 3 processes of one thread each on 2 cores take less time than one
     # run after the other, and neither's numbers depend on the other.
-    single = _fit(run_cli, _config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 3, wait=False)
-    _fit(run_cli, _config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 3)
+    single = _fit(run_cli, sharded_run_config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 3,
+                  wait=False)
+    _fit(run_cli, sharded_run_config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 3)
     assert single.wait(timeout=600) == 0, (tmp_path / "1" / "out.log").read_text()[-3000:]
     assert_matches("tiny_arith_fsdp", observe(tmp_path / "2", tiny_arith_model, tmp_path / "2" / "out"),
                    recorded("tiny_arith_fsdp"))
@@ -80,9 +63,10 @@ def test_dynamic_sampling_sharded_keeps_and_trains_what_one_process_does(run_cli
     # drawn over the rows the ranks actually hold, as one process draws it from the same groups.
     extra = ("--model.dynamic_sampling", "true", "--model.max_generation_rounds", "3", "--model.num_generations",
              "2", "--model.micro_batch_size", "2")
-    single = _fit(run_cli, _config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 2, *extra,
-                  wait=False)
-    _fit(run_cli, _config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 2, *extra)
+    single = _fit(run_cli, sharded_run_config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 2,
+                  *extra, wait=False)
+    _fit(run_cli, sharded_run_config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml"), tmp_path / "2", 2,
+         *extra)
     assert single.wait(timeout=600) == 0, (tmp_path / "1" / "out.log").read_text()[-3000:]
     rounds = _scalars(tmp_path / "1", "rollout/generation_rounds")
     assert len(rounds) == 2 and max(rounds) > 1  # the steps drew more prompts
@@ -100,7 +84,7 @@ def test_a_resumed_sharded_run_equals_the_uninterrupted_one(run_cli, tmp_path):
 
     # train_rest: AdamW's state is resumed too; a checkpoint every 2 steps, all kept: the uninterrupted run saves one
     # halfway and trains on after it, and the resumed run starts from that one
-    config = _config("tiny_arith_fsdp.yaml", tmp_path / "fsdp.yaml", every_n_train_steps=2, save_top_k=-1)
+    config = sharded_run_config("tiny_arith_fsdp.yaml", tmp_path / "fsdp.yaml", every_n_train_steps=2, save_top_k=-1)
     _fit(run_cli, config, tmp_path / "a", 4)
     checkpoint = glob.glob(str(tmp_path / "a" / "**" / "checkpoints" / "*step=2.ckpt"), recursive=True)
     assert len(checkpoint) == 1 and len(glob.glob(checkpoint[0] + "/*.distcp")) == 2  # a shard per rank

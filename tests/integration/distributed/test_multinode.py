@@ -1,7 +1,8 @@
 """More than one node, launched as users launch them: torchrun on each "node" (here 2 processes on this machine,
-the rendezvous on the loopback address) and Lightning's `trainer.num_nodes`, no launcher of our own. A run over
-2 nodes × 1 process equals the same run over 2 processes on one node, bit for bit: FSDP with a vLLM engine per
-rank."""
+the rendezvous on the loopback address) and Lightning's `trainer.num_nodes`, no launcher of our own. A sharded run
+over 2 nodes × 1 process takes the steps recorded for the same run over 2 processes on one node
+(tests/recorded/tiny_arith_fsdp.json, which the fast tier's `test_fsdp.py` compares with one process), step for step
+and in what it did to the weights."""
 
 import os
 import subprocess
@@ -9,15 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from conftest import CONFIGS, ROOT, fast_overrides, free_port
+from conftest import ROOT, fast_overrides, free_port, sharded_run_config, sharded_run_overrides
+from golden import assert_matches, observe, recorded
 
-pytestmark = pytest.mark.long  # 2 nodes against 1, with an engine per rank: about 2 minutes
-
-# Each rank's engine (under FSDP) computes on a core of its own.
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+pytestmark = pytest.mark.long  # a sharded run on 2 nodes: about a minute
 
 
 def _two_nodes(args: list[str], root: Path) -> None:
@@ -25,7 +22,7 @@ def _two_nodes(args: list[str], root: Path) -> None:
     address), as a SLURM script starts one torchrun per node (README)."""
     port = free_port()
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **ENV}
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     root.mkdir(parents=True, exist_ok=True)
     nodes = []
     for node in (0, 1):
@@ -38,19 +35,9 @@ def _two_nodes(args: list[str], root: Path) -> None:
         assert process.wait(timeout=600) == 0, (root / f"node{node}.log").read_text()[-3000:]
 
 
-# FSDP with an engine per rank (DDP ran here too: the same launch, torchrun per node and trainer.num_nodes, with less
-# on it; DDP's equality with one process is the fast tier's).
-@pytest.mark.parametrize("config", ["tiny_arith_fsdp_vllm.yaml"])
-def test_two_nodes_through_torchrun_equal_two_processes_on_one_node(run_cli, tiny_arith_model, tmp_path, config):
-    extra = ["--model.export_dir"]
-    run_cli(CONFIGS / config, *extra, str(tmp_path / "one" / "out"), root=tmp_path / "one", subprocess=True,
-            env=ENV)
-    args = ["--config", str(CONFIGS / config), *fast_overrides(tiny_arith_model, tmp_path / "two", 2), *extra,
-            str(tmp_path / "two" / "out")]
-    _two_nodes(args, tmp_path / "two")
-    one, two = (load_file(tmp_path / run / "out" / "model.safetensors") for run in ("one", "two"))
-    start = load_file(Path(tiny_arith_model) / "model.safetensors")
-    assert any(not torch.equal(one[name], start[name]) for name in one)  # the runs trained
-    assert sorted(one) == sorted(two)
-    for name in one:
-        assert torch.equal(one[name], two[name]), name
+# FSDP: every forward, backward and weight gather of a step is a collective over both nodes.
+def test_two_nodes_through_torchrun_take_the_recorded_steps_of_one_node(tiny_arith_model, tmp_path):
+    config = sharded_run_config("tiny_arith_fsdp.yaml", tmp_path / "tiny_arith_fsdp.yaml")
+    root = tmp_path / "two"
+    _two_nodes(["--config", config, *fast_overrides(tiny_arith_model, root, 3), *sharded_run_overrides(root, 3)], root)
+    assert_matches("two_nodes", observe(root, tiny_arith_model, root / "out"), recorded("tiny_arith_fsdp"))

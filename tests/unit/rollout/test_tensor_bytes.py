@@ -16,7 +16,7 @@ from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
 def _tensors(device="cpu") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {
-        "odd.bf16": torch.randn(3, generator=generator).to(torch.bfloat16),  # 6 bytes: nothing may follow it
+        "odd.bf16": torch.randn(3, generator=generator).to(torch.bfloat16),  # 6 bytes: an fp32 after it, unaligned
         "w.fp32": torch.randn(5, 7, generator=generator),
         "t.fp32": torch.randn(7, 5, generator=generator).t(),  # not contiguous
         "h.fp16": torch.randn(2, 3, generator=generator).half(),

@@ -22,7 +22,7 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
-_MAX_HEADER = 100 * 2**20  # the format's own bound on the header's length
+_MAX_HEADER = 100_000_000  # the format's own bound on the header's length, in bytes
 
 # Views of received bytes are read (checked, copied into the engine's weights), never written: torch's warning that
 # a view of immutable bytes could be written says nothing here.
@@ -45,15 +45,15 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads its header with spaces
     start = 8 + len(encoded)
-    on_gpu = any(t.is_cuda for t in tensors.values())
-    buffer = torch.empty(start + offset, dtype=torch.uint8, pin_memory=on_gpu)  # (total,) bytes
+    devices = {t.device for t in tensors.values() if t.is_cuda}
+    buffer = torch.empty(start + offset, dtype=torch.uint8, pin_memory=bool(devices))  # (total,) bytes
     buffer[:start] = torch.frombuffer(bytearray(struct.pack("<Q", len(encoded)) + encoded), dtype=torch.uint8)
     for name in order:
         tensor, (begin, end) = tensors[name].detach(), header[name]["data_offsets"]
         if end > begin:  # device to pinned host memory runs asynchronously: every copy is queued before one wait
             buffer[start + begin : start + end].view(tensor.dtype).view(tensor.shape).copy_(tensor, non_blocking=True)
-    if on_gpu:
-        torch.cuda.synchronize()
+    for device in devices:
+        torch.cuda.synchronize(device)
     return buffer.numpy().tobytes()
 
 

@@ -5,7 +5,7 @@
 #                    faults (at most 10 minutes on 2 cores)
 #   make test-long   the long tier: a learning run per path, the slowest fault runs
 #   make test-bench  the benchmarks' quick modes: each script of bench/ end to end at small sizes (run it when bench/
-#                    or what a benchmark drives changes; CI leaves it out for its time, about 14 minutes here)
+#                    or what a benchmark drives changes; CI leaves it out for its time, about 11 minutes here)
 #   make test-all    all three
 #   make lint        ruff check (pyproject.toml's [tool.ruff])
 # and `make test-newest` runs the unit tier against the newest versions the dependency ranges admit (the `dev` extra

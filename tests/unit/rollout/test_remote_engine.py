@@ -231,3 +231,24 @@ def test_model_summaries_read_a_config_object_or_a_multimodal_config_json():
     flat = model_summary(SimpleNamespace(hidden_size=64, vocab_size=10, head_dim=None), "n", "float32")
     assert flat == {"name": "n", "dtype": "float32", "hidden_size": 64, "vocab_size": 10}
     assert model_differences(nested, flat) == ["vocab_size 9 here, 10 there"]  # names and dtypes are not compared
+
+
+def test_a_server_mid_change_is_asked_again_not_given_up_as_unknown(monkeypatch, tiny_arith_model):
+    # /logra/state mid-merge answers 503 (the label then is the unknown one): the server stays down for now and is
+    # taken, at the version the merge reached, once a later ask finds the change ended.
+    from lightning_logra.rollout.remote import client
+
+    states = [SimpleNamespace(status_code=200, json=lambda: {"run": None, "version": 0, "max_model_len": 32})]
+    monkeypatch.setattr(client, "request_within", lambda *args, **kwargs: states[-1])
+    monkeypatch.setenv(TOKEN_ENV, "a-token")
+    engine = RemoteEngine(urls=["http://a:1"], start_timeout_s=5, probe_every_s=0.01)
+    engine.start(tiny_arith_model, 0, [])
+    (server,) = engine.servers
+    server.up = False
+    states.append(SimpleNamespace(status_code=503, text="changing",
+                                  json=lambda: {"run": "r", "version": None, "changing": True}))
+    engine.fleet.probe(server, force=True)
+    assert not server.up and server.version == 0  # the mid-change label was not taken
+    states.append(SimpleNamespace(status_code=200, json=lambda: {"run": "r", "version": 1, "max_model_len": 32}))
+    engine.fleet.probe(server, force=True)
+    assert server.up and (server.run, server.version) == ("r", 1)

@@ -46,17 +46,18 @@ def low_rank_perturbation(policy: nn.Module, proposal: Update, alpha: float = 1.
     """Within the block, each sketched layer computes y − α·(x·Aᵀ)·Fᵀ (F = η·U): the model θ + αΔ, weights
     untouched. The sketched layers' own (cached) projections are used: the proposal's seeds are theirs."""
 
-    def hook_for(factor: torch.Tensor, projection: torch.Tensor):  # (d, r), (r, k)
+    def hook_for(factor: torch.Tensor):  # (d, r)
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             x = inputs[0]  # (..., k)
-            return output - alpha * (x @ projection.T.to(x.dtype)) @ factor.T.to(x.dtype)  # (..., d)
+            # A (r, k) in x's dtype, made when the layer runs: no layer's cast outlives its own hook
+            return output - alpha * (x @ module.projection(x.dtype).T) @ factor.T.to(x.dtype)  # (..., d)
 
         return hook
 
     handles = []
     for name, delta in proposal.low_rank.items():
         layer = policy.get_submodule(name.removesuffix(".weight"))
-        handles.append(layer.register_forward_hook(hook_for(delta.factor, layer.projection())))
+        handles.append(layer.register_forward_hook(hook_for(delta.factor)))
     try:
         yield
     finally:

@@ -40,7 +40,8 @@ class SketchConfig:
             settings, and `refresh_every`, `rounding`, `factor_dtype`.
         lr_schedule: warm-up and decay of the learning rates (the sketch optimizer's and `rest_lr`), by applied
             update; see `lightning_logra.base.schedule.LRSchedule`.
-        cache_projection: keep each A (r×k) in memory; false regenerates it from its seed at every use.
+        cache_projection: keep each A (r×k) in memory (in the weights' bf16/fp16 where its entries are exact there,
+            `projection.storage_dtype`); false regenerates it from its seed at every use.
         share_projection: one A per input instead of one per matrix: the matrices that read the same tensor (q_proj,
             k_proj, v_proj of a layer; gate_proj, up_proj) share one projection, and the forward pass computes and
             saves their x·Aᵀ once instead of three (two) times. Each sketch is still exactly G·Aᵀ, but those of one

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_logra.base.hashing import matrix_seed
-from lightning_logra.sketch.projection import make_projection
+from lightning_logra.sketch.projection import make_projection, storage_dtype
 from lightning_logra.sketch.shared import SharedInput
 
 
@@ -122,7 +122,7 @@ class SketchedLinear(nn.Linear):
 
     def _apply(self, fn, recurse=True):
         # .to()/.half()/.cuda() would materialize B as d×r zeros and cast A; keep B a stride-0 fp32 zero and
-        # regenerate A in fp32 on the new device instead.
+        # regenerate A on the new device, in the dtype the new weights keep it in, instead.
         super()._apply(fn, recurse)
         self.sketch_param.data = self._zero_carrier()
         if self.cached_projection is not None:
@@ -161,20 +161,24 @@ class SketchedLinear(nn.Linear):
         return matrix_seed(self.base_seed, self.name, self.refresh_index)
 
     def _generate(self) -> torch.Tensor:
-        if self.shared is not None and self.cache_projection:
-            return self.shared.projection(self.seed, self.weight.device, self._make_projection)  # one A per group
-        return self._make_projection()
+        """A (r, k) as the cache keeps it: in the weight's bf16/fp16 when every entry is exact there (`storage_dtype`:
+        half the bytes, and the forward pass multiplies by it without a cast), fp32 otherwise."""
+        dtype = storage_dtype(self.rank, self.distribution, self.weight.dtype)
+        if self.shared is not None:  # one A per group
+            key = (self.seed, self.weight.device, dtype)
+            return self.shared.projection(key, lambda: self._make_projection().to(dtype))
+        return self._make_projection().to(dtype)
 
     def _make_projection(self) -> torch.Tensor:
         return make_projection(
             self.seed, self.rank, self.in_features, self.distribution, device=self.weight.device
         )  # (r, k) fp32
 
-    def projection(self) -> torch.Tensor:
-        """A (r, k), fp32, on the weight's device."""
-        if self.cached_projection is not None:
-            return self.cached_projection
-        return self._generate()
+    def projection(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A (r, k) in `dtype` (its values are fp32's), on the weight's device: the cached tensor itself when it is
+        kept in `dtype`."""
+        a = self.cached_projection if self.cached_projection is not None else self._make_projection()
+        return a.to(dtype)
 
     def set_refresh_index(self, index: int) -> None:
         """Switch to the projection of refresh `index` (the sketch must be empty: it was taken with the old A)."""
@@ -209,9 +213,9 @@ class SketchedLinear(nn.Linear):
             # Generation and KL evaluation need no sketch: skip the x·Aᵀ projection entirely.
             return nn.functional.linear(x, self.weight, self.bias)
         if self.shared is None:
-            z = _project(x, self.projection().to(x.dtype))
+            z = _project(x, self.projection(x.dtype))
         else:
-            z = self.shared.project(self.name, x, lambda: _project(x, self.projection().to(x.dtype)))
+            z = self.shared.project(self.name, x, lambda: _project(x, self.projection(x.dtype)))
         return _SketchedLinearFn.apply(x, self.weight, self.bias, self.sketch_param, z)
 
     def extra_repr(self) -> str:

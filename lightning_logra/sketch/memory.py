@@ -30,7 +30,7 @@ class MemoryBreakdown:
     weights: int = 0  # every parameter's storage (sketched or not)
     sketches: int = 0  # d×r fp32 per sketched weight
     sketch_optimizer_state: int = 0  # momentum / Adam moments, d×r fp32 each
-    projections: int = 0  # cached A buffers, r×k fp32 each
+    projections: int = 0  # cached A buffers, r×k each, fp32 or the weights' bf16/fp16 (`storage_dtype`)
     dense_gradients: int = 0  # .grad of densely trained parameters
     dense_optimizer_state: int = 0  # state of ordinary optimizers (e.g. AdamW on non-sketched parameters)
     # What dense fp32 gradients of the sketched weights would take instead of `sketches` (for comparison only).

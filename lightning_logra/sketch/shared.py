@@ -49,13 +49,14 @@ class SharedInput:
         self._z: torch.Tensor | None = None  # (n, r)
         self._served: set[str] = set()
         self._warned = False
-        self._projection: tuple[int, torch.device, torch.Tensor] | None = None  # (seed, device, A)
+        self._projection: tuple[tuple, torch.Tensor] | None = None  # ((seed, device, dtype), A)
 
-    def projection(self, seed: int, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A (r, k) for `seed`, generated once for all members (each member's cached A is this same tensor)."""
-        if self._projection is None or self._projection[:2] != (seed, device):
-            self._projection = (seed, device, make())
-        return self._projection[2]
+    def projection(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A (r, k) for `key` (its seed, device and dtype), made once for all members (each member's cached A is
+        this same tensor)."""
+        if self._projection is None or self._projection[0] != key:
+            self._projection = (key, make())
+        return self._projection[1]
 
     def project(self, member: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """z = x·Aᵀ (n, r) for `member`: the pending one if this member has not had it and x is the tensor it was

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_logra.sketch import make_projection, matrix_seed
+from lightning_logra.sketch.projection import storage_dtype
 
 
 def test_rademacher_values_are_exactly_plus_minus_one_over_sqrt_r():
@@ -95,3 +96,19 @@ def test_golden_values_never_change():
     expected = torch.tensor([[0.5408032536506653, -0.53591388463974, -0.03795516490936279],
                              [0.24580834805965424, -0.7422458529472351, -0.4102160334587097]])
     assert torch.equal(gaussian, expected)
+
+
+@pytest.mark.parametrize(("rank", "distribution", "weights", "kept"), [
+    (16, "rademacher", torch.bfloat16, torch.bfloat16),  # 1/4
+    (256, "rademacher", torch.bfloat16, torch.bfloat16),  # 1/16: the GPU configs'
+    (256, "rademacher", torch.float16, torch.float16),
+    (8, "rademacher", torch.bfloat16, torch.float32),  # 1/√8 is not a power of 2
+    (128, "rademacher", torch.float16, torch.float32),
+    (256, "gaussian", torch.bfloat16, torch.float32),
+    (256, "rademacher", torch.float32, torch.float32),
+])
+def test_a_is_kept_in_low_precision_only_where_every_entry_is_exact_there(rank, distribution, weights, kept):
+    assert storage_dtype(rank, distribution, weights) == kept
+    # the rule is exactly "every entry survives the weights' dtype": kept there when it does, fp32 when it does not
+    a = make_projection(3, rank, 64, distribution)
+    assert torch.equal(a.to(weights).float(), a) == (kept == weights)

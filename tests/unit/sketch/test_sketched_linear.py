@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_logra.sketch import install_sketches
+from lightning_logra.sketch import install_sketches, make_projection, memory_breakdown
 
 
 def _sketched(d=12, k=20, r=5, bias=True, dtype=torch.float32, seed=0, train_bias=False):
@@ -17,8 +17,9 @@ def _sketched(d=12, k=20, r=5, bias=True, dtype=torch.float32, seed=0, train_bia
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7,), (3, 5)], ids=["2d", "3d"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_sketch_equals_dense_gradient_times_projection(dtype, shape, bias):
-    d, k, r = 12, 20, 8
+@pytest.mark.parametrize("r", [8, 16])  # in bf16: A kept in fp32 (1/√8 is not exact there) and in bf16 (1/4 is)
+def test_sketch_equals_dense_gradient_times_projection(dtype, shape, bias, r):
+    d, k = 12, 20
     dense, model, handle = _sketched(d, k, r, bias, dtype)
     expected = torch.zeros(d, r, dtype=torch.float64)
     for _ in range(3):  # micro-batches accumulate into the same sketch
@@ -105,6 +106,25 @@ def test_state_dict_keeps_original_layout_and_dtype_moves_keep_sketch_fp32():
     assert torch.equal(handle.projection(), a) and handle.projection().dtype == torch.float32
     model(torch.randn(2, 20, dtype=torch.bfloat16)).sum().backward()
     assert handle.sketch.dtype == torch.float32
+
+
+def test_a_bf16_layer_keeps_a_in_bf16_where_it_is_exact_and_its_sketch_is_unchanged():
+    # Rank 16: entries ±1/4, exact in bf16, so the layer keeps A there (half the bytes, no cast per forward pass);
+    # the projection it hands out is fp32's, and the sketch is bit for bit the one an fp32-kept A gives.
+    _, model, handle = _sketched(r=16, dtype=torch.bfloat16)
+    assert handle.cached_projection.dtype == torch.bfloat16
+    fp32 = make_projection(handle.seed, 16, 20)
+    assert handle.projection().dtype == torch.float32 and torch.equal(handle.projection(), fp32)
+    assert handle.projection(torch.bfloat16) is handle.cached_projection  # the forward pass's: no copy
+    assert memory_breakdown(model).projections == 16 * 20 * 2
+    x, grad_y = torch.randn(6, 20, dtype=torch.bfloat16), torch.randn(6, 12, dtype=torch.bfloat16)
+    model(x).backward(grad_y)
+    z = x @ fp32.to(torch.bfloat16).T  # what the layer computed when it kept A in fp32 and cast it every call
+    assert torch.equal(handle.sketch, grad_y.float().T @ z.float())
+    # Moved to fp32 weights, the layer keeps A in fp32 again; at rank 8 (1/√8 inexact in bf16) it always did.
+    model.float()
+    assert handle.cached_projection.dtype == torch.float32 and torch.equal(handle.projection(), fp32)
+    assert _sketched(r=8, dtype=torch.bfloat16)[2].cached_projection.dtype == torch.float32
 
 
 def _sketch_product_error(device: str, dtype: torch.dtype) -> float:

@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import CONFIGS
+from lightning_logra.sketch.projection import storage_dtype
 from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy, shard_rows
 
 # config.json of Qwen/Qwen2.5-7B and Qwen/Qwen2.5-32B
@@ -44,7 +45,10 @@ def _per_gpu(model: torch.nn.Module, strategy: SketchFSDPStrategy, world: int) -
     state = sum(2 * len(range(layer.out_features)[shard_rows(layer.out_features, 0, world)]) * r * 4
                 for layer in handles.values())  # sketch Adam: m and v
     buffer = sum(math.ceil(layer.out_features / world) * world * r * 4 for layer in handles.values())
-    projections = sum(r * layer.in_features * 4 for layer in handles.values()) if sketch.cache_projection else 0
+    # A in bf16 where its entries are exact there (Rademacher at rank 256), else fp32
+    projection_bytes = storage_dtype(r, sketch.distribution, torch.bfloat16).itemsize
+    projections = sum(r * layer.in_features * projection_bytes for layer in handles.values())
+    projections = projections if sketch.cache_projection else 0
     return {"weights": weights / GB, "sketches": sketches / GB, "sketch_state": state / GB,
             "reduce_buffer": buffer / GB, "projections": projections / GB}
 

@@ -53,7 +53,7 @@ def make_projection(
 def storage_dtype(rank: int, distribution: str, weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype a layer with `weight_dtype` weights keeps its A in: that bf16/fp16 when every entry of A is exact
     there, fp32 otherwise. Rademacher entries are ±c with c = 1/√r in fp32, exact in bf16 and fp16 when r is a power
-    of 4 (c a power of 2: the configs' ranks 16 and 256); Gaussian entries never are. Kept so, A costs half its
+    of 4 (c a power of 2: the configs' ranks 16 and 256); Gaussian entries are not. Kept so, A costs half its
     fp32 bytes (0.58 GB of the 7B shape's 1.16 at rank 256) with the same values."""
     if distribution == "rademacher" and weight_dtype in (torch.bfloat16, torch.float16):
         c = torch.tensor(1.0 / math.sqrt(rank), dtype=torch.float32)

@@ -21,16 +21,19 @@ def _scalars(root) -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("config, extra", [
-    ("configs/tiny_arith_vllm.yaml", []), ("configs/tiny_arith_remote.yaml", ["--model.max_staleness", "1"]),
+    # in the trainer's process (as configs/smollm2_reasoning.yaml runs it): a start of 13 s here, not 31-36
+    ("configs/tiny_arith_vllm.yaml", ["--model.engine.init_args.separate_process", "false"]),
+    ("configs/tiny_arith_remote.yaml", ["--model.max_staleness", "1"]),
 ], ids=["vllm", "remote-overlapped"])
 def test_episodes_draw_on_an_engine_of_their_own(run_cli, config, extra):
-    steps = 3 if extra else 2  # overlapped: the third step's episodes are the first drawn ahead of an update
+    overlapped = "--model.max_staleness" in extra
+    steps = 3 if overlapped else 2  # overlapped: the third step's episodes are the first drawn ahead of an update
     cli = run_cli(config, *TOOL_TASK, *extra, steps=steps)
     metrics = cli.trainer.logged_metrics
     assert cli.trainer.global_step == steps
     assert 1.0 < metrics["episodes/turns"] <= 2.0 and metrics["episodes/tool_calls"] > 0  # calls were answered
     assert math.isfinite(float(metrics["val/pass@1"])) and metrics["train/reward_mean"] > 0
-    if extra:  # step 3's episodes were drawn while step 2 trained, with the weights before its update
+    if overlapped:  # step 3's episodes were drawn while step 2 trained, with the weights before its update
         assert metrics["rollout/staleness/max"] == 1
     else:  # the sampler's log-probs of the sampled tokens are the trainer's: the engine holds the same weights
         assert float(metrics["rollout/logprob_abs_diff"]) < 1e-4

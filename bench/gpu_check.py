@@ -477,7 +477,7 @@ def full_load(plan: Plan, progress: Progress) -> dict:
     from lightning_logra.rollout.handles import share_tensors
     from lightning_logra.rollout.sync import fingerprint
     from lightning_logra.rollout.tensor_bytes import pack_tensors
-    from lightning_logra.rollout.vllm import _chunks  # the engine's chunking (512 MiB by default)
+    from lightning_logra.rollout.vllm.engine import _chunks  # the engine's chunking (512 MiB by default)
 
     model = bench_memory.qwen2_model(plan.full_load_shape, torch.bfloat16, 64, plan.device)
     tensors = {name: p.detach() for name, p in model.named_parameters()}

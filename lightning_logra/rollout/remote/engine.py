@@ -57,7 +57,7 @@ from lightning_logra.rollout.protocol import (
 from lightning_logra.rollout.remote.client import Behind, Connection, Server, ServerFailed
 from lightning_logra.rollout.remote.fleet import Fleet, NoServerLeft, split
 from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
-from lightning_logra.rollout.vllm_outputs import SEED_MASK, assemble_blocks, samples_to_rollout
+from lightning_logra.rollout.vllm.outputs import SEED_MASK, assemble_blocks, samples_to_rollout
 
 log = logging.getLogger(__name__)
 

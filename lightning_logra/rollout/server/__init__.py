@@ -5,7 +5,7 @@ wire protocol (`rollout/protocol.py`).
 
 One process serves `/v1/completions` (and the rest of vLLM's API) for evaluation and for people, and takes the
 trainer's updates under `/logra/`: the same `Update` bytes a colocated engine takes (per sketched matrix the d×r
-factor and A's seed), merged by the same worker extension (`vllm_worker.py`, reached through `AsyncLLM.collective_rpc`).
+factor and A's seed), merged by the same worker extension (`vllm/worker.py`, reached through `AsyncLLM.collective_rpc`).
 The server labels its weights with the trainer's run and weight version (the number of updates merged since the run's
 start): an update applies only on top of the version before it, a generation request waits until the server holds the
 version it asks for, and a server that fell behind is caught up by replaying the updates it missed (the trainer's

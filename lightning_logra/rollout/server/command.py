@@ -67,7 +67,7 @@ def vllm_arguments(ours: argparse.Namespace, cpu_backend: bool = False) -> list[
     the trainer computes them), and the options above; then whatever followed `--`. On the CPU backend the model
     runs eager unless what followed `--` says otherwise, as `VLLMEngine`'s does: the CPU has no CUDA graphs to
     capture, and vLLM's torch.compile would lengthen every start (about 35 s of a minute's start here)."""
-    from lightning_logra.rollout.vllm import WORKER_EXTENSION, whole_prefills
+    from lightning_logra.rollout.vllm.launch import WORKER_EXTENSION, whole_prefills
 
     args = ["--model", ours.model, "--host", ours.host, "--port", str(ours.port), "--dtype", ours.dtype,
             "--gpu-memory-utilization", str(ours.gpu_memory_utilization),
@@ -98,7 +98,7 @@ async def _serve(args: argparse.Namespace, token: str, max_body_bytes: int) -> N
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
     from lightning_logra.rollout.server.routes import install
-    from lightning_logra.rollout.vllm_compat import check_vllm
+    from lightning_logra.rollout.vllm.compat import check_vllm
 
     check_vllm()
     listen_address, sock = setup_server(args, reuse_port=False)

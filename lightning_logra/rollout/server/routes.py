@@ -3,7 +3,7 @@ that reads what it needs from the app's state: vLLM's engine client (`app.state.
 `init_app_state`) and ours (`app.state.logra`: the token, the body bound and the version gate, set by `install`).
 
 Every route checks the token first, and a body's size and sha256 before it parses it; an update or a load is parsed
-whole before any weight changes. Changes reach the workers (`vllm_worker.py`) through `AsyncLLM.collective_rpc`.
+whole before any weight changes. Changes reach the workers (`vllm/worker.py`) through `AsyncLLM.collective_rpc`.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) at definition.

@@ -29,7 +29,7 @@ from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout import RemoteEngine, SamplingParams
 from lightning_logra.rollout.tensor_bytes import unpack_tensors
-from lightning_logra.rollout.vllm_outputs import assemble_blocks, samples_to_rollout
+from lightning_logra.rollout.vllm.outputs import assemble_blocks, samples_to_rollout
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 

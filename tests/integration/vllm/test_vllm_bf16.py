@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import SKETCH_TARGETS
 from lightning_logra.algo.update import Update
-from lightning_logra.rollout import VLLMEngine, vllm_worker
+from lightning_logra.rollout import VLLMEngine
+from lightning_logra.rollout.vllm import worker as vllm_worker
 from lightning_logra.sketch import SketchAdam
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.update import apply_stacked_update_

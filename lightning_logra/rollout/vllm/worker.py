@@ -36,7 +36,7 @@ from lightning_logra.rollout.handles import device_id, open_tensors
 from lightning_logra.rollout.payload import tensors_problems, update_problems
 from lightning_logra.rollout.sync import fingerprint
 from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
-from lightning_logra.rollout.vllm_compat import missing_layer_attributes
+from lightning_logra.rollout.vllm.compat import missing_layer_attributes
 from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_
 
 
@@ -269,7 +269,7 @@ class LogRAWorkerExtension:
         return device_id(self._logra_torch_device())
 
     def logra_check(self) -> list[str]:
-        """The attributes this extension reads that the loaded model's layers lack (`vllm_compat`); [] when none."""
+        """The attributes this extension reads that the loaded model's layers lack (`compat.py`); [] when none."""
         from vllm.platforms import current_platform
 
         return missing_layer_attributes(self._logra_model(), cpu=current_platform.is_cpu())

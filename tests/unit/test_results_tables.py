@@ -1,6 +1,9 @@
 """The docs as a front door that holds: every results table in docs/ is what its data file says
-(scripts/results_tables.py), and every relative link in the README and docs/ reaches a file, and a heading there."""
+(scripts/results_tables.py), every relative link in the README and docs/ reaches a file and a heading there, and each
+package's docstring names every one of its files."""
 
+import ast
+import fnmatch
 import importlib.util
 import json
 import re
@@ -104,3 +107,19 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert checked > 100  # the links were found
     assert broken == []
+
+
+PACKAGES = ["lightning_logra", "lightning_logra/algo", "lightning_logra/base", "lightning_logra/data",
+            "lightning_logra/episodes", "lightning_logra/rewards", "lightning_logra/rollout",
+            "lightning_logra/rollout/remote", "lightning_logra/rollout/server", "lightning_logra/sketch",
+            "lightning_logra/train", "lightning_logra/train/strategies", "callbacks"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_docstring_says_what_each_of_its_files_holds(package):
+    folder = ROOT / package
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    named = re.findall(r"[\w*]+\.py|\w+/", docstring)  # file.py, vllm*.py, folder/
+    files = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+    folders = [f"{p.name}/" for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    assert [name for name in files + folders if not any(fnmatch.fnmatch(name, n) for n in named)] == []

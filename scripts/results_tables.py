@@ -37,6 +37,7 @@ def load_tables(data: Path) -> dict[str, dict]:
 def render(table: dict) -> str:
     columns, align, rows = table["columns"], table["align"], table["rows"]
     assert len(align) == len(columns) and all(len(row) == len(columns) for row in rows), table
+
     def line(cells: list[str]) -> str:
         return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
 
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None, docs: Path = ROOT / "docs") -> int:
     problems = check_or_write(docs, write=not args.check)
     for problem in problems:
         print(problem, file=sys.stderr)
-    return 1 if args.check and problems else 0
+    failed = problems if args.check else [problem for problem in problems if "rewritten" not in problem]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

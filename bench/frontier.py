@@ -46,7 +46,7 @@ it. JSON and plot under bench/out/.
 
     python bench/frontier.py --rows 'logra_total,peer_*' --total-budget 2.2 --more-seeds 3
                                         # a subset: the peers against dense's rows (which always run) and LoGRA's
-                                        # total budget at the Σ docs/results.md's constant-δ rows set, 33 runs
+                                        # total budget at the Σ docs/results/frontier.md's constant-δ rows set, 33 runs
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import quality  # bench/quality.py: the add3 configs of each method  # noqa: E40
 from plotting import pyplot, save_figure  # noqa: E402
 from runs import ROOT, add_reward_option  # noqa: E402
 
-DENSE_LR, LORA_LR, LOGRA_LR = 1e-4, 1e-3, 1e-3  # bench/quality.py's best on add3 (docs/results.md)
+DENSE_LR, LORA_LR, LOGRA_LR = 1e-4, 1e-3, 1e-3  # bench/quality.py's best on add3 (docs/results/task-performance.md)
 FAST_DENSE_LR = 3e-4  # dense at the next rate of quality.py's grid: its curve carries dense's frontier further out
 LOGRA_GRID = [3e-4, 1e-3, 3e-3]
 UNCONTROLLED_KL = 1.8e-2  # LoGRA rank 16 at 1e-3, uncontrolled: realized KL per step in bench/quality.py
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "dense's rows always run, since every row is placed against their frontier")
     parser.add_argument("--total-budget", type=float, default=None,
                         help="the total-budget row's Σ, for --rows without the constant-δ rows it is otherwise set "
-                             "from (docs/results.md: 2.2)")
+                             "from (docs/results/frontier.md: 2.2)")
     add_reward_option(parser)
     grid.add_options(parser, ROOT / "bench" / "out" / "frontier.json", ROOT / "bench" / "out" / "frontier_runs")
     args = parser.parse_args(argv)

@@ -8,12 +8,12 @@ and without `model.dynamic_sampling`, paired seeds, evaluated by pass@k at the e
 Every run is `python cli.py fit` of a config from bench/quality.py's `run_config` (configs/add3.yaml) with
 `model.eval_num_samples` completions per held-out prompt at temperature 1.0 (`--eval-samples`; so pass@1 here is the
 sampled one, not greedy); the shipped model's pass@k is measured once by `validate`. Rows: dense AdamW on the target
-matrices at 1e-4, and LoGRA rank 16 at 1e-3 under `PredictedKLBudget(total_budget=2.2 × steps/400)` (the frontier's
-total-budget row, docs/results.md), each with dynamic sampling off and on (`max_generation_rounds` 10). Reported per
-row (mean ± std over seeds): pass@k for k = 1, 2, 4, … at the end, mean@k and maj@k, the completions generated
-(dynamic sampling generates more per step), and dynamic sampling's paired difference in pass@1 and pass@8; and a plot
-of pass@1 against completions generated (the fair x-axis once a step can generate more than one round), with the
-pass@k curves of every row beside the shipped model's. JSON and plot under bench/out/.
+matrices at 1e-4, and LoGRA rank 16 at 1e-3 under `PredictedKLBudget(total_budget=2.2 × steps/400)`
+(docs/results/frontier.md's total-budget row), each with dynamic sampling off and on (`max_generation_rounds` 10).
+Reported per row (mean ± std over seeds): pass@k for k = 1, 2, 4, … at the end, mean@k and maj@k, the completions
+generated (dynamic sampling generates more per step), and dynamic sampling's paired difference in pass@1 and pass@8;
+and a plot of pass@1 against completions generated (the fair x-axis once a step can generate more than one round),
+with the pass@k curves of every row beside the shipped model's. JSON and plot under bench/out/.
 """
 
 from __future__ import annotations

@@ -1,7 +1,15 @@
-"""Rewards: the built-in verifiable ones (`builtin`), reasoning-gym's scorers (`reasoning_gym`), DAPO's over-long
-penalty (`overlong`), a sequence classifier (`reward_model`) and an LLM judge by URL (`judge`) as rewards, the
-processes every reward runs in (`processes`), a config's ``model.reward`` resolved (`resolve`), and their outputs
-checked and combined (`scoring`)."""
+"""Rewards: verifiable ones with TRL's signature, or a class with settings; several, weighted.
+
+- builtin.py         the built-in rewards by name (exact_match, math_answer / MathAnswer)
+- reasoning_gym.py   ReasoningGymScore: each task's own scorer on the answer (inside its tags, or after a phrase)
+- overlong.py        OverlongPenalty: DAPO's soft over-long penalty as a reward
+- reward_model.py    RewardModel: a local sequence classifier as a reward, loaded in the reward's process
+- judge.py           LLMJudge: an OpenAI-compatible endpoint by URL (template, verdict pattern, deadline, retries)
+- processes.py       each reward in a process of its own with a deadline and an address-space limit; math-verify in a
+                     pool of processes with a per-answer timeout
+- resolve.py         a config's `model.reward` and `model.reward_weights` resolved into the rewards the module calls
+- scoring.py         the rewards' outputs checked and combined (weights, None as TRL's), per-reward metrics
+"""
 
 from lightning_logra.rewards.builtin import (
     BUILTIN,

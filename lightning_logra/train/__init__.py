@@ -1,1 +1,26 @@
-"""The Lightning wiring: the module, the training modes, checkpoints and the strategies."""
+"""The Lightning wiring: the module, the training modes, checkpoints and the strategies.
+
+- module.py             RLVRModule, whose training_step reads as the recipe: rollout → reward → advantage →
+                        micro-batched backward → propose → α → apply; it returns the applied Update to callbacks
+- rollouts.py           Rollouts: where a step's samples come from: the engine, its weight sync, overlapped rollouts
+                        (draw, sync, state, restore, close), and their part of checkpoints
+- step_times.py         where a step's seconds go (train/wait_s, score_s, update_s, rollout_s)
+- backward_stats.py     what a step's backward passes measure besides the gradient, summed over micro-batches and ranks
+- dynamic_sampling.py   DAPO's dynamic sampling: rounds until the batch's groups are learnable, which groups each rank
+                        keeps
+- evaluation.py         pass@k (unbiased), mean@k, maj@k of validate/test; the test report beside the checkpoint
+- task_metrics.py       the reward and the evaluation metrics per task, for rows that name their task
+- modes.py              DenseMode / SketchMode / LoRAMode (reduce_and_clip, propose, apply, what a checkpoint records),
+                        picked once per run by training_mode, the one place that looks at the strategy
+- optimizers.py         `model.optimizer`: any torch optimizer by class path for the dense and LoRA modes; the
+                        projected-matrix groups of GaLore, Fira and APOLLO, and their projectors in checkpoints
+- policy.py             the policy and its tokenizer loaded from `model.model`; stop and pad tokens
+- lora.py               LoRA adapters through peft (the paper's comparison method); their steps reach the engine as
+                        rank-2r LowRankDeltas with an explicit factor in place of a seed
+- checkpoint.py         atomic checkpoint writes; the format version and settings every checkpoint carries
+- digests.py            sha256 of what a checkpoint holds (inside it) and of a folder's files (SHA256SUMS), checked at
+                        load, naming what is damaged
+- safe_load.py          loading a checkpoint without running code from it (files and sharded folders)
+- resume.py             a resumed run's optimizers take this run's settings, not the checkpoint's, and say so
+- strategies/           only distribution: one device, DDP, FSDP2, Fabric
+"""

@@ -23,9 +23,12 @@ refuses without it, changing nothing; payloads carry their sha256 and are parsed
 bodies are bounded (`--max-body-mib`). vLLM's own routes are as vLLM guards them (`--api-key`): docs/vllm.md says
 what an exposed server allows.
 
-- command.py   the command line: our options and vLLM's, the token, vLLM's app with the routes mounted
-- routes.py    the `/logra/` routes, handlers reading the app's state
-- gate.py      VersionGate: the weights' run and version, and who may touch them when
+- command.py    the command line: our options and vLLM's, the token, vLLM's OpenAI app with the token-guarded
+                `/logra/` routes mounted
+- routes.py     the `/logra/` routes (update, load, blocks, generate at a weight version): handlers reading the app's
+                state
+- gate.py       VersionGate: the weights' run and version, who may touch them when, and which run holds the server
+- __main__.py   `python -m lightning_logra.rollout.server`, as RemoteEngine launches its servers
 """
 
 from lightning_logra.rollout.server.command import main

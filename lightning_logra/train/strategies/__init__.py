@@ -1,5 +1,13 @@
 """The Lightning strategies of sketch and LoRA runs: how training is distributed (one device, DDP, FSDP2), and the
-settings of the run they carry (`sketch`, `lora`). Fabric users have `fabric.SketchFabricStrategy`."""
+settings of the run they carry (`sketch`, `lora`). Fabric users have `fabric.SketchFabricStrategy`.
+
+- base.py     Collectives: what a step asks of the ranks
+- single.py   SketchStrategy, LoRAStrategy: one device
+- ddp.py      SketchDDPStrategy: the d×r sketches summed once per step
+- fsdp.py     SketchFSDPStrategy: FSDP2 shards by rows, sketches reduce-scattered once per step, state and merges for a
+              rank's rows, sharded checkpoints
+- fabric.py   SketchFabricStrategy: sketches installed at fabric.setup
+"""
 
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.train.lora import LoRAConfig

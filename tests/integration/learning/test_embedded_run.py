@@ -73,8 +73,8 @@ def test_tiny_arith_learns(run_cli, tmp_path):
 def test_add3_learns_from_well_below_half(run_cli, tmp_path):
     # configs/add3.yaml, 150 of its 600 steps, held-out greedy pass@1 on 1,000 of the 2,054 pairs measured before
     # (a validate run of the shipped model) and after: the harder task starts well below 0.5 and RL raises it within
-    # a minute (the full run's numbers and bench/quality.py's comparison are in docs/results.md, "A harder embedded
-    # task: add3" and "Task performance by method").
+    # a minute (the full run's numbers and bench/quality.py's comparison are in docs/results/add3.md and
+    # docs/results/task-performance.md).
     # Stopped after 150 steps rather than run with max_steps 150: the config's total KL budget is spread over its
     # max_steps (600), and a shorter max_steps would spend all of it in 150 steps.
     limit = ["--data.init_args.eval_limit", "1000"]

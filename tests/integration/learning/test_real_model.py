@@ -2,7 +2,7 @@
 exactly the GGUF file's, dequantized), then configs/smollm2_reasoning.yaml as a user runs it, for a step and an
 evaluation: vLLM's CPU engine generating a batch past its per-step token budget (which killed it before prompts were
 prefilled whole), reasoning-gym's rewards and metrics per task, the engine kept equal to the trainer. The run that
-shows it learns (35 minutes) is docs/results.md's; bench/tasks.py compares it with the other methods."""
+shows it learns (35 minutes) is docs/results/reasoning.md's; bench/tasks.py compares it with the other methods."""
 
 import json
 import math

@@ -19,7 +19,7 @@ projections and adapters).
 
 Rows (learning rates: bench/quality.py's best per method on the same task):
 - dense AdamW on the target matrices (what LoGRA and LoRA train), 1e-4 and 3e-4, and at 1e-4 with TRL's KL penalty
-  to π_0 (`model.beta` 0.04): the penalty is what the predicted-KL controller is the paper's alternative to;
+  to π_0 (`model.loss.beta` 0.04): the penalty is what the predicted-KL controller is the paper's alternative to;
 - LoRA rank 16 at 1e-3, and LoRA rank 1 at 10× dense's rate ("LoRA Without Regret": small-rank LoRA at about 10× the
   full fine-tuning rate matches it in RL);
 - LoGRA rank 16 uncontrolled at its grid 3e-4 / 1e-3 / 3e-3 (α = 1: a budget that never binds logs the per-step KL);
@@ -31,9 +31,9 @@ Rows (learning rates: bench/quality.py's best per method on the same task):
 - the paper's pair, done fairly: LoRA at a constant 2e-4 against LoGRA under a total budget equal to LoRA's measured
   Σ `kl/realized` (mean over seeds), both placed on the frontier by their measured KL(π_t ‖ π_0);
 - the optimizers a user would pick instead (`--peers`, bench/peers.py: GaLore, Fira, APOLLO, APOLLO-Mini, Flora,
-  Adafactor, 8-bit AdamW at their papers' settings, rank --rank where they have one), each through `model.optimizer`
-  on the target matrices at `--peer-lrs` (default dense's 1e-4), uncontrolled as dense is; a peer whose package does
-  not import here is left out, saying so.
+  Adafactor, 8-bit AdamW at their papers' settings, rank --rank where they have one), each through
+  `trainer.strategy.init_args.dense.optimizer` on the target matrices at `--peer-lrs` (default dense's 1e-4),
+  uncontrolled as dense is; a peer whose package does not import here is left out, saying so.
 
 Reported per row (mean ± std over seeds): where it ends (KL from π_0, greedy pass@1, sampled reward over the last
 tenth), Σ `kl/realized`, and pass@1's paired difference from dense **at equal measured KL**: for each seed, dense's
@@ -291,7 +291,7 @@ def label(row: str, entry: dict) -> str:
     if row.startswith("logra_delta"):
         return f"LoGRA r16, δ {entry['delta']:.1e}"
     if row.startswith("peer_"):
-        return f"{row.removeprefix('peer_').rsplit('_lr', 1)[0]} (model.optimizer), targets"
+        return f"{row.removeprefix('peer_').rsplit('_lr', 1)[0]} (trainer.strategy.init_args.dense.optimizer), targets"
     return f"LoGRA r16, uncontrolled, lr {entry['lr']:g}"
 
 

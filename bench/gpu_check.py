@@ -303,7 +303,8 @@ def budget_settings(controller) -> dict:
 
 def kl_control(plan: Plan, progress: Progress) -> dict:
     """The sketch steps of configs/qwen1_5b.yaml without generation: fixed random rollouts (new ones each step),
-    sketches from the policy loss, gradient clipping at model.max_grad_norm, then what PredictedKLBudget does in a
+    sketches from the policy loss, gradient clipping at model.training.max_grad_norm, then what PredictedKLBudget does
+    in a
     run: q = predicted KL of the proposal on `subset` responses, α = min(α_max, √(δ/q)) at the step's δ, merge.
 
     Random weights give near-uniform next-token distributions, unlike a trained model's: the rate measured here
@@ -556,15 +557,15 @@ def vllm_colocated(plan: Plan, progress: Progress) -> dict:
                    "--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps),
                    "--data.init_args.eval_limit", "8", "--trainer.logger.init_args.save_dir", root,
                    "--trainer.default_root_dir", root, "--trainer.enable_progress_bar", "false",
-                   "--model.engine.init_args.placement", "trainer_ranks",
-                   "--model.engine.init_args.tensor_parallel_size", "2",
+                   "--model.rollouts.engine.init_args.placement", "trainer_ranks",
+                   "--model.rollouts.engine.init_args.tensor_parallel_size", "2",
                    # the engine compared with the trainer exactly after every sync
                    "--trainer.callbacks.init_args.check_every", "1", "--trainer.callbacks.init_args.tolerance", "0"]
         env = dict(os.environ)
         if cuda:
             command += ["--trainer.accelerator", "gpu", "--trainer.strategy.init_args.process_group_backend", "nccl",
-                        "--model.engine.init_args.sleep_between_rollouts", "true",
-                        "--model.engine.init_args.gpu_memory_utilization", "0.2"]
+                        "--model.rollouts.engine.init_args.sleep_between_rollouts", "true",
+                        "--model.rollouts.engine.init_args.gpu_memory_utilization", "0.2"]
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # a core per rank's worker
         start = time.perf_counter()

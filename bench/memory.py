@@ -141,9 +141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kl-budget", type=float, default=2e-4, help="δ of the KL check (the Qwen configs' start)")
     parser.add_argument("--logprob-chunk", type=int, default=256,
                         help="tokens whose full-vocabulary logits exist at a time (the trainer's "
-                             "model.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at once")
+                             "model.training.logprob_chunk_tokens); 0: the whole micro-batch's (m, C, V) logits at "
+                             "once")
     parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="recompute activations in the backward pass (model.gradient_checkpointing in a config)")
+                        help="recompute activations in the backward pass (model.training.gradient_checkpointing in a "
+                             "config)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed steps, one more under torch.profiler: the ops that took the most time "
                              "and the sketch's own ranges (its projections x·Aᵀ and contractions δᵀz)")
@@ -220,7 +222,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
     model = qwen2_model(args.shape, dtype, args.prompt_len + args.completion_len, args.device, **layers)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()  # as RLVRModule does for model.gradient_checkpointing
+        model.gradient_checkpointing_enable()  # as RLVRModule does for model.training.gradient_checkpointing
         model.config.use_cache = False
     return model
 

@@ -1,4 +1,5 @@
-"""Overlapped rollouts on add3: generation beside the update (`model.max_staleness` 1 and 2) against the serial loop.
+"""Overlapped rollouts on add3: generation beside the update (`model.rollouts.max_staleness` 1 and 2) against the serial
+loop.
 
     python bench/overlap.py --seeds 3 --more-seeds 5   # 400 steps; serial and overlap1 at 5 paired seeds, the
                                                        # others at 3: 16 runs, one at a time

@@ -4,9 +4,9 @@ counted from the tensors the optimizer itself allocates (bench/memory.py runs th
 32B figures without running a model).
 
 Every row trains the target matrices (q, k, v, o, gate, up, down) and freezes the rest, as LoGRA, LoRA and
-`dense_adamw_targets` do, through `model.optimizer`'s own builder (`lightning_logra.train.optimizers`): GaLore, Fira
-and APOLLO project the matrices wider than their rank, the narrower ones (k/v at rank 128 on 0.5B) are stepped by
-the same class as a plain group.
+`dense_adamw_targets` do, through `trainer.strategy.init_args.dense.optimizer`'s own builder
+(`lightning_logra.train.optimizers`): GaLore, Fira and APOLLO project the matrices wider than their rank, the narrower
+ones (k/v at rank 128 on 0.5B) are stepped by the same class as a plain group.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ PEERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # GaLore's layer-wise mode (its paper's "per-layer weight updates"): one optimizer per matrix, stepped by a hook as
 # soon as the backward pass has accumulated that matrix's gradient, which is then freed. It is not a
-# `model.optimizer`: the trainer accumulates a step's gradient over micro-batches, clips its total norm, sums it over
-# ranks and lets a step-size controller scale the step, and a step taken inside the backward allows none of these.
-# Here it steps once per micro-batch (the same forward and backward work; more optimizer steps).
+# `trainer.strategy.init_args.dense.optimizer`: the trainer accumulates a step's gradient over micro-batches, clips its
+# total norm, sums it over ranks and lets a step-size controller scale the step, and a step taken inside the backward
+# allows none of these. Here it steps once per micro-batch (the same forward and backward work; more optimizer steps).
 LAYERWISE = {"galore_layerwise": "galore"}
 
 
 def spec(name: str, rank: int) -> OptimizerSpec:
-    """The peer's `model.optimizer`, at `rank` where its settings say RANK."""
+    """The peer's `trainer.strategy.init_args.dense.optimizer`, at `rank` where its settings say RANK."""
     class_path, init_args = PEERS[LAYERWISE.get(name, name)]
     return OptimizerSpec(class_path, {k: rank if v is RANK and k == "rank" else v for k, v in init_args.items()})
 

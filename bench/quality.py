@@ -9,11 +9,12 @@ trained model, greedy pass@1 0.2 at the start), where pass@1 is far from its cei
 is `python cli.py fit` of a config built from add3.yaml (written beside the runs), one thread each, `--parallel` at a
 time. Paired seeds: seed s sets the sampling, the prompt order, the projections and the adapters' initialization of
 every row alike, so row differences are measured on the same batches. `--reward-in-trainer` (on with `--quick`) scores
-the reward in the trainer's process (`model.reward_timeout_s: null`) instead of a reward process of its own, whose
+the reward in the trainer's process (`model.scoring.timeout_s: null`) instead of a reward process of its own, whose
 start (an interpreter re-importing the CLI) was a third of a 4-step run.
 
 Rows:
-- dense AdamW on all parameters, and on the target matrices only (`model.target_modules`: what LoGRA and LoRA train);
+- dense AdamW on all parameters, and on the target matrices only (`trainer.strategy.init_args.dense.target_modules`:
+what LoGRA and LoRA train);
 - LoRA (peft, `lightning_logra.train.strategies.LoRAStrategy`) on the same targets at the same rank (alpha = 2·rank);
 - LoGRA (sketch Adam) at rank `--rank`: fixed Rademacher projection, Rademacher and Gaussian refreshed every quarter
   of the run; fixed Rademacher at `--rank2`, at the grid's learning rates up to rank `--rank`'s best (a higher rank

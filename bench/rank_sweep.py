@@ -153,7 +153,7 @@ def run_command(run: dict, args: argparse.Namespace) -> list[str]:
     # A fixed projection is the config's own setting (refresh_every: null), which the command line cannot restate.
     refresh = [] if run["refresh"] is None else [f"{sketch}optimizer.refresh_every", str(run["refresh"])]
     shared = [f"{sketch}share_projection", "true"] if run.get("shared") else []
-    reward = ["--model.reward_timeout_s", "null"] if args.reward_in_trainer else []
+    reward = ["--model.scoring.timeout_s", "null"] if args.reward_in_trainer else []
     return cli_command("tiny_arith.yaml", args.steps, args.runs_dir, _log_name(run), f"{sketch}rank", str(run["rank"]),
                        f"{sketch}distribution", run["distribution"], *refresh, *shared, *reward)
 

@@ -1,13 +1,13 @@
 """DAPO's dynamic sampling on add3, and what RL does to pass@k: dense AdamW and LoGRA under its total budget, each with
-and without `model.dynamic_sampling`, paired seeds, evaluated by pass@k at the end.
+and without `model.rollouts.dynamic_sampling`, paired seeds, evaluated by pass@k at the end.
 
     python bench/recipe.py                       # 4 rows × 5 seeds × 400 steps, pass@k of 16 samples on 512 items
     python bench/recipe.py --steps 100 --seeds 2 # a shorter look
     python bench/recipe.py --quick               # 4 steps, 1 seed, 32 items, 4 samples: checks the script
 
 Every run is `python cli.py fit` of a config from bench/quality.py's `run_config` (configs/add3.yaml) with
-`model.eval_num_samples` completions per held-out prompt at temperature 1.0 (`--eval-samples`; so pass@1 here is the
-sampled one, not greedy); the shipped model's pass@k is measured once by `validate`. Rows: dense AdamW on the target
+`model.evaluation.num_samples` completions per held-out prompt at temperature 1.0 (`--eval-samples`; so pass@1 here is
+the sampled one, not greedy); the shipped model's pass@k is measured once by `validate`. Rows: dense AdamW on the target
 matrices at 1e-4, and LoGRA rank 16 at 1e-3 under `PredictedKLBudget(total_budget=2.2 × steps/400)`
 (docs/results/frontier.md's total-budget row), each with dynamic sampling off and on (`max_generation_rounds` 10).
 Reported per row (mean ± std over seeds): pass@k for k = 1, 2, 4, … at the end, mean@k and maj@k, the completions
@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--eval-samples", type=int, default=16, help="completions per held-out prompt (k's largest)")
     parser.add_argument("--eval-limit", type=int, default=512, help="held-out items evaluated")
-    parser.add_argument("--rounds", type=int, default=10, help="model.max_generation_rounds of the dynamic rows")
+    parser.add_argument("--rounds", type=int, default=10, help="model.rollouts.max_generation_rounds of the dynamic "
+                                                               "rows")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="4 steps, 1 seed, 32 items, 4 samples")
     grid.add_options(parser, ROOT / "bench" / "out" / "recipe.json", ROOT / "bench" / "out" / "recipe_runs")

@@ -26,9 +26,9 @@ seed:
 - `dense`: dense AdamW at `--dense-lr`;
 - `lora`: LoRA adapters at rank 16 (alpha 32) at `--lora-lr`;
 - `apollo_mini`: APOLLO-Mini (`apollo_torch.APOLLOAdamW`, rank 1, tensor-wise scaling: bench/peers.py), the
-  full-parameter peer whose peak memory came closest to LoGRA's among those a `model.optimizer` can run (layer-wise
-  GaLore steps inside the backward pass, which the trainer's accumulated, clipped and controlled step does not allow),
-  at `--apollo-lr`.
+  full-parameter peer whose peak memory came closest to LoGRA's among those a
+  `trainer.strategy.init_args.dense.optimizer` can run (layer-wise GaLore steps inside the backward pass, which the
+  trainer's accumulated, clipped and controlled step does not allow), at `--apollo-lr`.
 The rows other than LoGRA have no KL control; a budget that never binds logs their per-step KL. LoGRA's total budget
 is `--logra-kl` per step times the steps, and the others' learning rates put their KL per step near it (see the
 options' defaults), so that the rows compare at about equal movement.

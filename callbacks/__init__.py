@@ -12,6 +12,7 @@ installs as `lightning_logra.callbacks` (a top-level `callbacks` package would c
 - signals.py         SaveOnSignal: SIGTERM / SIGUSR1 save a checkpoint at the next step, then exit 143 / 138
 """
 
+from lightning_logra.callbacks.export import PolicyExport
 from lightning_logra.callbacks.kl_budget import PredictedKLBudget
 from lightning_logra.callbacks.kl_from_start import KLFromStart
 from lightning_logra.callbacks.memory import MemoryProfiler
@@ -21,5 +22,5 @@ from lightning_logra.callbacks.signals import SaveOnSignal
 from lightning_logra.callbacks.summary import SketchModelSummary
 from lightning_logra.callbacks.weight_sync import RolloutWeightSync
 
-__all__ = ["KLFromStart", "MemoryProfiler", "PredictedKLBudget", "RolloutWeightSync", "RunDirectory", "SaveOnSignal",
+__all__ = ["KLFromStart", "MemoryProfiler", "PolicyExport", "PredictedKLBudget", "RolloutWeightSync", "RunDirectory", "SaveOnSignal",
            "SketchModelSummary", "StepProgressBar"]

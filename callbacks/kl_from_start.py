@@ -10,7 +10,8 @@ along one direction are a step of 4ε), steps that undo each other cancel. So it
 on the first `prompts` prompts of the held-out split (those each rank validates first), `samples` completions each,
 drawn by the run's engine with seeds fixed across evaluations (the same noise every time: what changes between two
 measurements is the policy). π_0 is a frozen copy loaded from the model's files (`load_reference`): one more copy of
-the weights in the policy's dtype, in every process, for as long as the run (the KL penalty's, when `model.beta` > 0).
+the weights in the policy's dtype, in every process, for as long as the run (the KL penalty's, when `model.loss.beta` >
+0).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class KLFromStart(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._batch:
             return
-        if self.reference is None:  # the KL penalty's π_0 when the run has one (model.beta > 0): not a second copy
+        if self.reference is None:  # the KL penalty's π_0 when the run has one (model.loss.beta > 0): not a second copy
             self.reference = getattr(pl_module, "reference", None) or load_reference(
                 pl_module.hparams.model, pl_module.weights_dtype(), pl_module.device)  # the policy's weights' dtype
         rollout = pl_module.generate(self._batch, self.samples, pl_module.sampling, KL_STEP)

@@ -6,7 +6,7 @@ base), as `tests/unit/test_layers.py` checks.
 
 - cli.py       the command line (the `lightning-logra` console script): LightningCLI, shipped configs by name, the
                callbacks every run gets (step bar, summary, run directory, save on signal; the weight sync when
-               model.engine holds weights of its own)
+               model.rollouts.engine holds weights of its own)
 - checks.py    settings checked before any data, weights or engine load (sketch targets on a meta-device skeleton of
                the model; dense-only options refused under a sketch strategy)
 - export.py    a checkpoint to a transformers folder (`lightning-logra export`)

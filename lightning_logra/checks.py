@@ -10,7 +10,6 @@ that does act.
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 from typing import Any
@@ -28,31 +27,10 @@ from lightning_logra.train.strategies.base import collectives_of
 
 
 def check_before_loading(module: RLVRModule, trainer: Trainer) -> None:
-    """What a fit would refuse or ignore, checked without loading anything; each error names its config key and the
-    fix. Called by the CLI once its classes are built, before `fit`."""
-    check_penalty_placement(module.hparams.beta, collectives_of(trainer))
-    mode = training_mode(trainer.strategy, collectives_of(trainer), module.hparams, module.lr_schedule)
-    ignored = mode.ignored_module_settings()
-    if not ignored:
-        return  # the dense baseline: the module's settings are its own
-    _check_dense_settings_unused(module, ignored, mode.description)
-    mode.check_settings(policy_skeleton(module.hparams.model))
-
-
-def _check_dense_settings_unused(module: RLVRModule, acting_keys: dict[str, str], kind: str) -> None:
-    """The module's lr, weight_decay, lr_schedule, target_modules and optimizer set the dense baseline's optimizer; a
-    sketch or LoRA run builds its own optimizers, so a value other than the default would be ignored: refused
-    instead."""
-    defaults = inspect.signature(RLVRModule.__init__).parameters
-    current = {"lr": module.hparams.lr, "weight_decay": module.hparams.weight_decay,
-               "lr_schedule": module.lr_schedule, "target_modules": module.hparams.target_modules,
-               "optimizer": module.hparams.get("optimizer")}
-    for key, acting in acting_keys.items():
-        if current[key] != defaults[key].default:
-            raise ValueError(
-                f"model.{key}: set to {current[key]}, but {kind} would ignore it (it sets the dense "
-                f"baseline's AdamW); set {acting} instead, and leave model.{key} out"
-            )
+    """What a fit would refuse, checked without loading anything; each error names its config key and the fix. Called
+    by the CLI once its classes are built, before `fit`."""
+    check_penalty_placement(module.hparams.loss.beta, collectives_of(trainer))
+    training_mode(trainer.strategy, collectives_of(trainer)).check_settings(policy_skeleton(module.hparams.model))
 
 
 def policy_skeleton(model: str) -> nn.Module | None:
@@ -103,7 +81,9 @@ def check_finite_settings(config: Any) -> None:
 
 
 # The project's strategies that train on one device, and what trains on more.
-_ONE_DEVICE = {"SketchStrategy": "use lightning_logra.train.strategies.SketchDDPStrategy (whole weights on every "
+_ONE_DEVICE = {"DenseStrategy": "use lightning_logra.train.strategies.DenseDDPStrategy for more, or set "
+                                "trainer.devices 1",
+               "SketchStrategy": "use lightning_logra.train.strategies.SketchDDPStrategy (whole weights on every "
                                  "device) or SketchFSDPStrategy (sharded) for more (configs/tiny_arith_ddp.yaml, "
                                  "tiny_arith_fsdp.yaml), or set trainer.devices 1",
                "LoRAStrategy": "the LoRA mode has no strategy for more (LoRA is the paper's one-device comparison): "

@@ -7,7 +7,7 @@ model from the package index, cached).
 `configs/tiny_arith.yaml`; see `lightning_logra.paths`). Every run also gets, unless its config says otherwise, a
 progress bar that counts steps (`StepProgressBar`), a model summary that counts what sketches train
 (`SketchModelSummary`), `RunDirectory` (`runs/<name>/latest`; no empty folder left by a failed run), `SaveOnSignal`,
-and with an engine that holds weights of its own (`model.engine`), `RolloutWeightSync` with its defaults.
+and with an engine that holds weights of its own (`model.rollouts.engine`), `RolloutWeightSync` with its defaults.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from lightning_logra.rollout import WeightSync
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.evaluation import report_path, write_report
 from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.settings import MOVED
 
 _MAX_SEED = 2**32 - 1
 
@@ -61,13 +62,17 @@ class _Parser(LightningArgumentParser):
 
 
 def _did_you_mean(message: str, parser: ArgumentParser) -> str:
-    """` (did you mean model.temperature?)` for an unknown key in `message` close to a known one, else ''."""
+    """For an unknown key in `message`: where it lives now when it is a key of the settings before their groups
+    (` (model.sampling.temperature is now model.sampling.temperature)`), else ` (did you mean
+    model.sampling.temperature?)` when it is close to a known one, else ''."""
     found = re.search(r"(?:Group '([\w.]+)' does not accept |\b)option '([\w.]+)'|unrecognized arguments: --([\w.]+)",
                       message)
     if found is None:
         return ""
     group, option, argument = found.groups()
     key = argument or (f"{group}.{option}" if group else option)
+    if key in MOVED:
+        return f" ({key} is now {MOVED[key]})"
     subcommands = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {})
     known = {action.dest for each in (parser, *subcommands.values()) for action in each._actions}
     close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.75)
@@ -106,8 +111,9 @@ class RLVRCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would replace the model's settings with those a single-file checkpoint recorded, silently
-        # overriding the config and the command line (`--model.lr` given on resume was dropped, while the run's saved
-        # config recorded it). The run's own settings apply; the module logs where the checkpoint's differ.
+        # overriding the config and the command line (`--model.sampling.temperature` given on resume was dropped, while
+        # the run's saved config recorded it). The run's own settings apply; the module logs where the checkpoint's
+        # differ.
         return
 
     def before_fit(self) -> None:
@@ -132,8 +138,8 @@ class RLVRCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         path = report_path(ckpt_path, self.trainer.log_dir)
         hp = self.model.hparams
-        details = {"ckpt_path": ckpt_path, "model": hp.model, "eval_num_samples": hp.eval_num_samples,
-                   "eval_temperature": hp.eval_temperature}
+        details = {"ckpt_path": ckpt_path, "model": hp.model, "eval_num_samples": hp.evaluation.num_samples,
+                   "eval_temperature": hp.evaluation.temperature}
         print(write_report(metrics, path, details))
         print(f"wrote {path}")
 
@@ -178,7 +184,7 @@ def default_callbacks(trainer: Any, configured: list[Callback], model: RLVRModul
         defaults.append(StepProgressBar())
     if wanted(ModelSummary, "enable_model_summary"):
         defaults.append(SketchModelSummary())
-    engine = model.engine if model is not None else None
+    engine = model.rollouts.engine if model is not None else None
     own_weights = engine is not None and not engine.samples_from(model.policy)
     if own_weights and not any(isinstance(callback, WeightSync) for callback in configured):
         defaults.append(RolloutWeightSync())
@@ -220,7 +226,7 @@ def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
         parser_kwargs={"parser_mode": "omegaconf", "description": DESCRIPTION, "formatter_class": _HelpFormatter},
         parser_class=_Parser,
         save_config_kwargs={"overwrite": True},
-        # The optimizers come from the module (model.lr, model.lr_schedule) or the sketch strategy (sketch.*):
+        # The optimizers come from the strategy (trainer.strategy.init_args.dense / sketch / lora):
         # LightningCLI's own --optimizer / --lr_scheduler would be accepted and dropped, so they do not exist.
         auto_configure_optimizers=False,
         args=None if args is None else _with_shipped_configs(list(args)),

@@ -117,7 +117,7 @@ def _write(checkpoint: dict[str, Any], out: Path, lora_settings: dict | None, ad
 
     hparams = checkpoint["hyper_parameters"]
     module = RLVRModule(model=hparams["model"], dtype=hparams.get("dtype", "float32"), reward="exact_match",
-                        reward_timeout_s=None)
+                        scoring={"timeout_s": None})
     module.configure_model()
     if lora_settings is not None:
         config = lora.LoRAConfig(**lora_settings)

@@ -30,7 +30,7 @@ from make_tiny_arith import save_model, script_parser  # scripts/ (this script's
 from lightning_logra.data.arith import build_tiny_model
 from lightning_logra.data.tool_task import TOOLS_DIR, ToolPrompts, build_tool_tokenizer, operands
 from lightning_logra.episodes.processes import spec_from_settings
-from lightning_logra.episodes.runner import EpisodeRunner, EpisodeSettings
+from lightning_logra.episodes.runner import EpisodeLimits, EpisodeRunner
 from lightning_logra.rollout import SamplingParams
 from lightning_logra.rollout.hf import HFEngine
 
@@ -106,7 +106,7 @@ def main() -> None:
     probe_index = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + 2))[: args.probe]
     probe = [train[i] for i in probe_index.tolist()]
     spec = spec_from_settings(None, [TOOL], "answer", 32 * MAX_EPISODE_TOKENS)
-    runner = EpisodeRunner(EpisodeSettings(2, MAX_EPISODE_TOKENS, 10.0, None), spec, tokenizer,
+    runner = EpisodeRunner(EpisodeLimits(2, MAX_EPISODE_TOKENS, 10.0, None), spec, tokenizer,
                            [tokenizer.eos_token_id], tokenizer.pad_token_id, workers=1, memory_gib=None)
     engine = HFEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

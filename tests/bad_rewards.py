@@ -82,7 +82,7 @@ class HoldsALock:
 
 class RecordCalls:
     """Scores every completion 0.0 and keeps what each call received (for a reward called in the trainer's process,
-    model.reward_timeout_s: null)."""
+    model.scoring.timeout_s: null)."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []

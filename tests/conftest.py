@@ -101,9 +101,9 @@ def tool_model(tmp_path_factory) -> str:
 # episodes (lightning_logra/data/tools), its prompts, and a reward it earns when it calls, so that episodes take a
 # second turn and groups have non-zero advantages.
 TOOL_TASK = ["--model.model", "lightning_logra/data/tools", "--data.class_path",
-             "lightning_logra.data.module.ToolTaskDataModule", "--model.tools",
-             '["lightning_logra.data.tool_task.multiply"]', "--model.reward", "exact_match", "--model.max_turns", "2",
-             "--model.max_new_tokens", "64", "--model.max_episode_tokens", "96"]
+             "lightning_logra.data.module.ToolTaskDataModule", "--model.episodes.tools",
+             '["lightning_logra.data.tool_task.multiply"]', "--model.reward", "exact_match", "--model.episodes.max_turns", "2",
+             "--model.sampling.max_new_tokens", "64", "--model.episodes.max_tokens", "96"]
 
 
 @pytest.fixture(scope="session")
@@ -191,7 +191,7 @@ def sharded_run_config(name: str, path: Path, **checkpointing) -> str:
 def sharded_run_overrides(root: Path, steps: int) -> list[str]:
     """What those runs add to `fast_overrides`: one validation (at the end) on 4 prompts, the weights exported to
     `root/out`, and conftest's checks (no dense gradient of a sketched weight; the gradient norm logged)."""
-    return ["--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4", "--model.export_dir",
+    return ["--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4", "--model.export.dir",
             str(root / "out"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
             "--trainer.callbacks+=conftest.GradNormLog"]
 

@@ -1,9 +1,9 @@
 """The RL math on top of the sketches: losses, advantages, log-probs, the predicted KL, updates and step sizes. No
 Lightning, nothing from the engines (imports base/ and sketch/).
 
-- losses.py       the policy-gradient losses and their registry (`model.loss_type`: dapo, grpo, dr_grpo; gspo, cispo
-                  with a clipped ratio to the sampler), and the sampler corrections (`model.is_mode`)
-- advantages.py   advantage estimators and their registry (`model.scale_rewards`: group / batch / none, as TRL's)
+- losses.py       the policy-gradient losses and their registry (`model.loss.type`: dapo, grpo, dr_grpo; gspo, cispo
+                  with a clipped ratio to the sampler), and the sampler corrections (`model.rollouts.is_mode`)
+- advantages.py   advantage estimators and their registry (`model.loss.scale_rewards`: group / batch / none, as TRL's)
 - logprobs.py     completion log-probs (and entropy) a chunk of tokens at a time: no (m, C, V) logits
 - kl.py           the predicted KL: q(D) of a whole Update, α = min(α_max, √(δ/q)), accumulated a chunk of tokens at
                   a time from hidden states; fp32 evaluation of low-precision models

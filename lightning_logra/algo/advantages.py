@@ -1,8 +1,8 @@
 """Advantages: each completion's reward made the weight of its tokens, relative to the other samples of its prompt.
 
 Every estimator subtracts the mean reward of the completion's group (the samples of one prompt) and differs in what
-it divides by, registered by name (`ADVANTAGES`, `@advantage("group")`); `model.scale_rewards` chooses one, as TRL's
-`scale_rewards` does:
+it divides by, registered by name (`ADVANTAGES`, `@advantage("group")`); `model.loss.scale_rewards` chooses one, as
+TRL's `scale_rewards` does:
 
     group: the group's standard deviation (GRPO)
     batch: the standard deviation of every reward of the global batch (robust to groups whose rewards barely differ)
@@ -27,7 +27,7 @@ EPS = 1e-4  # added to a standard deviation before dividing by it
 
 
 def advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Registers an advantage estimator under `name` (`model.scale_rewards: <name>`)."""
+    """Registers an advantage estimator under `name` (`model.loss.scale_rewards: <name>`)."""
 
     def register(fn: AdvantageFn) -> AdvantageFn:
         ADVANTAGES[name] = fn
@@ -66,10 +66,10 @@ ScaleRewards = Literal[tuple(ADVANTAGES)] | bool  # the registered names, for th
 
 
 def estimator(scale_rewards: str | bool) -> AdvantageFn:
-    """The estimator `model.scale_rewards` names (true: group, false: none)."""
+    """The estimator `model.loss.scale_rewards` names (true: group, false: none)."""
     name = ("group" if scale_rewards else "none") if isinstance(scale_rewards, bool) else scale_rewards
     if name not in ADVANTAGES:
-        raise ValueError(f"model.scale_rewards must be one of {sorted(ADVANTAGES)} (or true: group, false: none), "
+        raise ValueError(f"model.loss.scale_rewards must be one of {sorted(ADVANTAGES)} (or true: group, false: none), "
                          f"got {scale_rewards!r}")
     return ADVANTAGES[name]
 

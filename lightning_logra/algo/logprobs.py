@@ -170,7 +170,7 @@ def completion_logprobs(
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(token) (n, C), token entropy (n, C)) of each completion token at the temperature; the entropy carries
-    a gradient only with `entropy_grad` (the entropy bonus, `model.entropy_coef`).
+    a gradient only with `entropy_grad` (the entropy bonus, `model.loss.entropy_coef`).
 
     `chunk_tokens`: how many tokens' logits exist at a time (forward and backward); None builds the full (n, C, V)
     logits as one tensor (the path models with a non-plain head always take)."""

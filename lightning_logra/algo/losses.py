@@ -1,5 +1,5 @@
 """The policy-gradient losses and the sampler corrections, each registered by name (`LOSSES`, `@loss("dapo")`:
-`model.loss_type`; `CORRECTIONS`, `@correction("token_truncate")`: `model.is_mode`).
+`model.loss.type`; `CORRECTIONS`, `@correction("token_truncate")`: `model.rollouts.is_mode`).
 
 A loss is two things: its per-token weights w, which say how the batch's tokens are averaged (computed for the whole
 batch, so that any split into micro-batches sums to the same loss), and its surrogate, the per-token objective o_t whose
@@ -14,7 +14,7 @@ each batch is used for exactly one update, so the PPO/GRPO ratio π_θ/π_θ_old
 its clip never binds. Two losses take their ratio against the sampler itself, r = π_θ/π_sampler (both at the sampling
 temperature), and clip it; that ratio is the correction, so the sampler correction does not apply to them. With one
 update per batch and a sampler equal to the trainer r is 1 and they reduce to grpo and dapo; they differ once the
-samples are stale (`model.max_staleness` > 0) or the sampler's kernels differ:
+samples are stale (`model.rollouts.max_staleness` > 0) or the sampler's kernels differ:
 
     gspo:  (Zheng et al., 2025) the sequence's length-normalized ratio s_i = exp(mean_t log r_t), clipped as PPO
            clips, o_t = min(s_i·A_i, clip(s_i, 1 − ε, 1 + ε_high)·A_i); grpo's weights (a mean over sequences)
@@ -24,7 +24,7 @@ samples are stale (`model.max_staleness` > 0) or the sampler's kernels differ:
 When the batch is sharded over processes, `total_tokens` / `total_sequences` are the counts of the global batch, so
 that the processes' summed gradients equal the gradient of the global loss.
 
-With a KL penalty to the starting policy (`model.beta` = β > 0, TRL's `beta`), each token's term gains
+With a KL penalty to the starting policy (`model.loss.beta` = β > 0, TRL's `beta`), each token's term gains
 β · w_t · kl_t (`reference_kl`), weighted as the policy-gradient term but by neither the advantage nor the importance
 weight.
 """
@@ -102,7 +102,7 @@ LOSSES: dict[str, Loss] = {}
 
 def loss(name: str, surrogate: Surrogate = reinforce, own_ratio: bool = False
          ) -> Callable[[TokenWeights], TokenWeights]:
-    """Registers a loss under `name` (`model.loss_type: <name>`): the decorated per-token weights and a surrogate
+    """Registers a loss under `name` (`model.loss.type: <name>`): the decorated per-token weights and a surrogate
     (REINFORCE's unless given)."""
 
     def register(fn: TokenWeights) -> TokenWeights:
@@ -129,12 +129,12 @@ def _dr_grpo(mask: torch.Tensor, max_new_tokens: int, tokens: float, sequences: 
     return mask / (sequences * max_new_tokens)
 
 
-LossType = Literal[tuple(LOSSES)]  # the registered names, for the config's check of model.loss_type
+LossType = Literal[tuple(LOSSES)]  # the registered names, for the config's check of model.loss.type
 
 
 def get_loss(loss_type: str) -> Loss:
     if loss_type not in LOSSES:
-        raise ValueError(f"model.loss_type must be one of {sorted(LOSSES)}, got {loss_type!r}")
+        raise ValueError(f"model.loss.type must be one of {sorted(LOSSES)}, got {loss_type!r}")
     return LOSSES[loss_type]
 
 
@@ -161,7 +161,7 @@ CORRECTIONS: dict[str, Correction] = {}
 
 
 def correction(name: str) -> Callable[[Correction], Correction]:
-    """Registers a sampler correction under `name` (`model.is_mode: <name>`)."""
+    """Registers a sampler correction under `name` (`model.rollouts.is_mode: <name>`)."""
 
     def register(fn: Correction) -> Correction:
         CORRECTIONS[name] = fn
@@ -201,12 +201,12 @@ def _sequence_mask(delta: torch.Tensor, mask: torch.Tensor, cap: float) -> tuple
     return ratio.masked_fill(past, 0.0), past.to(mask.dtype)
 
 
-CorrectionMode = Literal[tuple(CORRECTIONS)]  # for the config's check of model.is_mode
+CorrectionMode = Literal[tuple(CORRECTIONS)]  # for the config's check of model.rollouts.is_mode
 
 
 def check_correction(mode: str) -> None:
     if mode not in CORRECTIONS:
-        raise ValueError(f"model.is_mode must be one of {sorted(CORRECTIONS)}, got {mode!r}")
+        raise ValueError(f"model.rollouts.is_mode must be one of {sorted(CORRECTIONS)}, got {mode!r}")
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def importance_weights(
 
     (a sequence's ratio on each of its tokens, the whole sequence dropped when masked). The cap bounds the variance a
     few tokens with tiny sampler probability would otherwise add. `cap=None` gives ρ = 1 (no correction:
-    `model.is_cap: null`), the mismatch still measured.
+    `model.rollouts.is_cap: null`), the mismatch still measured.
 
     Args: logprobs, sampler_logprobs, mask: (m, w) — the trainer's (detached), the sampler's, 1 on real tokens.
     Returns: ρ (m, w), 0 on padding; and the `Mismatch` over the real tokens, for logging.

@@ -2,7 +2,8 @@
 
 One `LRSchedule` scales every optimizer of a run by the same factor of its own learning rate: the sketch optimizer
 (`sketch.optimizer.init_args.lr`) and the AdamW of densely trained parameters (`sketch.rest_lr`) under a sketch
-strategy, or the dense baseline's AdamW (`model.lr`), so that a sketch run and its baseline follow the same schedule.
+strategy, or the dense baseline's AdamW (`trainer.strategy.init_args.dense.lr`), so that a sketch run and its baseline
+follow the same schedule.
 
 The schedule counts *applied* updates: the module advances it after each update that reached the weights, and a
 skipped update (a NaN anywhere, `train/update_skipped`) leaves it where it was, so the warm-up and the decay are

@@ -211,8 +211,8 @@ class RLVRDataModule(LightningDataModule):
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_rows)
 
     def extra_batch(self, step: int, round: int) -> dict[str, list[Any]]:
-        """Round `round` (≥ 1) of step `step`'s dynamic sampling (`model.dynamic_sampling`): data.batch_size more
-        prompts, this rank's share of them, drawn from the training set by a stream of their own that depends on
+        """Round `round` (≥ 1) of step `step`'s dynamic sampling (`model.rollouts.dynamic_sampling`): data.batch_size
+        more prompts, this rank's share of them, drawn from the training set by a stream of their own that depends on
         (seed, step, round) alone. A resumed run draws what the uninterrupted one did, and the loader's batches stay
         what they would be without dynamic sampling (an extra prompt may be one the loader gives another step)."""
         trainer = self.trainer
@@ -307,8 +307,8 @@ class PromptDataModule(RLVRDataModule):
         deduplicate: drop rows whose prompt repeats an earlier row's (the first stays, in order; the count is logged).
         max_prompt_length: the longest prompt, in tokens as the rollout engine receives them (chat template
             included); null: what the model's context leaves beside the completions (the engine's max_model_len
-            when set, else the model's max_position_embeddings, less model.max_new_tokens for the training set and
-            the evaluation's for val/test). Prompts are tokenized once, when the loaders are made; prompts of no
+            when set, else the model's max_position_embeddings, less model.sampling.max_new_tokens for the training set
+            and the evaluation's for val/test). Prompts are tokenized once, when the loaders are made; prompts of no
             tokens are dropped, with a count logged.
         overlong_prompts: what happens to a longer prompt: "drop" leaves it out of the set, "truncate" keeps its
             last max_prompt_length tokens. Either way the count is logged.

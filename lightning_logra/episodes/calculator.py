@@ -1,5 +1,5 @@
 """A calculator tool for real models on arithmetic tasks
-(`model.tools: [lightning_logra.episodes.calculator.calculate]`, as configs/qwen1_5b_tools.yaml gives it): an
+(`model.episodes.tools: [lightning_logra.episodes.calculator.calculate]`, as configs/qwen1_5b_tools.yaml gives it): an
 expression of numbers, + - * / // % **, unary signs and parentheses, evaluated from its syntax tree (never `eval`),
 with bounds that keep a call cheap."""
 

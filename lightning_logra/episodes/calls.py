@@ -3,7 +3,7 @@ inside `<tool_call>` ... `</tool_call>`, `{"name": ..., "arguments": {...}}`.
 
 A turn without a call is the episode's answer. A call that cannot be read (an unclosed tag, JSON that does not
 parse, no name, arguments that are not an object) is an invalid call: counted, and answered or ending the episode as
-`model.invalid_tool_call` says."""
+`model.episodes.invalid_tool_call` says."""
 
 from __future__ import annotations
 

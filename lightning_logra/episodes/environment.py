@@ -70,7 +70,7 @@ def answer_text(value: Any) -> str:
 
 
 class FunctionTools:
-    """The environment of plain functions (`model.tools`): stateless, nothing to reset, no reward of its own."""
+    """The environment of plain functions (`model.episodes.tools`): stateless, nothing to reset, no reward of its own."""
 
     def __init__(self, functions: dict[str, Callable]) -> None:
         self.functions = functions
@@ -91,7 +91,7 @@ class GymAdapter:
         self.total = 0.0
 
     def start(self, seed: int, row: dict[str, Any]) -> str | None:
-        self.env = import_path(self.env_path, "model.environment_factory: GymAdapter's env")(**self.env_args)
+        self.env = import_path(self.env_path, "model.episodes.environment_factory: GymAdapter's env")(**self.env_args)
         self.total = 0.0
         observation = self.env.reset(seed=seed, **row)
         return None if observation is None else answer_text(observation)

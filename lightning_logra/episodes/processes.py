@@ -39,8 +39,8 @@ _GRACE_S = 30.0
 @dataclass(frozen=True)
 class EnvironmentSpec:
     """What an environment process builds each episode's environment from (plain data: it is sent to the process).
-    kind: "class" (a TRL-style environment class, `path` and `args`), "functions" (`model.tools`: `paths`), or "gym"
-    (`GymAdapter(env=path, env_args=args)`)."""
+    kind: "class" (a TRL-style environment class, `path` and `args`), "functions" (`model.episodes.tools`: `paths`), or
+    "gym" (`GymAdapter(env=path, env_args=args)`)."""
 
     kind: str
     path: str = ""
@@ -68,10 +68,10 @@ class _Episode:
     def __init__(self, spec: EnvironmentSpec) -> None:
         self.spec = spec
         if spec.kind == "class":
-            self.env = import_path(spec.path, "model.environment_factory")(**dict(spec.args))
+            self.env = import_path(spec.path, "model.episodes.environment_factory")(**dict(spec.args))
             self.tools = {name: getattr(self.env, name) for name in tool_methods(type(self.env))}
         elif spec.kind == "functions":
-            self.tools = {path.rpartition(".")[2]: import_path(path, "model.tools") for path in spec.paths}
+            self.tools = {path.rpartition(".")[2]: import_path(path, "model.episodes.tools") for path in spec.paths}
             self.env = FunctionTools(self.tools)
         else:
             self.env, self.tools = GymAdapter(spec.path, dict(spec.args)), {}
@@ -177,7 +177,7 @@ def _answer(spec: EnvironmentSpec, episodes: dict[int, _Episode], request: tuple
         else:  # "finish"
             answers[key] = ("ok", episodes.pop(key).reward())
     except MemoryError:
-        answers[key] = ("error", "out of memory (model.environment_memory_gib)")
+        answers[key] = ("error", "out of memory (model.episodes.memory_gib)")
     except Exception:
         answers[key] = ("error", traceback.format_exc(limit=-3))
 
@@ -185,7 +185,7 @@ def _answer(spec: EnvironmentSpec, episodes: dict[int, _Episode], request: tuple
 class _Worker(ChildProcess):
     def __init__(self, spec: EnvironmentSpec, memory_gib: float | None) -> None:
         super().__init__(_serve, (spec, memory_gib), "environment", daemon=False,
-                         start_error="model.environment_factory / model.tools could not be started")
+                         start_error="model.episodes.environment_factory / model.episodes.tools could not be started")
 
     def _kill(self) -> None:
         try:
@@ -242,7 +242,8 @@ class EnvironmentPool:
                     continue
                 results.update(answers)
                 if stuck:
-                    log.warning("an environment request or tool call ran past model.tool_timeout_s=%g s: its answer "
+                    log.warning("an environment request or tool call ran past model.episodes.tool_timeout_s=%g s: its "
+                                "answer "
                                 "says so, and environment process %d is replaced (the episodes it held end)",
                                 self.timeout_s, w)
                     self._workers[w].close()
@@ -257,7 +258,7 @@ class EnvironmentPool:
 
 def spec_from_settings(environment_factory: str | dict | None, tools: list[str] | None, invalid_tool_call: str,
                        max_answer_chars: int) -> EnvironmentSpec:
-    """The spec of `model.environment_factory` (a dotted path, or class_path and init_args) or `model.tools`."""
+    """The spec of `model.episodes.environment_factory` (a dotted path, or class_path and init_args) or `model.episodes.tools`."""
     common = {"invalid_tool_call": invalid_tool_call, "max_answer_chars": max_answer_chars}
     if environment_factory is None:
         return EnvironmentSpec("functions", paths=tuple(tools or ()), **common)
@@ -265,7 +266,7 @@ def spec_from_settings(environment_factory: str | dict | None, tools: list[str] 
         path, args = environment_factory, {}
     else:
         path, args = environment_factory["class_path"], dict(environment_factory.get("init_args") or {})
-    cls = import_path(path, "model.environment_factory")
+    cls = import_path(path, "model.episodes.environment_factory")
     if isinstance(cls, type) and issubclass(cls, GymAdapter):
         return EnvironmentSpec("gym", path=args.pop("env", ""), args=tuple(sorted(args.pop("env_args", {}).items())),
                                **common)
@@ -275,8 +276,8 @@ def spec_from_settings(environment_factory: str | dict | None, tools: list[str] 
 def spec_tools(spec: EnvironmentSpec) -> dict[str, Callable]:
     """The tools a spec's environment offers, by name, read from the class or the functions (not called)."""
     if spec.kind == "class":
-        return tool_methods(import_path(spec.path, "model.environment_factory"))
+        return tool_methods(import_path(spec.path, "model.episodes.environment_factory"))
     if spec.kind == "functions":
-        return {path.rpartition(".")[2]: import_path(path, "model.tools") for path in spec.paths}
+        return {path.rpartition(".")[2]: import_path(path, "model.episodes.tools") for path in spec.paths}
     return {}
 

@@ -58,9 +58,8 @@ class _Episode:
 
 
 @dataclass(frozen=True)
-class EpisodeSettings:
-    """How long an episode may run (the module's `model.max_turns`, `max_episode_tokens`, `tool_timeout_s`,
-    `episode_timeout_s`)."""
+class EpisodeLimits:
+    """How long an episode may run (`model.episodes`: `max_turns`, `max_tokens`, `tool_timeout_s`, `timeout_s`)."""
 
     max_turns: int
     max_episode_tokens: int
@@ -72,11 +71,11 @@ class EpisodeRunner:
     """Draws a batch's episodes (`run`) with an engine, against the environments of `spec` in `workers` processes
     of `memory_gib` GiB each; `close` stops them."""
 
-    def __init__(self, settings: EpisodeSettings, spec: EnvironmentSpec, tokenizer: Any, stop_token_ids: list[int],
+    def __init__(self, settings: EpisodeLimits, spec: EnvironmentSpec, tokenizer: Any, stop_token_ids: list[int],
                  pad_token_id: int, workers: int, memory_gib: float | None) -> None:
         self.settings, self.spec, self.tokenizer = settings, spec, tokenizer
         self.stop_token_ids, self.pad_token_id = set(stop_token_ids), pad_token_id
-        schemas = tool_schemas(spec_tools(spec), "model.environment_factory" if spec.kind == "class" else "model.tools")
+        schemas = tool_schemas(spec_tools(spec), "model.episodes.environment_factory" if spec.kind == "class" else "model.episodes.tools")
         self.template = TurnTemplate(tokenizer, schemas, stop_token_ids)
         self.environment_role = "user" if spec.kind == "gym" else "tool"
         check_template(self.template, self.environment_role)

@@ -1,57 +1,88 @@
-"""The module's episode settings (`model.max_turns`, `model.tools`, `model.environment_factory`, ...): checked before
-anything loads, and made into the run's `EpisodeRunner`."""
+"""The module's episode settings, `model.episodes` (None: one completion per prompt): checked before anything loads,
+and made into the run's `EpisodeRunner`."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from lightning_logra.base.child import check_memory_gib
+from lightning_logra.base.child import DEFAULT_MEMORY_GIB, check_memory_gib
 from lightning_logra.base.settings import check_positive
 from lightning_logra.episodes.processes import spec_from_settings, spec_tools
-from lightning_logra.episodes.runner import EpisodeRunner, EpisodeSettings
+from lightning_logra.episodes.runner import EpisodeLimits, EpisodeRunner
 
 
-def multi_turn(hp: Any) -> bool:
-    """Whether the run draws episodes (an environment or tools is set) rather than one completion per prompt."""
-    return hp.environment_factory is not None or bool(hp.tools)
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """Multi-turn episodes (docs/multi-turn.md): the model's turns, each followed by the environment's answer (tool
+    answers, or an observation), carried as token ids; the loss counts only the tokens the engine sampled.
+
+    Args:
+        max_turns: the most turns of an episode (1 samples one completion, whose tool calls nobody answers).
+        tools: plain functions the model may call, by dotted path (`pkg.module.fn`; TRL's `tools`): their type hints
+            and docstrings give the schemas the chat template shows.
+        environment_factory: a class, by dotted path (or class_path and init_args), one instance of which each
+            episode talks to (TRL's `environment_factory`): `reset(**row)` gets the dataset row and may return text
+            added to the prompt, its public methods are the tools, and an optional `reward()` is the episode's own
+            reward (`model.reward: environment`). `lightning_logra.episodes.GymAdapter` (init_args env, env_args)
+            takes a gym-like text environment. Made and called in environment processes, never in the trainer's.
+        max_tokens: the most completion-side tokens of an episode, sampled and the environment's together (None:
+            max_turns × model.sampling.max_new_tokens); an answer that would not leave room ends the episode.
+        tool_timeout_s: the deadline of each tool call (and of an environment's reset, step and reward): past it the
+            model reads that the call timed out, and the environment process is replaced.
+        timeout_s: after this many seconds a batch's episodes take no further turn (None: no deadline).
+        invalid_tool_call: what a call that cannot be read (an unclosed tag, JSON that does not parse) does: `answer`
+            (the model reads why, as the call's answer, and goes on) or `end` (the episode ends there).
+        workers: the environment processes (episodes are shared out over them).
+        memory_gib: the address space, in GiB, each environment process may map beyond what it holds once started
+            (None: no limit).
+    """
+
+    max_turns: int = 1
+    tools: list[str] | None = None
+    environment_factory: str | dict[str, Any] | None = None
+    max_tokens: int | None = None
+    tool_timeout_s: float = 30.0
+    timeout_s: float | None = 600.0
+    invalid_tool_call: Literal["answer", "end"] = "answer"
+    workers: int = 2
+    memory_gib: float | None = DEFAULT_MEMORY_GIB
+
+    def __post_init__(self) -> None:
+        """Each error names its key and the fix."""
+        check_positive("model.episodes.max_turns", self.max_turns, "number of turns", integer=True)
+        if self.environment_factory is None and not self.tools:
+            raise ValueError("model.episodes: an episode's turns read the environment's answers, and there is none: "
+                             "set model.episodes.tools (functions) or model.episodes.environment_factory (a class), "
+                             "or model.episodes: null for one completion per prompt")
+        if self.environment_factory is not None and self.tools:
+            raise ValueError("model.episodes.tools and model.episodes.environment_factory are both set: an "
+                             "environment's tools are its public methods; give the functions as methods of the "
+                             "environment, or drop one of the two")
+        check_positive("model.episodes.max_tokens", self.max_tokens, "number of tokens", integer=True,
+                       null="max_turns × max_new_tokens")
+        check_positive("model.episodes.tool_timeout_s", self.tool_timeout_s, "number of seconds")
+        check_positive("model.episodes.timeout_s", self.timeout_s, "number of seconds", null="no deadline")
+        check_positive("model.episodes.workers", self.workers, "number of processes", integer=True)
+        check_memory_gib(self.memory_gib, "model.episodes.memory_gib")
+        if self.invalid_tool_call not in ("answer", "end"):
+            raise ValueError(f"model.episodes.invalid_tool_call must be 'answer' (the model reads why) or 'end' (the "
+                             f"episode ends), got {self.invalid_tool_call!r}")
+        spec_tools(spec_from_settings(self.environment_factory, self.tools, self.invalid_tool_call, 1))  # they import
+
+    def tokens(self, max_new_tokens: int) -> int:
+        """The most completion-side tokens an episode holds, turns of at most `max_new_tokens` each."""
+        return self.max_tokens or self.max_turns * max_new_tokens
 
 
-def episode_tokens(hp: Any) -> int:
-    """The most completion-side tokens an episode holds."""
-    return hp.max_episode_tokens or hp.max_turns * hp.max_new_tokens
-
-
-def check_episode_settings(hp: Any) -> None:
-    """Each error names its key and the fix."""
-    check_positive("model.max_turns", hp.max_turns, "number of turns", integer=True)
-    if hp.max_turns > 1 and not multi_turn(hp):
-        raise ValueError(f"model.max_turns={hp.max_turns}: a turn after the first reads the environment's answer, and "
-                         "there is none: set model.tools (functions) or model.environment_factory (a class), or "
-                         "model.max_turns: 1")
-    if hp.environment_factory is not None and hp.tools:
-        raise ValueError("model.tools and model.environment_factory are both set: an environment's tools are its "
-                         "public methods; give the functions as methods of the environment, or drop one of the two")
-    check_positive("model.max_episode_tokens", hp.max_episode_tokens, "number of tokens", integer=True,
-                   null="max_turns × max_new_tokens")
-    check_positive("model.tool_timeout_s", hp.tool_timeout_s, "number of seconds")
-    check_positive("model.episode_timeout_s", hp.episode_timeout_s, "number of seconds", null="no deadline")
-    check_positive("model.environment_workers", hp.environment_workers, "number of processes", integer=True)
-    check_memory_gib(hp.environment_memory_gib, "model.environment_memory_gib")
-    if hp.invalid_tool_call not in ("answer", "end"):
-        raise ValueError(f"model.invalid_tool_call must be 'answer' (the model reads why) or 'end' (the episode "
-                         f"ends), got {hp.invalid_tool_call!r}")
-    if multi_turn(hp):
-        spec_tools(spec_from_settings(hp.environment_factory, hp.tools, hp.invalid_tool_call, 1))  # they import
-
-
-def episode_runner(hp: Any, tokenizer: Any, stop_token_ids: list[int], pad_token_id: int) -> EpisodeRunner | None:
+def episode_runner(episodes: EpisodeSettings | None, max_new_tokens: int, tokenizer: Any, stop_token_ids: list[int],
+                   pad_token_id: int) -> EpisodeRunner | None:
     """The run's episode runner; None for one completion per prompt."""
-    if not multi_turn(hp):
+    if episodes is None:
         return None
+    tokens = episodes.tokens(max_new_tokens)
     # A tool's answer is cut to this many characters before it is tokenized (no token is longer than 32 of them in
     # the vocabularies of the models this trains): an answer of megabytes costs neither memory nor tokenizer time.
-    max_chars = 32 * episode_tokens(hp)
-    spec = spec_from_settings(hp.environment_factory, hp.tools, hp.invalid_tool_call, max_chars)
-    settings = EpisodeSettings(hp.max_turns, episode_tokens(hp), hp.tool_timeout_s, hp.episode_timeout_s)
-    return EpisodeRunner(settings, spec, tokenizer, stop_token_ids, pad_token_id, hp.environment_workers,
-                         hp.environment_memory_gib)
+    spec = spec_from_settings(episodes.environment_factory, episodes.tools, episodes.invalid_tool_call, 32 * tokens)
+    limits = EpisodeLimits(episodes.max_turns, tokens, episodes.tool_timeout_s, episodes.timeout_s)
+    return EpisodeRunner(limits, spec, tokenizer, stop_token_ids, pad_token_id, episodes.workers, episodes.memory_gib)

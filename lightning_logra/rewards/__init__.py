@@ -7,7 +7,7 @@
 - judge.py           LLMJudge: an OpenAI-compatible endpoint by URL (template, verdict pattern, deadline, retries)
 - processes.py       each reward in a process of its own with a deadline and an address-space limit; math-verify in a
                      pool of processes with a per-answer timeout
-- resolve.py         a config's `model.reward` and `model.reward_weights` resolved into the rewards the module calls
+- resolve.py         a config's `model.reward` and `model.scoring.weights` resolved into the rewards the module calls
 - scoring.py         the rewards' outputs checked and combined (weights, None as TRL's), per-reward metrics
 """
 

@@ -1,6 +1,6 @@
 """DAPO's soft over-long penalty as a reward: nothing for a completion of up to `max_length − buffer` tokens, then a
 penalty growing linearly to −1 at `max_length`, and −1 past it. Combined with a correctness reward through
-`model.reward_weights` (verl's `reward_model.overlong_buffer`, whose `penalty_factor` is the weight here; TRL's
+`model.scoring.weights` (verl's `reward_model.overlong_buffer`, whose `penalty_factor` is the weight here; TRL's
 `get_soft_overlong_punishment(max_completion_len, soft_punish_cache)`). `reward/OverlongPenalty/mean` logs the
 mean penalty."""
 
@@ -20,7 +20,7 @@ class OverlongPenalty:
 
     Args:
         max_length: the length, in completion tokens (its stop token included), that scores −1; usually
-            model.max_new_tokens, which no completion can pass.
+            model.sampling.max_new_tokens, which no completion can pass.
         buffer: the tokens before max_length over which the penalty grows from 0 to −1 (DAPO's L_cache).
     """
 

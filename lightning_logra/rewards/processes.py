@@ -3,8 +3,8 @@
 verifiers).
 
 Custom rewards can be anything (running code, asking a model, a regex that backtracks forever, a list that grows
-without end): only a process can be stopped, so every reward is called in one of its own (`model.reward_timeout_s`,
-`model.reward_memory_gib`).
+without end): only a process can be stopped, so every reward is called in one of its own (`model.scoring.timeout_s`,
+`model.scoring.memory_gib`).
 """
 
 import logging
@@ -252,14 +252,14 @@ class RewardProcess(ChildProcess):
                                        f"{self._memory_note(value)}")
                 if kind == "memory":
                     logger.warning("model.reward %r ran out of memory on a batch of %d completions: its process may "
-                                   "map model.reward_memory_gib=%s GiB beyond what it holds once started. They score "
-                                   "None and the process is replaced; raise model.reward_memory_gib (null: no limit) "
+                                   "map model.scoring.memory_gib=%s GiB beyond what it holds once started. They score "
+                                   "None and the process is replaced; raise model.scoring.memory_gib (null: no limit) "
                                    "if the reward needs more", self.name, len(completions), self.memory_gib)
                 else:
                     logger.warning("the reward process of model.reward %r died on a batch of %d completions; they "
                                    "score None and a new process is started", self.name, len(completions))
             else:
-                logger.warning("model.reward %r ran past model.reward_timeout_s=%.0f s on a batch of %d completions "
+                logger.warning("model.reward %r ran past model.scoring.timeout_s=%.0f s on a batch of %d completions "
                                "(%.0f s): they score None (nothing is learned from them) and the reward process is "
                                "replaced", self.name, timeout_s, len(completions), time.monotonic() - start)
             self._stop()
@@ -271,7 +271,7 @@ class RewardProcess(ChildProcess):
         than the memory it uses. Only for an error that speaks of memory: any other has nothing to do with it."""
         if self.memory_gib is None or not _ALLOCATION.search(error):
             return ""
-        return (f"\n(The reward process may map model.reward_memory_gib={self.memory_gib:g} GiB beyond what it holds "
+        return (f"\n(The reward process may map model.scoring.memory_gib={self.memory_gib:g} GiB beyond what it holds "
                 f"once started; if the error is an allocation that failed, raise it, or set it to null for a reward "
                 f"that runs on a GPU.)")
 
@@ -301,7 +301,7 @@ class TimedReward:
                 f"model.reward {self.name!r} cannot be sent to its reward process: it does not pickle "
                 f"({type(err).__name__}: {err}). Define the function or class at the top level of a module, keep "
                 f"what does not pickle (locks, clients, open files) out of its attributes until the first call, or "
-                f"set model.reward_timeout_s: null to call it in the trainer's process without a deadline"
+                f"set model.scoring.timeout_s: null to call it in the trainer's process without a deadline"
             ) from err
 
     def __call__(self, prompts: list, completions: list, **columns: list) -> list[float | None]:

@@ -1,4 +1,4 @@
-"""``model.reward`` and ``model.reward_weights`` made the rewards the module calls: names, dotted paths and
+"""``model.reward`` and ``model.scoring.weights`` made the rewards the module calls: names, dotted paths and
 components resolved, each in a process of its own (`processes.TimedReward`), with the names messages and metrics give
 them."""
 
@@ -93,21 +93,21 @@ def _metric_key(reward: RewardFn) -> str:
 
 def resolve_rewards(reward: str | RewardFn | list[str | RewardFn], weights: list[float] | None,
                     timeout_s: float | None, memory_gib: float | None = DEFAULT_MEMORY_GIB) -> list[Reward]:
-    """``model.reward`` (one reward or a list, each as `resolve_reward` takes it) with ``model.reward_weights`` (one
+    """``model.reward`` (one reward or a list, each as `resolve_reward` takes it) with ``model.scoring.weights`` (one
     weight per reward; None: 1.0 each), as TRL's ``reward_funcs`` and ``reward_weights``, each called in a process of
-    its own with ``model.reward_timeout_s`` and ``model.reward_memory_gib`` (`TimedReward`). Metric names are unique:
+    its own with ``model.scoring.timeout_s`` and ``model.scoring.memory_gib`` (`TimedReward`). Metric names are unique:
     a name met again is numbered (``StartsWith``, ``StartsWith_2``)."""
-    check_memory_gib(memory_gib, "model.reward_memory_gib")
+    check_memory_gib(memory_gib, "model.scoring.memory_gib")
     rewards = list(reward) if isinstance(reward, (list, tuple)) else [reward]
     if not rewards:
         raise ValueError("model.reward is an empty list: give at least one reward")
     if weights is None:
         weights = [1.0] * len(rewards)
     if len(weights) != len(rewards):
-        raise ValueError(f"model.reward_weights has {len(weights)} weights for the {len(rewards)} rewards of "
+        raise ValueError(f"model.scoring.weights has {len(weights)} weights for the {len(rewards)} rewards of "
                          f"model.reward: give one weight per reward, in the same order (or null for 1.0 each)")
     if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
-        raise ValueError(f"model.reward_weights must be finite numbers, got {list(weights)}")
+        raise ValueError(f"model.scoring.weights must be finite numbers, got {list(weights)}")
     resolved, keys = [], []
     for given, weight in zip(rewards, weights, strict=True):
         fn = resolve_reward(given, timeout_s=None)

@@ -1,7 +1,7 @@
 """A reward that is a model: a local transformers sequence classifier scores each prompt + completion, as TRL scores
-with a model given in `reward_funcs`. Like every reward it runs in a process of its own (`model.reward_timeout_s`),
+with a model given in `reward_funcs`. Like every reward it runs in a process of its own (`model.scoring.timeout_s`),
 where it is loaded on first use and kept, on a device of its own choosing; its score combines with rule-based
-rewards through `model.reward_weights`."""
+rewards through `model.scoring.weights`."""
 
 from __future__ import annotations
 

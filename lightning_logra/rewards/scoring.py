@@ -109,7 +109,7 @@ def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict
 
 class UnlearnableSteps:
     """Training steps in a row where no group's rewards differ (every advantage is 0: nothing to learn); the run is
-    stopped after `limit` of them (`model.max_unlearnable_steps`; None: never)."""
+    stopped after `limit` of them (`model.scoring.max_unlearnable_steps`; None: never)."""
 
     def __init__(self, limit: int | None, rewards: list[Reward]) -> None:
         self.limit, self.rewards = limit, rewards
@@ -122,6 +122,7 @@ class UnlearnableSteps:
         if self.limit is not None and self.count >= self.limit:
             names = " + ".join(reward.name for reward in self.rewards)
             raise RuntimeError(
-                f"model.max_unlearnable_steps={self.limit}: {self.count} training steps in a row had nothing to learn "
+                f"model.scoring.max_unlearnable_steps={self.limit}: {self.count} training steps in a row had nothing "
+                "to learn "
                 f"(in every group the rewards were equal, None or NaN). Check model.reward {names!r} and the data, or "
-                f"set model.max_unlearnable_steps higher or to null")
+                f"set model.scoring.max_unlearnable_steps higher or to null")

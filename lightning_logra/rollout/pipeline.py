@@ -1,5 +1,5 @@
-"""Overlapped rollouts (`model.max_staleness` = k > 0): the engine generates the next steps' samples while the trainer
-computes this step's update, so that neither waits for the other.
+"""Overlapped rollouts (`model.rollouts.max_staleness` = k > 0): the engine generates the next steps' samples while the
+trainer computes this step's update, so that neither waits for the other.
 
 Step t trains on samples drawn with the weights of step max(start, t − k) — a fixed lag, so that a run is
 reproducible: the same seeds and the same k give the same run. With k = 1:
@@ -102,12 +102,13 @@ class RolloutPipeline:
         pending = self._in_flight.pop(step)
         if pending.batch["prompt"] != batch["prompt"]:
             raise RuntimeError(
-                f"model.max_staleness: the prompts generated ahead for step {step} are not those the training loader "
+                f"model.rollouts.max_staleness: the prompts generated ahead for step {step} are not those the training "
+                "loader "
                 "gave the step; overlapped rollouts need a loader whose batches depend on the step alone (the data "
                 "modules of lightning_logra.data)")
         if pending.staleness > self.max_staleness:  # never trained on (only a bug could get here)
             raise RuntimeError(f"a batch drawn at step {pending.version} reached step {step}: staler than "
-                               f"model.max_staleness={self.max_staleness}")
+                               f"model.rollouts.max_staleness={self.max_staleness}")
         start, self._taken = time.perf_counter(), step
         if isinstance(pending.rollout.exception(), EngineLost):
             self._in_flight[step] = pending
@@ -165,10 +166,10 @@ class RolloutPipeline:
 
     def restore(self, saved: list[dict[str, Any]]) -> None:
         """Take a checkpoint's batches in flight (`state`); those staler than this run's bound are dropped and drawn
-        again (a run resumed with a smaller model.max_staleness)."""
+        again (a run resumed with a smaller model.rollouts.max_staleness)."""
         for item in saved:
             if item["step"] - item["version"] > self.max_staleness or item["step"] < self.start:
-                log.warning("model.max_staleness=%d: the checkpoint's batch for step %d, drawn at step %d, is "
+                log.warning("model.rollouts.max_staleness=%d: the checkpoint's batch for step %d, drawn at step %d, is "
                             "generated again", self.max_staleness, item["step"], item["version"])
                 continue
             done: Future[Rollout] = Future()

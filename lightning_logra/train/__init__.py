@@ -12,7 +12,8 @@
 - task_metrics.py       the reward and the evaluation metrics per task, for rows that name their task
 - modes.py              DenseMode / SketchMode / LoRAMode (reduce_and_clip, propose, apply, what a checkpoint records),
                         picked once per run by training_mode, the one place that looks at the strategy
-- optimizers.py         `model.optimizer`: any torch optimizer by class path for the dense and LoRA modes; the
+- optimizers.py         `trainer.strategy.init_args.dense.optimizer`: any torch optimizer by class path for the dense
+and LoRA modes; the
                         projected-matrix groups of GaLore, Fira and APOLLO, and their projectors in checkpoints
 - policy.py             the policy and its tokenizer loaded from `model.model`; stop and pad tokens
 - lora.py               LoRA adapters through peft (the paper's comparison method); their steps reach the engine as

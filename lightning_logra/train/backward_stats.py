@@ -19,7 +19,7 @@ class BackwardStats:
     clipped: torch.Tensor  # () tokens where the loss's own clip binds (gspo, cispo)
     entropy: torch.Tensor  # () Σ the policy's token entropy over the tokens trained on
     tokens: torch.Tensor  # () the tokens trained on
-    kl: torch.Tensor  # () Σ k3 estimate of KL(π_θ ‖ π_0) over the same tokens (model.beta > 0; else 0)
+    kl: torch.Tensor  # () Σ k3 estimate of KL(π_θ ‖ π_0) over the same tokens (model.loss.beta > 0; else 0)
     mismatch: Mismatch  # the sampler's log-probs against the trainer's, and the correction's weights
 
     @classmethod

@@ -38,15 +38,16 @@ FORMAT = 2  # 1: no `lightning_logra` entry; 2: the entry, the sketch optimizer'
 KEY = "lightning_logra"
 
 
-def stamp(weights_dtype: str, training: str) -> dict[str, Any]:
-    """What a checkpoint records about itself: the format and the settings its state is only valid under."""
+def stamp(weights_dtype: str, mode: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records about itself: the format and the settings its state is only valid under (the
+    weights' dtype, and how it was trained: the training mode's `stamp`)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         package = version("lightning-logra")
     except PackageNotFoundError:
         package = "unknown"
-    return {"format": FORMAT, "package": package, "weights_dtype": weights_dtype, "training": training}
+    return {"format": FORMAT, "package": package, "weights_dtype": weights_dtype, **mode}
 
 
 def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None:
@@ -70,13 +71,14 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
     if saved.get("lora") != current.get("lora"):  # rank, alpha and targets of LoRA adapters (train/lora.py)
         differences.append(f"trainer.strategy.init_args.lora: the checkpoint's adapters are {saved.get('lora')}, "
                            f"this run's {current.get('lora')}")
-    if saved.get("optimizer") != current.get("optimizer"):  # model.optimizer's class (None: AdamW)
-        differences.append(f"model.optimizer: the checkpoint's state is {saved.get('optimizer') or 'AdamW'}'s, this "
-                           f"run's optimizer {current.get('optimizer') or 'AdamW'}")
+    if saved.get("optimizer") != current.get("optimizer"):  # the strategy's optimizer's class (None: AdamW)
+        differences.append("the strategy's optimizer: the checkpoint's state is "
+                           f"{saved.get('optimizer') or 'AdamW'}'s, "
+                           f"this run's optimizer {current.get('optimizer') or 'AdamW'}")
     if differences:
         raise ValueError("cannot resume: " + "; ".join(differences) + ". Resume with the checkpoint's settings, or "
-                         "start a new run from its weights (export them with model.export_dir, then train from that "
-                         "folder)")
+                         "start a new run from its weights (export them with lightning-logra export, then train from "
+                         "that folder)")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

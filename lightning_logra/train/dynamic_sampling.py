@@ -1,16 +1,16 @@
-"""DAPO's dynamic sampling (`model.dynamic_sampling`, verl's `filter_groups`): a group whose rewards are all equal has
-advantages of zero and teaches nothing, so it is left out, and more prompts are generated until the step has its
-`data.batch_size` learnable groups, up to `model.max_generation_rounds` rounds; then the step trains on what there
-is, and `rollout/missing_groups` says how many it lacked.
+"""DAPO's dynamic sampling (`model.rollouts.dynamic_sampling`, verl's `filter_groups`): a group whose rewards are all
+equal has advantages of zero and teaches nothing, so it is left out, and more prompts are generated until the step has
+its `data.batch_size` learnable groups, up to `model.rollouts.max_generation_rounds` rounds; then the step trains on
+what there is, and `rollout/missing_groups` says how many it lacked.
 
 Which groups a step keeps does not depend on how many processes share it: the learnable groups are ordered as one
 process would hold them (round by round, in each round rank by rank, each rank's in batch order) and the first
 `data.batch_size` are kept, each by the rank that drew it. So the ranks may keep different numbers of groups; a rank
 that keeps none trains one group whose tokens all count zero, so that every rank still runs the step's passes (the
 micro-batch loop evens the number of passes out: `RLVRModule.accumulate_gradients`). A step none of whose groups is
-learnable on any rank trains on its first round as drawn (advantages of zero: `model.max_unlearnable_steps` counts
-it). Each kept row carries its place in one process's order (`Drawn.positions`): the KL controller draws its subset
-by it, so that one and several processes measure q on the same responses.
+learnable on any rank trains on its first round as drawn (advantages of zero: `model.scoring.max_unlearnable_steps`
+counts it). Each kept row carries its place in one process's order (`Drawn.positions`): the KL controller draws its
+subset by it, so that one and several processes measure q on the same responses.
 """
 
 from __future__ import annotations
@@ -112,10 +112,12 @@ class DynamicSampling:
                    "rollout/prompts_drawn": float(target * len(rounds)),
                    "rollout/filtered_groups": float(target * len(rounds) - found),
                    "rollout/missing_groups": float(max(0, target - found))}
-        if found == 0:  # nothing to learn anywhere: the first round as drawn (model.max_unlearnable_steps counts it)
-            log.warning("model.dynamic_sampling: none of the %d groups drawn in %d rounds (model.max_generation_rounds)"
+        if found == 0:  # nothing to learn anywhere: the first round as drawn (model.scoring.max_unlearnable_steps counts it)
+            log.warning("model.rollouts.dynamic_sampling: none of the %d groups drawn in %d rounds "
+                        "(model.rollouts.max_generation_rounds)"
                         " has rewards that differ: this step learns nothing; check the reward and the data, and set "
-                        "model.max_unlearnable_steps to stop a run that goes on like this", target * len(rounds),
+                        "model.scoring.max_unlearnable_steps to stop a run that goes on like "
+                        "this", target * len(rounds),
                         len(rounds))
             return first, metrics
         counts = torch.zeros(len(rounds), self.world_size, dtype=torch.float64)

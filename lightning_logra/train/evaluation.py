@@ -1,4 +1,4 @@
-"""Validation and test beyond greedy pass@1: with n completions of each prompt (`model.eval_num_samples`), the
+"""Validation and test beyond greedy pass@1: with n completions of each prompt (`model.evaluation.num_samples`), the
 unbiased pass@k of Chen et al. (2021) for k = 1, 2, 4, … up to n and at n, mean@n (the mean reward) and maj@n (the
 reward of the answer the n completions give most often), each prompt's value averaged over the set.
 

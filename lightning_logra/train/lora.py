@@ -31,6 +31,7 @@ from lightning_logra.base.settings import check_at_least, check_positive, is_num
 from lightning_logra.sketch.config import DEFAULT_TARGETS
 from lightning_logra.sketch.install import select_targets
 from lightning_logra.sketch.update import LowRankDelta
+from lightning_logra.train.optimizers import OptimizerSpec
 
 # Where a LightningCLI config sets a LoRAConfig: errors name their field under it.
 CONFIG_KEY = "trainer.strategy.init_args.lora"
@@ -51,6 +52,9 @@ class LoRAConfig:
         lr: AdamW's learning rate (the paper's LoRA comparison: a constant 2e-4).
         weight_decay: AdamW's weight decay on the adapters.
         lr_schedule: warm-up and decay of lr, by applied update (`lightning_logra.base.schedule.LRSchedule`).
+        optimizer: another torch optimizer for the adapters by `class_path` and `init_args`
+            (`lightning_logra.train.optimizers`); init_args without `lr` / `weight_decay` take the two above. None:
+            AdamW.
         seed: seeds the adapters' initialization (A as peft draws it, B = 0), so runs are reproducible whatever
             the global random state.
     """
@@ -62,6 +66,7 @@ class LoRAConfig:
     lr: float = 2e-4
     weight_decay: float = 0.0
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    optimizer: dict[str, Any] | str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +80,10 @@ class LoRAConfig:
             raise ValueError(f"{CONFIG_KEY}.dropout must be in [0, 1), got {self.dropout}")
         check_positive(f"{CONFIG_KEY}.lr", self.lr, "learning rate")
         check_at_least(f"{CONFIG_KEY}.weight_decay", self.weight_decay, 0)
+        self.optimizer_spec()  # the class imports and takes its init_args
+
+    def optimizer_spec(self) -> OptimizerSpec | None:
+        return OptimizerSpec.parse(self.optimizer, f"{CONFIG_KEY}.optimizer")
 
     def record(self) -> dict[str, Any]:
         """The settings the adapters' state is only valid under (a checkpoint records them; a resume compares)."""
@@ -82,7 +91,7 @@ class LoRAConfig:
 
     def hparams(self) -> dict[str, Any]:
         """The settings as flat hyperparameters for the loggers: `lora/<field>`."""
-        settings = {f.name: getattr(self, f.name) for f in fields(self)}
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "optimizer"}
         return {f"lora/{k}": v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings.items()}
 
     def check_targets(self, model: nn.Module) -> None:

@@ -30,14 +30,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_logra.algo.update import Update, apply_dense_, propose_dense
-from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.sketch.config import CONFIG_KEY as SKETCH_KEY
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import select_targets, sketch_carriers, sketched_layers
 from lightning_logra.train import lora
+from lightning_logra.train.dense import CONFIG_KEY as DENSE_KEY
+from lightning_logra.train.dense import DenseConfig
 from lightning_logra.train.lora import CONFIG_KEY as LORA_KEY
 from lightning_logra.train.lora import LoRAConfig
-from lightning_logra.train.optimizers import CONFIG_KEY as OPTIMIZER_KEY
 from lightning_logra.train.optimizers import OptimizerSpec, build_optimizer
 from lightning_logra.train.strategies.base import Collectives
 
@@ -57,7 +57,6 @@ class Stepped:
 
 class TrainingMode(ABC):
     record: str  # how a checkpoint says its state was trained
-    description = "the dense baseline"  # how errors name the kind of run
 
     def __init__(self, collectives: Collectives) -> None:
         self.collectives = collectives
@@ -82,11 +81,6 @@ class TrainingMode(ABC):
         """The module's `optimizers()`: Lightning's wrappers of the optimizers, the first of which is stepped
         through Lightning (which counts the steps)."""
         self._lightning_optimizers = lightning_optimizers
-
-    def ignored_module_settings(self) -> dict[str, str]:
-        """{the module's setting (`model.<key>`): what acts instead} for the settings of the dense baseline's AdamW
-        that this mode ignores (a value other than the default is refused before anything loads)."""
-        return {}
 
     def check_settings(self, skeleton: nn.Module | None) -> None:
         """Refuse, naming the key, settings that would fail once the model is loaded, before anything is (`skeleton`:
@@ -175,15 +169,15 @@ class TrainingMode(ABC):
 
 
 class _DenseSteps(TrainingMode):
-    """A mode whose every optimizer steps parameters densely (AdamW, or `model.optimizer`'s): their steps are held
-    back as the proposal when a controller measures it, and taken at α."""
+    """A mode whose every optimizer steps parameters densely (AdamW, or the strategy's `optimizer`): their steps are
+    held back as the proposal when a controller measures it, and taken at α."""
 
     def __init__(self, collectives: Collectives, optimizer: OptimizerSpec | None) -> None:
         super().__init__(collectives)
         self.optimizer = optimizer
 
     def stamp(self) -> dict[str, Any]:
-        # A checkpoint of a run with `model.optimizer` records its class: another's state would be misread on resume
+        # A checkpoint of a run with an `optimizer` records its class: another's state would be misread on resume
         # (AdamW, the default, records nothing, as checkpoints always did).
         stamp = super().stamp()
         return stamp if self.optimizer is None else {**stamp, "optimizer": self.optimizer.class_path}
@@ -195,10 +189,10 @@ class _DenseSteps(TrainingMode):
                 **{f"optimizer_{k}": v for k, v in self.optimizer.init_args.items()}}
 
     def _optimizer_key(self, key: str, otherwise: str) -> str:
-        """Where the config sets `key` of the optimizer: `model.optimizer`'s init_args when they set it (or when it
-        is a setting of its own), else the mode's key `otherwise`."""
+        """Where the config sets `key` of the optimizer: the `optimizer`'s init_args when they set it (or when it is
+        a setting of its own), else the mode's key `otherwise`."""
         mode_sets_it = self.optimizer is None or (key in ("lr", "weight_decay") and key not in self.optimizer.init_args)
-        return otherwise if mode_sets_it else f"{OPTIMIZER_KEY}.init_args.{key}"
+        return otherwise if mode_sets_it else f"{self.optimizer.key}.init_args.{key}"
 
     def propose(self, grad_norm: torch.Tensor, measured: bool) -> Update | None:
         if not self._begin(grad_norm, measured):
@@ -217,16 +211,15 @@ class _DenseSteps(TrainingMode):
 
 
 class DenseMode(_DenseSteps):
-    """Every parameter the module trains (all of them, or `model.target_modules`' weights) by AdamW, or by the
-    optimizer `model.optimizer` names: the baseline, and the peer optimizers the benchmarks compare."""
+    """Every parameter (all of them, or the target matrices' weights) by AdamW, or by the optimizer the
+    `DenseConfig` names: the baseline, and the peer optimizers the benchmarks compare."""
 
     record = "densely"
 
-    def __init__(self, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule,
-                 optimizer: OptimizerSpec | None) -> None:
-        super().__init__(collectives, optimizer)
-        self.lr, self.weight_decay, self.target_modules = hparams.lr, hparams.weight_decay, hparams.target_modules
-        self.lr_schedule = lr_schedule
+    def __init__(self, collectives: Collectives, config: DenseConfig) -> None:
+        super().__init__(collectives, config.optimizer_spec())
+        self.lr, self.weight_decay, self.target_modules = config.lr, config.weight_decay, config.target_modules
+        self.lr_schedule = config.lr_schedule
 
     def install(self, policy: nn.Module, fitting: bool) -> None:
         super().install(policy, fitting)
@@ -237,7 +230,7 @@ class DenseMode(_DenseSteps):
         try:
             targets = select_targets(policy, self.target_modules, rank=0)
         except (ValueError, TypeError) as err:
-            raise type(err)(f"model.{err}") from None
+            raise type(err)(f"{DENSE_KEY}.{err}") from None
         trained = {id(linear.weight) for linear in targets.values()}
         for param in policy.parameters():
             param.requires_grad_(id(param) in trained)
@@ -248,7 +241,7 @@ class DenseMode(_DenseSteps):
         return [optimizer], [self.lr_schedule.scheduler(optimizer)]
 
     def config_key(self, index: int, key: str) -> str:
-        return self._optimizer_key(key, f"model.{key}")
+        return self._optimizer_key(key, f"{DENSE_KEY}.{key}")
 
 
 class LoRAMode(_DenseSteps):
@@ -256,10 +249,9 @@ class LoRAMode(_DenseSteps):
     an engine receives of a step is each adapted matrix's change as a low-rank delta (`lora.low_rank_deltas`)."""
 
     record = lora.TRAINING
-    description = "the LoRA strategy"
 
-    def __init__(self, collectives: Collectives, config: LoRAConfig, optimizer: OptimizerSpec | None) -> None:
-        super().__init__(collectives, optimizer)
+    def __init__(self, collectives: Collectives, config: LoRAConfig) -> None:
+        super().__init__(collectives, config.optimizer_spec())
         self.config = config
         self._before: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the adapters at the step's start
 
@@ -274,9 +266,6 @@ class LoRAMode(_DenseSteps):
         params = [p for layer in lora.adapted_layers(policy).values() for p in lora.adapter_parameters(layer)]
         optimizer = build_optimizer(self.optimizer, policy, params, self.config.lr, self.config.weight_decay)
         return [optimizer], [self.config.lr_schedule.scheduler(optimizer)]
-
-    def ignored_module_settings(self) -> dict[str, str]:
-        return {key: f"{LORA_KEY}.{key}" for key in _DENSE_ONLY if key != "optimizer"}  # the adapters' optimizer
 
     def check_settings(self, skeleton: nn.Module | None) -> None:
         if skeleton is not None:
@@ -310,7 +299,6 @@ class SketchMode(TrainingMode):
     biases of those layers and every other parameter, when `train_bias` / `train_rest`, by an AdamW (the second)."""
 
     record = "with sketches"
-    description = "a sketch strategy"
 
     def __init__(self, collectives: Collectives, config: SketchConfig) -> None:
         super().__init__(collectives)
@@ -325,9 +313,6 @@ class SketchMode(TrainingMode):
     def build_optimizers(self, policy: nn.Module) -> Optimizers:
         optimizers = self.config.build_optimizers(policy, self.handles)
         return optimizers, self.config.build_schedulers(optimizers)
-
-    def ignored_module_settings(self) -> dict[str, str]:
-        return _DENSE_ONLY
 
     def check_settings(self, skeleton: nn.Module | None) -> None:
         if skeleton is not None:
@@ -408,25 +393,13 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float | None, collectiv
     return norm
 
 
-# The module's dense-optimizer settings, and what acts instead of each under a sketch strategy.
-_DENSE_ONLY = {
-    "lr": f"{SKETCH_KEY}.optimizer.init_args.lr (the sketched matrices) and {SKETCH_KEY}.rest_lr (parameters "
-          "trained densely with train_rest / train_bias)",
-    "weight_decay": f"{SKETCH_KEY}.rest_weight_decay (parameters trained densely)",
-    "lr_schedule": f"{SKETCH_KEY}.lr_schedule",
-    "target_modules": f"{SKETCH_KEY}.target_modules",
-    "optimizer": f"{SKETCH_KEY}.optimizer (the sketch optimizer; parameters trained densely take an AdamW)",
-}
-
-
-def training_mode(strategy: Any, collectives: Collectives, hparams: Any, lr_schedule: LRSchedule) -> TrainingMode:
+def training_mode(strategy: Any, collectives: Collectives) -> TrainingMode:
     """The run's training mode, by the settings its strategy carries: a `SketchConfig` trains with sketches, a
-    `LoRAConfig` with adapters, none (Lightning's own strategies) densely with the module's AdamW (or the optimizer
-    `model.optimizer` names, as the adapters' under LoRA)."""
+    `LoRAConfig` with adapters, a `DenseConfig` densely; Lightning's own strategies, carrying none, train densely
+    with `DenseConfig`'s defaults."""
     config = getattr(strategy, "config", None)
     if isinstance(config, SketchConfig):
         return SketchMode(collectives, config)
-    optimizer = OptimizerSpec.parse(hparams.get("optimizer"))
     if isinstance(config, LoRAConfig):
-        return LoRAMode(collectives, config, optimizer)
-    return DenseMode(collectives, hparams, lr_schedule, optimizer)
+        return LoRAMode(collectives, config)
+    return DenseMode(collectives, config if isinstance(config, DenseConfig) else DenseConfig())

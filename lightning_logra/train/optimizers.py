@@ -1,17 +1,18 @@
-"""Any torch optimizer for the dense and LoRA modes, by class path: `model.optimizer`, as LightningCLI users write one.
+"""Any torch optimizer for the dense and LoRA modes, by class path: `trainer.strategy.init_args.dense.optimizer`, as
+LightningCLI users write one.
 
     model:
       optimizer:
         class_path: galore_torch.GaLoreAdamW
         init_args: {lr: 1.0e-5, rank: 128, update_proj_gap: 200, scale: 0.25}
 
-`init_args` are the constructor's; `lr` and `weight_decay`, when left out, are the mode's own (`model.lr`, or
-`...lora.lr` under the LoRA strategy). Most optimizers take the trainable parameters as they are (torch's,
-transformers' `Adafactor`, bitsandbytes' `AdamW8bit`, `flora_opt.Flora`). The low-rank families take their projected
-matrices in a parameter group of their own that carries the projection's settings: for those (`FAMILIES`: GaLore,
-Fira, APOLLO) the settings named in the family are moved from `init_args` into that group, and the group holds every
-trained matrix of an nn.Linear whose sides both exceed the rank, the output head excepted (their papers project the
-attention and MLP matrices); everything else is a plain group.
+`init_args` are the constructor's; `lr` and `weight_decay`, when left out, are the mode's own
+(`trainer.strategy.init_args.dense.lr`, or `...lora.lr` under the LoRA strategy). Most optimizers take the trainable
+parameters as they are (torch's, transformers' `Adafactor`, bitsandbytes' `AdamW8bit`, `flora_opt.Flora`). The low-rank
+families take their projected matrices in a parameter group of their own that carries the projection's settings: for
+those (`FAMILIES`: GaLore, Fira, APOLLO) the settings named in the family are moved from `init_args` into that group,
+and the group holds every trained matrix of an nn.Linear whose sides both exceed the rank, the output head excepted
+(their papers project the attention and MLP matrices); everything else is a plain group.
 
 Their states keep a projector object per matrix (the projection matrix and its schedule), which a checkpoint loaded
 with `weights_only=True` cannot hold (`train.safe_load`): `build` registers hooks that write each projector as a
@@ -34,7 +35,6 @@ from lightning_logra.base.settings import check_positive
 
 log = logging.getLogger(__name__)
 
-CONFIG_KEY = "model.optimizer"
 # Optimizers that cannot take a training step here, and why.
 _CANNOT_TRAIN = {
     torch.optim.Optimizer: "it is the base class, with no step of its own",
@@ -69,13 +69,15 @@ _EXTRA = "pip install -e \".[peers]\""
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """`model.optimizer`: a torch optimizer's class path and its constructor's arguments."""
+    """A dense or LoRA run's `optimizer` (`key`: where the config sets it): a torch optimizer's class path and its
+    constructor's arguments."""
 
     class_path: str
     init_args: dict[str, Any] = field(default_factory=dict)
+    key: str = "optimizer"
 
     @classmethod
-    def parse(cls, value: Any) -> OptimizerSpec | None:
+    def parse(cls, value: Any, key: str = "optimizer") -> OptimizerSpec | None:
         """From the config's value (None: the mode's AdamW; a class path; or {class_path, init_args}), checked: the
         class imports, is a torch optimizer, and takes every init_arg."""
         if value is None:
@@ -84,13 +86,13 @@ class OptimizerSpec:
             value = {"class_path": value}
         if not isinstance(value, dict) or not isinstance(value.get("class_path"), str) or set(value) - {
                 "class_path", "init_args"}:
-            raise ValueError(f"{CONFIG_KEY} must be a class path or {{class_path: ..., init_args: {{...}}}} (e.g. "
+            raise ValueError(f"{key} must be a class path or {{class_path: ..., init_args: {{...}}}} (e.g. "
                              f"class_path: torch.optim.AdamW), got {value!r}")
         init_args = value.get("init_args") or {}
         if not isinstance(init_args, dict):
-            raise ValueError(f"{CONFIG_KEY}.init_args must be a mapping of the constructor's arguments, got "
+            raise ValueError(f"{key}.init_args must be a mapping of the constructor's arguments, got "
                              f"{init_args!r}")
-        spec = cls(value["class_path"], dict(init_args))
+        spec = cls(value["class_path"], dict(init_args), key)
         spec.check()
         return spec
 
@@ -106,16 +108,16 @@ class OptimizerSpec:
                 found = getattr(importlib.import_module(module_name), name, None)
             except ImportError as err:
                 package = self.family.package if self.family else module_name.split(".")[0]
-                raise ImportError(f"{CONFIG_KEY}.class_path: {self.class_path} does not import ({err}); install "
+                raise ImportError(f"{self.key}.class_path: {self.class_path} does not import ({err}); install "
                                   f"{package} ({_EXTRA} installs every optimizer the benchmarks compare)") from None
         if not (inspect.isclass(found) and issubclass(found, torch.optim.Optimizer)):
-            raise ValueError(f"{CONFIG_KEY}.class_path: {self.class_path} is not a torch.optim.Optimizer subclass "
+            raise ValueError(f"{self.key}.class_path: {self.class_path} is not a torch.optim.Optimizer subclass "
                              "(give its full dotted path, e.g. torch.optim.AdamW)")
         why = _CANNOT_TRAIN.get(found) or ("it is a sketch optimizer: give it as the strategy's "
                                            "sketch.optimizer (SketchStrategy)" if found.__module__.startswith(
                                                "lightning_logra.sketch") else None)
         if why:
-            raise ValueError(f"{CONFIG_KEY}.class_path: {self.class_path} cannot be the dense or LoRA optimizer: "
+            raise ValueError(f"{self.key}.class_path: {self.class_path} cannot be the dense or LoRA optimizer: "
                              f"{why}; use e.g. torch.optim.AdamW")
         return found
 
@@ -126,19 +128,19 @@ class OptimizerSpec:
         allowed = set(parameters) - {"self", "params"} | set(self.family.group_settings if self.family else ())
         for key in self.init_args:
             if not takes_any and key not in allowed:
-                raise ValueError(f"{CONFIG_KEY}.init_args.{key}: {self.class_path} takes no such argument (it takes "
+                raise ValueError(f"{self.key}.init_args.{key}: {self.class_path} takes no such argument (it takes "
                                  f"{', '.join(sorted(allowed))})")
         if "lr" in self.init_args:
-            check_positive(f"{CONFIG_KEY}.init_args.lr", self.init_args["lr"], why="model.lr_schedule scales it")
+            check_positive(f"{self.key}.init_args.lr", self.init_args["lr"], why="the run's lr_schedule scales it")
         if self.family:
-            check_positive(f"{CONFIG_KEY}.init_args.rank", self.init_args.get("rank"), integer=True,
+            check_positive(f"{self.key}.init_args.rank", self.init_args.get("rank"), integer=True,
                            why=f"{self.class_path} projects matrices to this rank (e.g. 128; APOLLO-Mini 1)")
             return
         # What torch would refuse only at the first step (weight_decay -1, betas [2, 0.9]): built once on a stand-in.
         try:
             self.optimizer_class()([nn.Parameter(torch.zeros(1))], **{"lr": 1e-3, **self.init_args})
         except (ValueError, TypeError) as err:
-            raise ValueError(f"{CONFIG_KEY}.init_args: {self.class_path} refuses them ({err})") from None
+            raise ValueError(f"{self.key}.init_args: {self.class_path} refuses them ({err})") from None
 
     def build(self, policy: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float
               ) -> torch.optim.Optimizer:
@@ -152,10 +154,10 @@ class OptimizerSpec:
         if family is None:
             return optimizer_class(params, **args)
         group = {key: args.pop(key, default) for key, default in family.group_settings.items()}
-        projected = projected_matrices(policy, params, group["rank"])
+        projected = projected_matrices(policy, params, group["rank"], self.key)
         if not projected:
             log.warning("%s.init_args.rank=%d is at or above both sides of every trained matrix: %s projects none of "
-                        "them and trains as its plain optimizer (AdamW) would; give a smaller rank", CONFIG_KEY,
+                        "them and trains as its plain optimizer (AdamW) would; give a smaller rank", self.key,
                         group["rank"], self.class_path)
         plain = [p for p in params if id(p) not in {id(q) for q in projected}]
         groups = [g for g in ({"params": plain}, {"params": projected, **group}) if g["params"]]
@@ -167,13 +169,14 @@ class OptimizerSpec:
 
 def build_optimizer(spec: OptimizerSpec | None, policy: nn.Module, params: list[nn.Parameter], lr: float,
                     weight_decay: float) -> torch.optim.Optimizer:
-    """A dense or LoRA run's optimizer: `model.optimizer`'s, or torch's AdamW when it names none."""
+    """A dense or LoRA run's optimizer: the `optimizer` its strategy names, or torch's AdamW when it names none."""
     if spec is None:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     return spec.build(policy, params, lr, weight_decay)
 
 
-def projected_matrices(policy: nn.Module, params: list[nn.Parameter], rank: int) -> list[nn.Parameter]:
+def projected_matrices(policy: nn.Module, params: list[nn.Parameter], rank: int, key: str = "optimizer"
+                       ) -> list[nn.Parameter]:
     """The matrices a low-rank family projects: each trained weight of an nn.Linear other than the output head, with
     both sides above `rank` (a narrower one has nothing to gain). Each must be held whole: a projection of one
     process's shard (FSDP) is not the projection of the matrix, and the ranks' projections would differ."""
@@ -185,7 +188,7 @@ def projected_matrices(policy: nn.Module, params: list[nn.Parameter], rank: int)
     for name, m in layers:
         local = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
         if local is not m.weight or tuple(local.shape) != (m.out_features, m.in_features):
-            raise ValueError(f"{CONFIG_KEY}: {name}.weight is sharded ({type(m.weight).__name__} of local shape "
+            raise ValueError(f"{key}: {name}.weight is sharded ({type(m.weight).__name__} of local shape "
                              f"{tuple(local.shape)}), and a low-rank family projects each matrix's whole gradient: "
                              "train it on one device or with DDP (whole weights on every rank), or pick an optimizer "
                              "without a projection")

@@ -2,8 +2,8 @@
 
 `Rollouts` holds the rollout engine (the policy itself, or vLLM with weights of its own), the weight sync that keeps
 such an engine in step (`lightning_logra.rollout.WeightSync`, the RolloutWeightSync callback), and, with
-`model.max_staleness` > 0, the overlapped rollouts that generate the next steps while the trainer computes this one
-(`rollout.pipeline.RolloutPipeline`). The module asks it for a step's samples (`draw`, `draw_round`, `generate`),
+`model.rollouts.max_staleness` > 0, the overlapped rollouts that generate the next steps while the trainer computes this
+one (`rollout.pipeline.RolloutPipeline`). The module asks it for a step's samples (`draw`, `draw_round`, `generate`),
 hands it every applied update (`sync`), and saves and restores its part of a checkpoint (`state`, `restore`);
 `close` ends a run's use of it. Its life follows the module's hooks: `start_engine` in configure_model, `find_sync`
 at the start of fit, `attach` before generation, `start` when training begins.
@@ -43,7 +43,7 @@ class Rollouts:
 
     Args:
         module: the RLVRModule it draws for (its settings, tokenizer, policy, Trainer and collectives).
-        engine: `model.engine` (None: the in-process engine, the policy itself, made by `start_engine`).
+        engine: `model.rollouts.engine` (None: the in-process engine, the policy itself, made by `start_engine`).
     """
 
     def __init__(self, module: RLVRModule, engine: RolloutEngine | None) -> None:
@@ -53,7 +53,8 @@ class Rollouts:
         # Generation overlapped with the update, during a fit; and what a checkpoint had in flight, until it starts.
         self.pipeline: RolloutPipeline | None = None
         self._in_flight: list[dict[str, Any]] = []
-        # Multi-turn episodes (model.tools / model.environment_factory), drawn over the engine; None: one turn
+        # Multi-turn episodes (model.episodes.tools / model.episodes.environment_factory), drawn over the engine; None:
+        # one turn
         self.episodes: EpisodeRunner | None = None
 
     # ---- the engine's life ------------------------------------------------------------------------------------------
@@ -63,13 +64,14 @@ class Rollouts:
         model's files (one per rank, beside that rank's trainer)."""
         module = self.module
         if self.episodes is None:
-            self.episodes = episode_runner(module.hparams, module.tokenizer, module.stop_token_ids(),
-                                           pad_token_id(module.tokenizer))
+            hp = module.hparams
+            self.episodes = episode_runner(hp.episodes, hp.sampling.max_new_tokens, module.tokenizer,
+                                           module.stop_token_ids(), pad_token_id(module.tokenizer))
         if self.episodes is not None and self.engine is None and module.collectives.shards_weights:
             raise ValueError(
-                "model.tools / model.environment_factory under SketchFSDPStrategy with the in-process engine: each "
-                "generation step of a sharded policy is a collective, and the ranks' episodes take different numbers "
-                "of turns; set model.engine (a VLLMEngine per rank, or engine servers) to draw episodes")
+                "model.episodes under SketchFSDPStrategy with the in-process engine: each generation step of a sharded "
+                "policy is a collective, and the ranks' episodes take different numbers "
+                "of turns; set model.rollouts.engine (a VLLMEngine per rank, or engine servers) to draw episodes")
         if self.engine is None:
             self.engine = HFEngine(module.policy, module.stop_token_ids(), pad_token_id(module.tokenizer),
                                    all_finished=module.collectives.all_finished)
@@ -91,13 +93,14 @@ class Rollouts:
         if self.weight_sync is not None and not own_weights:
             raise ValueError(
                 "RolloutWeightSync: the in-process engine generates with the policy's own weights, so there is nothing "
-                "to sync; set model.engine (e.g. class_path: lightning_logra.rollout.VLLMEngine) or remove the "
-                "callback")
+                "to sync; set model.rollouts.engine (e.g. class_path: lightning_logra.rollout.VLLMEngine) or remove "
+                "the callback")
         if self.weight_sync is None and own_weights:
             raise ValueError(
-                f"model.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them equal to "
-                "the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (the command "
-                "line adds one unless its config lists one), or set model.engine: null to generate with the policy")
+                f"model.rollouts.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them "
+                "equal to the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (the "
+                "command line adds one unless its config lists one), or set model.rollouts.engine: null to generate "
+                "with the policy")
 
     def attach(self) -> None:
         """Hand the engine to the weight sync, which loads what differs: before the first generation of a stage,
@@ -108,19 +111,20 @@ class Rollouts:
                                     module.max_over_ranks)
 
     def start(self) -> None:
-        """With model.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now on; with
-        the in-process engine, which is the policy itself, the steps stay serial."""
+        """With model.rollouts.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now
+        on; with the in-process engine, which is the policy itself, the steps stay serial."""
         module = self.module
-        k = module.hparams.max_staleness
+        k = module.hparams.rollouts.max_staleness
         if k == 0:
             if self.engine.updates_in_flight():
-                raise ValueError("model.engine: in_flight updates reach the engine while it generates the steps ahead, "
-                                 "and with model.max_staleness=0 there are none: set model.max_staleness to 1 (or "
-                                 "more), or engine in_flight: false")
+                raise ValueError("model.rollouts.engine: in_flight updates reach the engine while it generates the "
+                                 "steps "
+                                 "ahead, and with model.rollouts.max_staleness=0 there are none: set "
+                                 "model.rollouts.max_staleness to 1 (or more), or engine in_flight: false")
             return
         if not self.engine.runs_alongside():
-            log.warning("model.max_staleness=%d: %s cannot generate while the trainer computes (it runs in the "
-                        "trainer's process), so the steps stay serial; use VLLMEngine with separate_process: true "
+            log.warning("model.rollouts.max_staleness=%d: %s cannot generate while the trainer computes (it runs in "
+                        "the trainer's process), so the steps stay serial; use VLLMEngine with separate_process: true "
                         "to overlap them", k, type(self.engine).__name__)
             return
 
@@ -134,7 +138,7 @@ class Rollouts:
         reload = self.engine.reload_after_restart(reload_here)  # the sync's full load (or its refusal, sharded)
         trainer = module.trainer
         self.pipeline = RolloutPipeline(
-            k, lambda batch, step: self.engine_call(batch, module.hparams.num_generations, module.sampling, step),
+            k, lambda batch, step: self.engine_call(batch, module.hparams.sampling.num_generations, module.sampling, step),
             self.weight_sync.send, reload, iter(trainer.train_dataloader),
             start=module.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None,
             in_flight=self.engine.updates_in_flight())
@@ -166,7 +170,7 @@ class Rollouts:
         module = self.module
         start = time.perf_counter()
         if self.pipeline is None:
-            rollout = self.generate(batch, module.hparams.num_generations, module.sampling, step)
+            rollout = self.generate(batch, module.hparams.sampling.num_generations, module.sampling, step)
             return rollout, step, time.perf_counter() - start
         rollout, version, wait_s = self.pipeline.take(batch, step)
         return rollout.to(module.device), version, wait_s
@@ -176,7 +180,7 @@ class Rollouts:
         generated now with the trainer's weights (with overlapped rollouts, on the engine's worker after what it was
         given: every update so far has reached it), and scored."""
         module = self.module
-        n = module.hparams.num_generations
+        n = module.hparams.sampling.num_generations
         batch = module.trainer.datamodule.extra_batch(step, round)
         call = self.engine_call(batch, n, module.sampling, step, round)
         rollout = (call() if self.pipeline is None else self.pipeline.call_now(call, step)).to(module.device)
@@ -197,7 +201,7 @@ class Rollouts:
         count, rank = len(batch["prompt"]), module.global_rank
         # (a module without a Trainer, evaluating by hand, draws round 0 only)
         first = (round * module.trainer.world_size + rank) * count if round else rank * count
-        seeds = prompt_seeds(module.hparams.seed, step, first, count)
+        seeds = prompt_seeds(module.hparams.sampling.seed, step, first, count)
         if self.episodes is not None:  # each episode's first prompt is rendered with the tools it may call
             return partial(self.episodes.run, self.engine, batch, n, sampling, seeds)
         # Token ids come with the batch when the data module tokenized the prompts.
@@ -233,7 +237,7 @@ class Rollouts:
         those drawn after an update landed are fresher, and `rollout/in_flight_tokens` is the share of tokens drawn
         after one."""
         module = self.module
-        if module.hparams.max_staleness == 0:
+        if module.hparams.rollouts.max_staleness == 0:
             return {}
         tokens = rollout.loss_mask.bool()  # (N, C) the sampled tokens
         rows = staleness.to(module.device)[:, None].expand_as(tokens)[tokens]

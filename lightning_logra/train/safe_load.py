@@ -35,16 +35,18 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_logra.base.schedule import LRSchedule
+from lightning_logra.episodes.settings import EpisodeSettings
 from lightning_logra.rewards import MathAnswer, ReasoningGymScore
 from lightning_logra.train.digests import SUMS, read_sums
+from lightning_logra.train.settings import GROUPS
 
-# What the hyper-parameters of a module built in Python (not by the command line, which saves plain values) may pickle:
-# classes that are rebuilt as data (the schedule, MathAnswer's and ReasoningGymScore's settings). Nothing that runs: an
+# What the hyper-parameters of a module may pickle: classes that are rebuilt as data (the settings groups, the schedule,
+# MathAnswer's and ReasoningGymScore's settings). Nothing that runs: an
 # allowed function is one a crafted checkpoint could call with arguments of its choosing (`math_answer` starts verifier
 # processes). Hyper-parameters keep a reward function by its name (`rewards.reward_setting`); a checkpoint written when
 # they kept the function itself loads with its name in its place, a string that nothing can call.
 SAFE_GLOBALS: list[Any] = [
-    LRSchedule, MathAnswer, ReasoningGymScore,
+    LRSchedule, MathAnswer, ReasoningGymScore, EpisodeSettings, *GROUPS.values(),
     *[(name, f"lightning_logra.rewards.builtin.{name}") for name in ("exact_match", "math_answer")],
 ]
 

@@ -10,7 +10,7 @@ other GPUs, other nodes, other sites, kept in step by the same `Update` bytes a 
   by replaying the journal's updates since the version it holds, or by a full load when that moves fewer bytes (the
   choice is logged with both sizes). A resumed trainer restores its run id and version from the checkpoint and brings
   its servers back the same way.
-- In-flight updates (`in_flight`, with `model.max_staleness` ≥ 1): an update reaches the servers as soon as the
+- In-flight updates (`in_flight`, with `model.rollouts.max_staleness` ≥ 1): an update reaches the servers as soon as the
   trainer sends it, between two decoding steps of the completions under way (vLLM's "keep" pause), which go on with
   the new weights; vLLM labels each token with the version that sampled it, and the rollout carries, per token, how
   many updates landed before it (`Rollout.in_flight_updates`). PipelineRL's idea, with the KV of the tokens so far
@@ -82,7 +82,8 @@ class RemoteEngine(RolloutEngine):
         probe_every_s: how often a server that is down is asked whether it is back.
         no_server_wait_s: how long a call waits for a server to come back when none is up, before the run stops.
         start_timeout_s: the longest wait for launched servers (and given ones) to answer at the start.
-        in_flight: with `model.max_staleness` ≥ 1, send each update while the servers generate, to be merged between
+        in_flight: with `model.rollouts.max_staleness` ≥ 1, send each update while the servers generate, to be merged
+        between
             decoding steps with the completions under way kept (their later tokens drawn by the newer weights); False:
             an update waits until the generations before it are done.
     """
@@ -105,7 +106,8 @@ class RemoteEngine(RolloutEngine):
     ) -> None:
         urls = list(urls or [])
         if bool(urls) == bool(launch):
-            raise ValueError("model.engine: RemoteEngine needs either urls (servers started with `lightning-logra "
+            raise ValueError("model.rollouts.engine: RemoteEngine needs either urls (servers started with "
+                             "`lightning-logra "
                              f"serve`) or launch: N (local servers it starts itself), not both; got urls={urls}, "
                              f"launch={launch}")
         check_positive("engine.journal_steps", journal_steps, "number of updates", integer=True)
@@ -150,7 +152,8 @@ class RemoteEngine(RolloutEngine):
 
     def place(self, rank: int, world_size: int, device: torch.device) -> None:
         if self.launch and world_size > 1:
-            raise ValueError("model.engine: RemoteEngine's launch starts servers for a run of one process; with "
+            raise ValueError("model.rollouts.engine: RemoteEngine's launch starts servers for a run of one process; "
+                             "with "
                              f"{world_size} processes start the servers with `lightning-logra serve` and give their "
                              "urls")
         self.rank, self.world_size = rank, world_size
@@ -198,7 +201,8 @@ class RemoteEngine(RolloutEngine):
             return token
         if self.launch:
             return secrets.token_hex(16)
-        raise ValueError(f"model.engine: the servers' update routes need their shared token: set ${TOKEN_ENV} or "
+        raise ValueError(f"model.rollouts.engine: the servers' update routes need their shared token: set ${TOKEN_ENV} "
+                         "or "
                          "engine.token_file")
 
     def close(self) -> None:
@@ -393,7 +397,7 @@ def updates_before(samples: list[dict], version: int, width: int) -> torch.Tenso
 def agreed(held: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:
     """Each named tensor as the servers hold it: NaN where two of them differ."""
     if not held:
-        raise NoServerLeft("model.engine: no engine server answered for its weights")
+        raise NoServerLeft("model.rollouts.engine: no engine server answered for its weights")
     out = {}
     for name in names:
         first = held[0][name]

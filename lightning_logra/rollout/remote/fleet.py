@@ -81,7 +81,7 @@ class Fleet:
                 time.sleep(1.0)
         if not any(s.up for s in self.servers):
             self.close()
-            raise NoServerLeft(f"model.engine: no engine server answered within engine.start_timeout_s="
+            raise NoServerLeft(f"model.rollouts.engine: no engine server answered within engine.start_timeout_s="
                                f"{self.start_timeout_s} s: {', '.join(s.url for s in self.servers)}")
         for server in self.servers:
             if not server.up:
@@ -142,7 +142,7 @@ class Fleet:
                    "trainer's model (`lightning-logra serve --model ...`)")
             if not self._started:
                 self.close()
-                raise ValueError(f"model.engine: {why}")
+                raise ValueError(f"model.rollouts.engine: {why}")
             log.warning("%s; not used, asked again every %.0f s", why, self.probe_every_s)
             server.up, server.next_probe = False, time.monotonic() + self.probe_every_s
             return
@@ -177,7 +177,7 @@ class Fleet:
             if ready:
                 return ready
             if time.monotonic() >= deadline:
-                raise NoServerLeft(f"model.engine: no engine server is left to generate on: "
+                raise NoServerLeft(f"model.rollouts.engine: no engine server is left to generate on: "
                                    f"{', '.join(s.url for s in self.servers)} (none answered for "
                                    f"engine.no_server_wait_s={self.no_server_wait_s} s; start them again, then "
                                    "resume the run from its last checkpoint with --ckpt_path)")

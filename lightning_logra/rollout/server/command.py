@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-logra serve",
         description="A vLLM server (OpenAI-compatible: /v1/completions, /v1/chat/completions, ...) whose weights a "
-                    "lightning-logra run keeps in step with its own by low-rank factors and seeds (model.engine: "
+                    "lightning-logra run keeps in step with its own by low-rank factors and seeds "
+                    "(model.rollouts.engine: "
                     "RemoteEngine with this server's URL). The update routes (/logra/) need a shared token: set "
                     f"${TOKEN_ENV} or give --token-file, and give the trainer the same.",
         epilog="Any other vLLM server option goes after `--`, e.g. `-- --max-num-seqs 64 --api-key KEY`. "

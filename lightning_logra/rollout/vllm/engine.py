@@ -48,7 +48,7 @@ PLACEMENTS = ("processes", "trainer_ranks")
 
 
 class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
-    """Generation with vLLM. Configure it in YAML under `model.engine`; it starts when the model is set up.
+    """Generation with vLLM. Configure it in YAML under `model.rollouts.engine`; it starts when the model is set up.
 
     Args:
         dtype: the engine's weight dtype ("auto" takes the checkpoint's; "float32" on the CPU backend for tests).
@@ -154,7 +154,8 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         tp = self.options["tensor_parallel_size"]
         if world_size > 1 and self.placement == "trainer_ranks":
             if world_size % tp:
-                raise ValueError(f"model.engine: placement trainer_ranks runs one engine per {tp} consecutive ranks "
+                raise ValueError(f"model.rollouts.engine: placement trainer_ranks runs one engine per {tp} consecutive "
+                                 "ranks "
                                  f"(engine.tensor_parallel_size); {world_size} ranks are not a multiple of it")
             # Every rank builds every group (a collective), and keeps its own.
             groups = [list(range(first, first + tp)) for first in range(0, world_size, tp)]
@@ -163,11 +164,13 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
                 self.group, _ = dist.new_subgroups_by_enumeration(groups)
         elif world_size > 1 and not self.separate_process:
             # vLLM's worker would run in the trainer's process, where torch.distributed is the trainer's already.
-            raise ValueError("model.engine: with several trainer processes each rank's engine must run in processes "
+            raise ValueError("model.rollouts.engine: with several trainer processes each rank's engine must run in "
+                             "processes "
                              "of its own (engine.separate_process: true), or in the trainer's ranks themselves "
                              "(engine.placement: trainer_ranks)")
         elif world_size > 1 and tp != 1:
-            raise ValueError(f"model.engine: with several trainer processes each rank's engine runs on that rank's "
+            raise ValueError("model.rollouts.engine: with several trainer processes each rank's engine runs on that "
+                             "rank's "
                              f"device alone; set engine.tensor_parallel_size: 1 (got {tp}), or engine.placement: "
                              "trainer_ranks for tensor-parallel engines in the trainer's ranks")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)

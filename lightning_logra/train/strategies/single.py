@@ -1,5 +1,5 @@
-"""One device: the sketch run's strategy and the LoRA run's, holding the run's settings and writing checkpoints
-atomically. What is trained, and how, is the training mode's (`lightning_logra.train.modes`)."""
+"""One device: the sketch run's strategy, the LoRA run's and the dense run's, each holding the run's settings and
+writing checkpoints atomically. What is trained, and how, is the training mode's (`lightning_logra.train.modes`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
+from lightning_logra.train.dense import DenseConfig
 from lightning_logra.train.lora import LoRAConfig
 from lightning_logra.train.strategies.base import Collectives
 
@@ -56,3 +57,20 @@ class LoRAStrategy(_OneDevice):
         """
         super().__init__(device)
         self.config = lora
+
+
+class DenseStrategy(_OneDevice):
+    """Single-device dense training of the module's `policy` (AdamW, or the optimizer `dense.optimizer` names): the
+    baseline, and the optimizers users would pick instead."""
+
+    strategy_name = "dense"
+
+    def __init__(self, dense: DenseConfig = DenseConfig(), device: str | None = None) -> None:
+        """
+        Args:
+            dense: what is trained (every parameter, or the target matrices' weights) and by which optimizer
+                (`DenseConfig`).
+            device: the device to train on, e.g. `cuda:1`; None takes the Trainer's.
+        """
+        super().__init__(device)
+        self.config = dense

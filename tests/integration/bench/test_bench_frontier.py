@@ -39,7 +39,7 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
     assert runs["logra_total"]["total"] == pytest.approx(report["summary"][best]["kl_sum"][0])
     assert runs["dense_beta"]["beta"] == 0.04
     config = (runs_dir / "configs" / "peer_galore_lr0.0001_seed0.yaml").read_text()
-    assert "class_path: galore_torch.GaLoreAdamW" in config  # a peer through model.optimizer, on the frontier too
+    assert "class_path: galore_torch.GaLoreAdamW" in config  # a peer through trainer.strategy.init_args.dense.optimizer, on the frontier too
     # how much of the gradient a sketch sees: about √(r/(r+k)) (docs/results/rank-and-projection.md), so more at rank
     # 64 than at 16
     cosines = report["sketch_cosines"]

@@ -1,9 +1,10 @@
 """bench/tasks.py --quick end to end on the real model: the survey of candidate tasks (two of them), then the sketch
 row (LoGRA) of the comparison for one step through the CLI, and the report holds, per task, pass@1 and pass@8 before
 and after, the KL from the start, peak memory and seconds per step. The other rows are the same script's runs of
-the configs `run_config` builds, checked here without running (dense AdamW and APOLLO-Mini through model.optimizer,
-LoRA through its strategy: tests/integration/learning/test_other_paths_learn.py and
-tests/integration/cli/test_peer_optimizers.py run those paths)."""
+the configs `run_config` builds, checked here without running (dense AdamW and APOLLO-Mini through
+trainer.strategy.init_args.dense.optimizer, LoRA through its strategy:
+tests/integration/learning/test_other_paths_learn.py and tests/integration/cli/test_peer_optimizers.py run those
+paths)."""
 
 import json
 import math
@@ -59,7 +60,7 @@ def test_each_row_is_the_shipped_config_with_its_method(monkeypatch):
     assert list(configs) == ["logra", "dense", "lora", "apollo_mini"]
     strategies = {row: config["trainer"].get("strategy", {}).get("class_path", "") for row, config in configs.items()}
     assert strategies["logra"].endswith("SketchStrategy") and strategies["lora"].endswith("LoRAStrategy")
-    assert strategies["dense"] == strategies["apollo_mini"] == ""  # the dense path: model.lr / model.optimizer
+    assert strategies["dense"] == strategies["apollo_mini"] == ""  # the dense path: trainer.strategy.init_args.dense.lr / trainer.strategy.init_args.dense.optimizer
     assert configs["dense"]["model"]["lr"] == args.dense_lr and "optimizer" not in configs["dense"]["model"]
     assert configs["apollo_mini"]["model"]["optimizer"]["class_path"] == "apollo_torch.APOLLOAdamW"
     for row, config in configs.items():  # the same steps, tasks and measurements; LoGRA alone is KL-controlled

@@ -107,7 +107,7 @@ def test_resume_refuses_other_sketch_settings(run_cli, tmp_path, override, messa
     ("tiny_arith.yaml", ["--trainer.strategy.init_args.sketch.optimizer.lr", "5.0e-4",
                          "--trainer.strategy.init_args.sketch.optimizer.betas", "[0.8, 0.99]"],
      "sketch.optimizer.init_args.lr", 5e-4),
-    ("tiny_arith_dense.yaml", ["--model.lr", "3.0e-5", "--model.weight_decay", "0.01"], "model.lr", 3e-5),
+    ("tiny_arith_dense.yaml", ["--trainer.strategy.init_args.dense.lr", "3.0e-5", "--trainer.strategy.init_args.dense.weight_decay", "0.01"], "trainer.strategy.init_args.dense.lr", 3e-5),
     ("tiny_arith_lora.yaml", ["--trainer.strategy.init_args.lora.lr", "1.0e-3"], "lora.lr", 1e-3),
 ], ids=["sketch", "dense", "lora"])
 def test_a_resume_trains_with_this_runs_optimizer_settings_and_says_so(run_cli, tmp_path, caplog, config, changed,
@@ -123,11 +123,12 @@ def test_a_resume_trains_with_this_runs_optimizer_settings_and_says_so(run_cli, 
     assert f"{key}: the checkpoint has" in caplog.text and "training on with this run's value" in caplog.text
     if "betas" in changed[-2]:
         assert tuple(optimizer.param_groups[0]["betas"]) == (0.8, 0.99) and "init_args.betas" in caplog.text
-    if "--model.weight_decay" in changed:
-        assert optimizer.param_groups[0]["weight_decay"] == 0.01 and "model.weight_decay" in caplog.text
-        # LightningCLI would have replaced the module's settings with the checkpoint's (dropping --model.lr)
+    if "--trainer.strategy.init_args.dense.weight_decay" in changed:
+        assert optimizer.param_groups[0]["weight_decay"] == 0.01 and "trainer.strategy.init_args.dense.weight_decay" in caplog.text
+        # LightningCLI would have replaced the module's settings with the checkpoint's (dropping
+        # --trainer.strategy.init_args.dense.lr)
         assert resumed.model.hparams.lr == 3e-5
-        assert "model.lr: the checkpoint was made with 0.0001, this run uses 3e-05" in caplog.text
+        assert "trainer.strategy.init_args.dense.lr: the checkpoint was made with 0.0001, this run uses 3e-05" in caplog.text
 
 
 def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(run_cli, tmp_path, caplog):
@@ -159,7 +160,7 @@ def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(run_
 def test_a_checkpoint_exports_to_a_transformers_folder_without_training(run_cli, tmp_path):
     from lightning_logra.export import main as export_main
 
-    cli = run_cli("tiny_arith", "--model.export_every", "1", "--model.export_dir", str(tmp_path / "final"),
+    cli = run_cli("tiny_arith", "--model.export.every", "1", "--model.export.dir", str(tmp_path / "final"),
                   root=tmp_path)
     checkpoint = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)[0]
     export_main(["--ckpt_path", checkpoint, "--out", str(tmp_path / "exported")])
@@ -178,7 +179,7 @@ def test_a_checkpoint_exports_to_a_transformers_folder_without_training(run_cli,
 
 def test_export_reloads_and_generates_the_same_greedy_text(run_cli, tmp_path):
     export = tmp_path / "export"
-    cli = run_cli("tiny_arith", "--model.export_dir", str(export), root=tmp_path)
+    cli = run_cli("tiny_arith", "--model.export.dir", str(export), root=tmp_path)
     assert json.loads((export / "config.json").read_text())["model_type"] == "qwen2"
     reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
     tokenizer = AutoTokenizer.from_pretrained(export)
@@ -273,8 +274,8 @@ def test_several_weighted_rewards_are_each_logged_every_step_and_summed(run_cli,
     assert (hparams["reward"], hparams["reward_weights"]) == (rewards["reward"], rewards["reward_weights"])
     (saved,) = glob.glob(str(tmp_path / "**" / "config.yaml"), recursive=True)
     assert {key: yaml.safe_load(Path(saved).read_text())["model"][key] for key in rewards} == rewards
-    with pytest.raises(ValueError, match=r"model.reward_weights has 2 weights for the 3 rewards of model.reward"):
-        run_cli("tiny_arith", "--config", str(path), "--model.reward_weights", "[1.0, 2.0]", fast=False, run=False)
+    with pytest.raises(ValueError, match=r"model.scoring.weights has 2 weights for the 3 rewards of model.reward"):
+        run_cli("tiny_arith", "--config", str(path), "--model.scoring.weights", "[1.0, 2.0]", fast=False, run=False)
 
 
 @pytest.mark.parametrize("reward, error, message", [
@@ -352,7 +353,7 @@ def test_gpu_configs_install_on_their_models_shapes(run_cli, name):
 def test_a_sketch_optimizer_of_ones_own_is_one_class_and_a_config_line(run_cli):
     # tests/custom_sketch_optimizer.py holds the class; the config line selects it, with its init_args checked.
     chosen = ["--trainer.strategy.init_args.sketch.optimizer", "custom_sketch_optimizer.SketchSignSGD",
-              "--trainer.strategy.init_args.sketch.optimizer.lr", "1e-4", "--model.max_grad_norm", "null"]
+              "--trainer.strategy.init_args.sketch.optimizer.lr", "1e-4", "--model.training.max_grad_norm", "null"]
     cli = run_cli("tiny_arith", *chosen, steps=1, run=False)
     cli.trainer.callbacks = [cb for cb in cli.trainer.callbacks if type(cb).__name__ != "PredictedKLBudget"]  # α = 1
     cli.model.configure_model()
@@ -376,7 +377,7 @@ def test_the_optimizer_receives_at_most_max_grad_norm(run_cli, config):
     # path) and the dense gradients (baseline) an optimizer is given have a norm of at most max_grad_norm.
     check = GradNormAtMost()
     cli = run_cli(config, "--trainer.max_steps", "3", "--data.init_args.batch_size", "8",
-                  "--trainer.val_check_interval", "1000", "--model.max_grad_norm", "1e-3", fast=False, run=False)
+                  "--trainer.val_check_interval", "1000", "--model.training.max_grad_norm", "1e-3", fast=False, run=False)
     cli.trainer.callbacks.append(check)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert check.seen == 3

@@ -58,7 +58,7 @@ def test_an_engine_with_weights_of_its_own_gets_the_weight_sync_unless_the_confi
         return [c for c in callbacks if isinstance(c, RolloutWeightSync)]
 
     assert syncs("tiny_arith.yaml") == []  # the in-process engine is the policy: nothing to sync
-    (added,) = syncs("tiny_arith.yaml", "--model.engine", "lightning_logra.rollout.VLLMEngine")
+    (added,) = syncs("tiny_arith.yaml", "--model.rollouts.engine", "lightning_logra.rollout.VLLMEngine")
     assert added.check_every == 50 and added.tolerance == 1e-4  # its defaults
     assert len(syncs("tiny_arith_vllm.yaml")) == 1  # the config's own, not a second beside it
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import TOOL_TASK
 
-DENSE = ["--trainer.strategy", "auto", "--model.lr", "1e-3"]
+DENSE = ["--trainer.strategy", "auto", "--trainer.strategy.init_args.dense.lr", "1e-3"]
 
 
 @pytest.mark.parametrize("config, extra", [
@@ -26,9 +26,10 @@ def test_a_fit_with_tools_draws_episodes_trains_and_logs_them(run_cli, config, e
 
 
 def test_an_environment_class_draws_episodes_and_scores_them(run_cli, tool_model):
-    cli = run_cli("configs/tiny_arith.yaml", "--model.environment_factory", "bad_envs.Counter", "--model.reward",
-                  "[exact_match, environment]", "--model.max_turns", "3", "--model.max_new_tokens", "10",
-                  "--model.max_episode_tokens", "48", model=tool_model)
+    cli = run_cli("configs/tiny_arith.yaml", "--model.episodes.environment_factory", "bad_envs.Counter", "--model.reward",
+                  "[exact_match, "
+                  "environment]", "--model.episodes.max_turns", "3", "--model.sampling.max_new_tokens", "10",
+                  "--model.episodes.max_tokens", "48", model=tool_model)
     metrics = cli.trainer.logged_metrics
     assert cli.trainer.global_step == 2 and metrics["episodes/sampled_tokens"] > 0
     for key in ("episodes/turns", "episodes/tool_calls", "episodes/environment_s", "train/reward_mean", "val/pass@1"):

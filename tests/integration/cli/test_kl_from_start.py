@@ -71,7 +71,7 @@ def test_a_run_logs_the_distance_it_travelled_at_every_validation(run_cli, tmp_p
     callbacks.write_text("trainer:\n  callbacks:\n"
                          "    - class_path: lightning_logra.callbacks.KLFromStart\n"
                          "      init_args: {prompts: 6, samples: 3}\n")
-    run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--model.lr", "1e-2", steps=4,
+    run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--trainer.strategy.init_args.dense.lr", "1e-2", steps=4,
             root=tmp_path / "fit")
     travelled = _scalars(tmp_path / "fit")["val/kl_from_start"]
     assert len(travelled) == 2  # steps 2 and 4 (val_check_interval 2)
@@ -83,12 +83,12 @@ def test_a_run_logs_the_distance_it_travelled_at_every_validation(run_cli, tmp_p
 
 
 def test_with_a_kl_penalty_the_measurement_shares_its_reference(run_cli, tmp_path):
-    # model.beta > 0 already keeps π_0 in every process: the measurement uses that copy, not a second one.
+    # model.loss.beta > 0 already keeps π_0 in every process: the measurement uses that copy, not a second one.
     callbacks = tmp_path / "callbacks.yaml"
     callbacks.write_text("trainer:\n  callbacks:\n"
                          "    - class_path: lightning_logra.callbacks.KLFromStart\n"
                          "      init_args: {prompts: 4, samples: 2}\n")
-    cli = run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--model.beta", "0.04", steps=2,
+    cli = run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--model.loss.beta", "0.04", steps=2,
                   root=tmp_path / "fit")
     measurement = next(c for c in cli.trainer.callbacks if isinstance(c, KLFromStart))
     assert cli.model.reference is not None and measurement.reference is cli.model.reference

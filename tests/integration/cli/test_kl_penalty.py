@@ -1,4 +1,4 @@
-"""model.beta: the KL penalty to the starting policy (TRL's GRPO `beta`), per token β·(exp(r − l) − (r − l) − 1).
+"""model.loss.beta: the KL penalty to the starting policy (TRL's GRPO `beta`), per token β·(exp(r − l) − (r − l) − 1).
 
 The gradient of one real training step (a Trainer fit, the module's own `accumulate_gradients`) is compared in
 float64 with the objective written out here by hand, with the policy moved away from the reference so that the
@@ -237,8 +237,8 @@ def test_beta_under_fsdp_is_refused_before_anything_loads(tiny_arith_model, monk
 
 @pytest.mark.parametrize("config", ["tiny_arith", "tiny_arith_dense", "tiny_arith_lora"])
 def test_the_command_line_logs_the_kl_to_the_start_in_every_training_mode(run_cli, tmp_path, config):
-    # Sketches, dense AdamW and LoRA (a peft policy) alike: 3 steps with model.beta, train/kl logged every step.
-    run_cli(config, "--model.beta", "0.04", steps=3, root=tmp_path)
+    # Sketches, dense AdamW and LoRA (a peft policy) alike: 3 steps with model.loss.beta, train/kl logged every step.
+    run_cli(config, "--model.loss.beta", "0.04", steps=3, root=tmp_path)
     events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])
     events.Reload()
     kl = [e.value for e in events.Scalars("train/kl")]

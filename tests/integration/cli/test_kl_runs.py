@@ -43,7 +43,7 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(run_cli):
 
 
 @pytest.mark.parametrize("config, extra", [
-    ("tiny_arith_dense_all", ["--model.lr", "1e-4"]),  # no sketches at all: AdamW on every parameter
+    ("tiny_arith_dense_all", ["--trainer.strategy.init_args.dense.lr", "1e-4"]),  # no sketches at all: AdamW on every parameter
     ("tiny_arith", ["--trainer.strategy.init_args.sketch.train_rest", "true",
                     "--trainer.strategy.init_args.sketch.rest_lr", "1e-3"]),  # sketches + dense AdamW
 ])
@@ -53,7 +53,7 @@ def test_alpha_scales_the_whole_update_dense_parameters_included(run_cli, config
     def one_step(controlled: bool):
         # the shipped model and reward, one step of 4 prompts, no validation
         cli = run_cli(config, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1000",
-                      "--data.init_args.batch_size", "4", "--model.max_grad_norm", "null", *extra, fast=False,
+                      "--data.init_args.batch_size", "4", "--model.training.max_grad_norm", "null", *extra, fast=False,
                       run=False)
         cli.trainer.callbacks = [cb for cb in cli.trainer.callbacks if not isinstance(cb, PredictedKLBudget)]
         if controlled:  # a budget small enough that it binds: α < α_max

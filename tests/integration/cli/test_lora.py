@@ -36,9 +36,9 @@ def _module(model_path, **kwargs):
 def _lora_run(run_cli, steps, *overrides):
     """tiny_arith_lora.yaml on the tiny model at rank 4, with `_module`'s settings and no validation: parsed and
     instantiated, for the test to fit."""
-    return run_cli("tiny_arith_lora", "--model.num_generations", str(G), "--model.max_new_tokens", "4",
-                   "--model.micro_batch_size", "4", "--model.max_grad_norm", "null", "--model.is_cap", "null",
-                   "--model.reward_timeout_s", "null", "--trainer.limit_val_batches", "0",
+    return run_cli("tiny_arith_lora", "--model.sampling.num_generations", str(G), "--model.sampling.max_new_tokens", "4",
+                   "--model.training.micro_batch_size", "4", "--model.training.max_grad_norm", "null", "--model.rollouts.is_cap", "null",
+                   "--model.scoring.timeout_s", "null", "--trainer.limit_val_batches", "0",
                    "--trainer.strategy.init_args.lora.rank", "4", *overrides, steps=steps, run=False)
 
 
@@ -240,9 +240,10 @@ def test_bad_settings_fail_naming_the_key(settings, message):
     (["--trainer.strategy.init_args.lora.rank", "128"],
      "trainer.strategy.init_args.lora.rank: 128 must be smaller than in_features=128"),
     (["--trainer.strategy.init_args.lora.dropout", "1.5"], "trainer.strategy.init_args.lora.dropout must be in"),
-    (["--model.lr", "0.1"], "set trainer.strategy.init_args.lora.lr instead"),
-    (["--model.target_modules", "[q_proj]"], "set trainer.strategy.init_args.lora.target_modules instead"),
-], ids=["target", "rank", "dropout", "model.lr", "model.target_modules"])
+    (["--trainer.strategy.init_args.dense.lr", "0.1"], "set trainer.strategy.init_args.lora.lr instead"),
+    (["--trainer.strategy.init_args.dense.target_modules", "[q_proj]"], "set "
+                                                                        "trainer.strategy.init_args.lora.target_modules instead"),
+], ids=["target", "rank", "dropout", "trainer.strategy.init_args.dense.lr", "trainer.strategy.init_args.dense.target_modules"])
 def test_bad_config_values_fail_before_training_naming_the_key(run_cli, tmp_path, capsys, override, message):
     with pytest.raises((ValueError, SystemExit)) as info:
         _fit(run_cli, tmp_path, 2, *override)
@@ -257,9 +258,9 @@ def test_dense_baseline_on_the_target_matrices_only(tiny_arith_model):
     trained = sorted(n for n, p in module.policy.named_parameters() if p.requires_grad)
     assert trained == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
                              for m in ("self_attn.q_proj", "mlp.down_proj"))
-    with pytest.raises(ValueError, match="model.target_modules: 'w_proj' matches no module"):
+    with pytest.raises(ValueError, match="trainer.strategy.init_args.dense.target_modules: 'w_proj' matches no module"):
         _module(tiny_arith_model, target_modules=["w_proj"]).configure_model()
-    with pytest.raises(ValueError, match="model.target_modules is empty"):
+    with pytest.raises(ValueError, match="trainer.strategy.init_args.dense.target_modules is empty"):
         _module(tiny_arith_model, target_modules=[])
 
 

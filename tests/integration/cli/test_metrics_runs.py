@@ -20,7 +20,7 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(run_cli, tmp_path, monke
         return rollout, *drawn
 
     monkeypatch.setattr(Rollouts, "draw", recording)
-    cli = run_cli("tiny_arith", "--model.log_completions_every", "1", root=tmp_path)
+    cli = run_cli("tiny_arith", "--model.rollouts.log_completions_every", "1", root=tmp_path)
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     last = seen[-1]
     lengths = last.completion_lengths.float()
@@ -75,8 +75,8 @@ def test_data_whose_rows_name_their_task_log_the_reward_and_pass_at_k_per_task(r
         return rewards, per_reward
 
     monkeypatch.setattr(RLVRModule, "score", recording)
-    cli = run_cli("tiny_arith", "--data.class_path", "conftest.TaskedArithDataModule", "--model.eval_num_samples", "4",
-                  "--model.eval_temperature", "1.0", root=tmp_path)
+    cli = run_cli("tiny_arith", "--data.class_path", "conftest.TaskedArithDataModule", "--model.evaluation.num_samples", "4",
+                  "--model.evaluation.temperature", "1.0", root=tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)[0])

@@ -1,4 +1,5 @@
-"""The sampler corrections (`model.is_mode`) and the ratio losses (`model.loss_type` gspo, cispo) in a real training
+"""The sampler corrections (`model.rollouts.is_mode`) and the ratio losses (`model.loss.type` gspo, cispo) in a real
+training
 step: a Trainer fit's gradient (the module's `accumulate_gradients`) against the objective written out here by hand,
 exact in float64. Their ratios only matter on a stale batch, so each test shifts the sampler's log-probs column by
 column (`test_kl_penalty.SHIFT`: the ratios e^-0.7, e^0.5, e^1, e^0.2) and checks that the clip binds on at least 10%

@@ -1,7 +1,7 @@
-"""The optimizers a user would pick instead of LoGRA, each by `model.optimizer` through the command line: three steps
-of the dense baseline (the LoRA adapters for 8-bit AdamW) at settings from its own paper, a step-size controller
-scaling a GaLore step, and a GaLore run resumed from its checkpoint equal to the uninterrupted one. A package that does
-not install on this machine skips its case, saying which (the `peers` extra installs them all)."""
+"""The optimizers a user would pick instead of LoGRA, each by `trainer.strategy.init_args.dense.optimizer` through the
+command line: three steps of the dense baseline (the LoRA adapters for 8-bit AdamW) at settings from its own paper, a
+step-size controller scaling a GaLore step, and a GaLore run resumed from its checkpoint equal to the uninterrupted one.
+A package that does not install on this machine skips its case, saying which (the `peers` extra installs them all)."""
 
 import glob
 import importlib.util
@@ -44,7 +44,7 @@ def _weights(cli) -> dict[str, torch.Tensor]:
 def test_three_dense_steps(run_cli, tiny_arith_model, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
-    cli = run_cli("tiny_arith_dense", "--model.optimizer", _spec(name), "--trainer.limit_val_batches", "0", steps=3,
+    cli = run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.optimizer", _spec(name), "--trainer.limit_val_batches", "0", steps=3,
                   root=tmp_path)
     assert cli.trainer.global_step == 3
     optimizer = cli.trainer.optimizers[0]
@@ -60,7 +60,7 @@ def test_three_dense_steps(run_cli, tiny_arith_model, tmp_path, name):
 
 
 def test_8bit_adamw_trains_lora_adapters(run_cli, tmp_path):
-    cli = run_cli("tiny_arith_lora", "--model.optimizer", _spec("adamw_8bit"), "--trainer.limit_val_batches", "0",
+    cli = run_cli("tiny_arith_lora", "--trainer.strategy.init_args.dense.optimizer", _spec("adamw_8bit"), "--trainer.limit_val_batches", "0",
                   "--trainer.strategy.init_args.lora.rank", "1", "--trainer.strategy.init_args.lora.lr", "2e-3",
                   steps=3, root=tmp_path)
     optimizer = cli.trainer.optimizers[0]
@@ -74,7 +74,7 @@ def test_8bit_adamw_trains_lora_adapters(run_cli, tmp_path):
 def test_a_step_size_controller_scales_a_galore_step(run_cli, tmp_path):
     budget = json.dumps([{"class_path": "lightning_logra.callbacks.PredictedKLBudget",
                           "init_args": {"budget": 1e-4, "alpha_max": 4.0, "subset": 4}}])
-    run_cli("tiny_arith_dense", "--model.optimizer", _spec("galore"), "--trainer.callbacks", budget,
+    run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.optimizer", _spec("galore"), "--trainer.callbacks", budget,
             "--trainer.limit_val_batches", "0", steps=3, root=tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -86,7 +86,7 @@ def test_a_step_size_controller_scales_a_galore_step(run_cli, tmp_path):
 
 def test_a_resumed_galore_run_equals_the_uninterrupted_one(run_cli, tmp_path):
     spec = _spec("galore")
-    common = ("--model.optimizer", spec, "--trainer.limit_val_batches", "0")
+    common = ("--trainer.strategy.init_args.dense.optimizer", spec, "--trainer.limit_val_batches", "0")
     straight = run_cli("tiny_arith_dense", *common, steps=3, root=tmp_path / "a")
     run_cli("tiny_arith_dense", *common, steps=2, root=tmp_path / "b")
     checkpoint = glob.glob(str(tmp_path / "b" / "**" / "last.ckpt"), recursive=True)[0]
@@ -99,4 +99,4 @@ def test_a_resumed_galore_run_equals_the_uninterrupted_one(run_cli, tmp_path):
 def test_a_sketch_run_refuses_model_optimizer(run_cli):
     with pytest.raises(ValueError, match=r"model\.optimizer: set to .* a sketch strategy would ignore it .*"
                                          r"trainer\.strategy\.init_args\.sketch\.optimizer"):
-        run_cli(CONFIGS / "tiny_arith.yaml", "--model.optimizer", "torch.optim.SGD", run=False)
+        run_cli(CONFIGS / "tiny_arith.yaml", "--trainer.strategy.init_args.dense.optimizer", "torch.optim.SGD", run=False)

@@ -207,23 +207,26 @@ def test_the_limit_is_what_the_model_context_leaves_beside_each_stage_s_completi
     module = RLVRModule(tiny_arith_model, max_new_tokens=4, eval_max_new_tokens=8, reward_timeout_s=None)
     module.configure_model()
     assert module.prompt_token_limit("fit") == (28, "model.model's max_position_embeddings=32, less "
-                                                    "model.max_new_tokens=4")
+                                                    "model.sampling.max_new_tokens=4")
     assert module.prompt_token_limit("validate") == (24, "model.model's max_position_embeddings=32, less "
-                                                         "model.eval_max_new_tokens=8")
+                                                         "model.evaluation.max_new_tokens=8")
     too_long = RLVRModule(tiny_arith_model, max_new_tokens=4, eval_max_new_tokens=32, reward_timeout_s=None)
     too_long.policy = module.policy
     assert too_long.prompt_token_limit("fit")[0] == 28
-    with pytest.raises(ValueError, match=r"model.eval_max_new_tokens=32 leaves no room for a prompt in the model's "
+    with pytest.raises(ValueError, match=r"model.evaluation.max_new_tokens=32 leaves no room for a prompt in the "
+                                         r"model's "
                                          r"context of 32 tokens \(model.model's max_position_embeddings\): set "
-                                         r"model.eval_max_new_tokens below 32, or use a model with a longer one"):
+                                         r"model.evaluation.max_new_tokens below 32, or use a model with a longer one"):
         too_long.prompt_token_limit("test")
     # An engine that sets a context of its own: that one holds the prompt and the completion.
     module = RLVRModule(tiny_arith_model, max_new_tokens=4, reward_timeout_s=None, engine=VLLMEngine(max_model_len=20))
-    assert module.prompt_token_limit("fit") == (16, "model.engine's max_model_len=20, less model.max_new_tokens=4")
+    assert module.prompt_token_limit("fit") == (16, "model.rollouts.engine's max_model_len=20, less "
+                                                    "model.sampling.max_new_tokens=4")
     assert module.prompt_token_limit("validate")[0] == 16  # eval_max_new_tokens unset: max_new_tokens
     module = RLVRModule(tiny_arith_model, max_new_tokens=4, reward_timeout_s=None, engine=VLLMEngine(max_model_len=4))
-    with pytest.raises(ValueError, match=r"model.max_new_tokens=4 leaves no room .* context of 4 tokens "
-                                         r"\(model.engine's max_model_len\): set model.max_new_tokens below 4, or "
+    with pytest.raises(ValueError, match=r"model.sampling.max_new_tokens=4 leaves no room .* context of 4 tokens "
+                                         r"\(model.rollouts.engine's max_model_len\): set "
+                                         r"model.sampling.max_new_tokens below 4, or "
                                          r"raise it"):
         module.prompt_token_limit("fit")
 
@@ -254,7 +257,8 @@ def fit_one_step_without_a_length_limit(run_cli, tmp_path, *overrides):
     return run_cli("tiny_arith", "--config", str(config), *overrides, steps=1, root=tmp_path)
 
 
-CONTEXT = ("28 tokens (the model's context: model.model's max_position_embeddings=32, less model.max_new_tokens=4; "
+CONTEXT = ("28 tokens (the model's context: model.model's max_position_embeddings=32, less "
+           "model.sampling.max_new_tokens=4; "
            "data.max_prompt_length is unset)")
 
 
@@ -282,9 +286,10 @@ def test_without_max_prompt_length_truncate_keeps_the_end_that_fits_the_context(
 
 
 def test_new_tokens_that_fill_the_model_context_fail_naming_the_key(run_cli, tmp_path):
-    with pytest.raises(ValueError, match=r"model.max_new_tokens=32 leaves no room for a prompt in the model's context "
+    with pytest.raises(ValueError, match=r"model.sampling.max_new_tokens=32 leaves no room for a prompt in the model's "
+                                         r"context "
                                          r"of 32 tokens \(model.model's max_position_embeddings\)"):
-        fit_one_step_without_a_length_limit(run_cli, tmp_path, "--model.max_new_tokens", "32")
+        fit_one_step_without_a_length_limit(run_cli, tmp_path, "--model.sampling.max_new_tokens", "32")
 
 
 def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_prompt(run_cli):
@@ -294,4 +299,4 @@ def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_pr
     assert not isinstance(cli.datamodule.train_dataloader().dataset, TokenizedPrompts)
     # "12+34=" and the like are 6 tokens; 32 positions less 27 new tokens leave 5
     with pytest.raises(ValueError, match=r"data.train: every prompt is longer than 5 tokens \(the model's context"):
-        run_cli("tiny_arith", "--trainer.val_check_interval", "1000", "--model.max_new_tokens", "27", steps=1)
+        run_cli("tiny_arith", "--trainer.val_check_interval", "1000", "--model.sampling.max_new_tokens", "27", steps=1)

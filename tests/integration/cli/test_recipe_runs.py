@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from reward_stubs import start_judge, train_reward_classifier
 
-DYNAMIC = ["--model.dynamic_sampling", "true", "--model.max_generation_rounds", "3", "--model.num_generations", "2"]
+DYNAMIC = ["--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3", "--model.sampling.num_generations", "2"]
 
 
 def _scalars(root, tag):
@@ -44,8 +44,8 @@ def test_truncated_completions_masked_and_penalized_with_the_entropy_bonus(run_c
         "class_path": "lightning_logra.rewards.OverlongPenalty", "init_args": {"max_length": 3, "buffer": 2}}],
         "reward_weights": [1.0, 0.5]}}
     (tmp_path / "reward.yaml").write_text(yaml.safe_dump(reward))
-    run_cli(config, "--config", str(tmp_path / "reward.yaml"), "--model.max_new_tokens", "3",
-            "--model.mask_truncated_completions", "true", "--model.entropy_coef", "0.01", root=tmp_path)
+    run_cli(config, "--config", str(tmp_path / "reward.yaml"), "--model.sampling.max_new_tokens", "3",
+            "--model.loss.mask_truncated_completions", "true", "--model.loss.entropy_coef", "0.01", root=tmp_path)
     penalty = _scalars(tmp_path, "reward/OverlongPenalty/mean")
     clipped = _scalars(tmp_path, "completions/clipped_ratio")
     # a random model rarely stops within 3 tokens: most completions are cut, and those score −1
@@ -77,7 +77,7 @@ def test_a_classifier_and_an_llm_judge_score_in_processes_of_their_own(run_cli, 
 def test_the_test_command_reports_pass_at_k_beside_the_checkpoint(run_cli, tmp_path):
     run_cli("tiny_arith", root=tmp_path / "fit")
     checkpoint = glob.glob(str(tmp_path / "fit" / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
-    run_cli("tiny_arith", "--ckpt_path", checkpoint, "--model.eval_num_samples", "4", "--model.eval_temperature",
+    run_cli("tiny_arith", "--ckpt_path", checkpoint, "--model.evaluation.num_samples", "4", "--model.evaluation.temperature",
             "1.0", command="test", root=tmp_path / "test")
     report = json.loads(open(checkpoint.replace(".ckpt", ".test.json")).read())
     metrics = report["metrics"]

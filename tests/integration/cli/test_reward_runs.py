@@ -8,9 +8,9 @@ import torch
 def _fit(run_cli, reward, steps, *overrides):
     """A tiny dense run (AdamW at lr 1e-3) rewarded by `bad_rewards.<reward>` in the trainer's process, 4 samples per
     prompt, no validation; returns (its trainer, its module, the weights before it)."""
-    cli = run_cli("tiny_arith_dense_all", "--model.reward", f"bad_rewards.{reward}", "--model.num_generations", "4",
-                  "--model.max_new_tokens", "4", "--model.micro_batch_size", "16", "--model.lr", "1e-3",
-                  "--model.reward_timeout_s", "null", "--trainer.limit_val_batches", "0", *overrides, steps=steps,
+    cli = run_cli("tiny_arith_dense_all", "--model.reward", f"bad_rewards.{reward}", "--model.sampling.num_generations", "4",
+                  "--model.sampling.max_new_tokens", "4", "--model.training.micro_batch_size", "16", "--trainer.strategy.init_args.dense.lr", "1e-3",
+                  "--model.scoring.timeout_s", "null", "--trainer.limit_val_batches", "0", *overrides, steps=steps,
                   run=False)
     cli.model.configure_model()
     before = {n: p.detach().clone() for n, p in cli.model.policy.named_parameters()}
@@ -42,8 +42,8 @@ def test_a_nan_reward_drops_its_group_not_the_update(run_cli, caplog):
 
 def test_rewards_that_teach_nothing_warn_and_can_stop_the_run(run_cli, caplog):
     with caplog.at_level(logging.WARNING, logger="lightning_logra.train.module"):
-        with pytest.raises(RuntimeError, match=r"model.max_unlearnable_steps=2: 2 training steps in a row had "
+        with pytest.raises(RuntimeError, match=r"model.scoring.max_unlearnable_steps=2: 2 training steps in a row had "
                                                r"nothing to learn .*'bad_rewards.always_none'"):
-            _fit(run_cli, "always_none", 5, "--model.max_unlearnable_steps", "2")
+            _fit(run_cli, "always_none", 5, "--model.scoring.max_unlearnable_steps", "2")
     warnings = [r.getMessage() for r in caplog.records if "gave no usable reward" in r.getMessage()]
     assert len(warnings) == 2  # one per step, then the stop

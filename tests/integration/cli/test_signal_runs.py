@@ -20,7 +20,7 @@ SAVED = re.compile(r"(SIG\w+): saved a checkpoint of step (\d+) to (\S+); exitin
 def _run(run_cli, config, root, steps, *extra, **how):
     """A tiny run (conftest's run_cli) validating only at its end, its reward computed in the trainer's process (no
     reward process to start)."""
-    return run_cli(config, "--trainer.val_check_interval", str(steps), "--model.reward_timeout_s", "null", *extra,
+    return run_cli(config, "--trainer.val_check_interval", str(steps), "--model.scoring.timeout_s", "null", *extra,
                    steps=steps, root=root, **how)
 
 

@@ -147,7 +147,7 @@ def test_export_refuses_a_file_or_a_full_folder_and_replaces_one_whole_when_aske
     (tmp_path / "empty").mkdir()
     export_main(["--ckpt_path", ckpt, "--out", str(tmp_path / "empty")])
     assert (tmp_path / "empty" / "model.safetensors").is_file()
-    # an export over its own export is fine (the step folders of --model.export_every are one)
+    # an export over its own export is fine (the step folders of --model.export.every are one)
     export_main(["--ckpt_path", ckpt, "--out", str(full), "--overwrite"])
 
 

@@ -180,7 +180,8 @@ def test_importance_weights_truncate_and_measure_the_mismatch():
     applied = torch.tensor([1.0, 2.0, float(torch.exp(torch.tensor(-0.4)))])
     torch.testing.assert_close(torch.stack(astuple(stats)), torch.stack([
         delta.abs().sum(), k3, torch.tensor(1.0), torch.tensor(3.0), applied.sum(), applied.min(), applied.max()]))
-    # model.is_cap: null turns the correction off (README, docs/vllm.md): every real token weighs 1, not the ratio e
+    # model.rollouts.is_cap: null turns the correction off (README, docs/vllm.md): every real token weighs 1, not the
+    # ratio e
     off, off_stats = importance_weights(trainer, sampler, mask, cap=None)
     assert off[0].tolist() == [1.0, 1.0, 1.0, 0.0]
     torch.testing.assert_close(torch.stack(astuple(off_stats)), torch.stack([
@@ -364,5 +365,5 @@ def test_bad_sync_settings_fail_fast(kwargs, message):
 
 
 def test_bad_importance_cap_fails_fast(tiny_arith_model):
-    with pytest.raises(ValueError, match="model.is_cap"):
+    with pytest.raises(ValueError, match="model.rollouts.is_cap"):
         _module(tiny_arith_model, is_cap=0.0)

@@ -19,7 +19,7 @@ def _fit(run_cli, config: str, root: Path, steps: int = 3, wait: bool = True):
     """A tiny run in processes of its own (validating once, at its end), checked by conftest's callbacks; returns the
     weights it exported, or with `wait=False` the running process (`_finish` waits for it)."""
     run = run_cli(config, "--trainer.val_check_interval", str(steps), "--data.init_args.eval_limit", "4",
-                  "--model.export_dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
+                  "--model.export.dir", str(root / "export"), "--trainer.callbacks+=conftest.NoDenseSketchGradients",
                   "--trainer.callbacks+=conftest.GradNormAtMost",  # the config clips at 1.0; these norms are about 3
                   "--trainer.callbacks+=conftest.GradNormLog", steps=steps, root=root, subprocess=True, wait=wait)
     return load_file(root / "export" / "model.safetensors") if wait else run
@@ -103,8 +103,8 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_what_one_process_does(ru
     # Two completions per prompt: about half the groups are all-equal and left out, so steps take more rounds, and
     # the ranks keep different numbers of groups (each keeps those it drew). The DDP wrapper makes every backward a
     # collective: the rank with fewer micro-batches runs the rest on a row whose tokens count zero.
-    extra = ["--model.dynamic_sampling", "true", "--model.max_generation_rounds", "3", "--model.num_generations", "2",
-             "--model.micro_batch_size", "2"]
+    extra = ["--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3", "--model.sampling.num_generations", "2",
+             "--model.training.micro_batch_size", "2"]
     data = yaml.safe_load(Path(_dense_on_two_processes(tmp_path / "dense_ddp.yaml")).read_text())
     data["model"].update(dynamic_sampling=True, max_generation_rounds=3, num_generations=2, micro_batch_size=2)
     (tmp_path / "ds_ddp.yaml").write_text(yaml.safe_dump(data))

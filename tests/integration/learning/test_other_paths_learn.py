@@ -69,7 +69,7 @@ def test_tiny_arith_learns_from_a_server_with_overlapped_rollouts_and_a_stale_en
     data["model"]["engine"]["init_args"].update(journal_dir=str(tmp_path / "journal"), in_flight=True)
     config = tmp_path / "remote.yaml"
     config.write_text(yaml.safe_dump(data))
-    cli = run_cli(config, "--model.max_staleness", "1", "--trainer.max_steps", "120",
+    cli = run_cli(config, "--model.rollouts.max_staleness", "1", "--trainer.max_steps", "120",
                   "--trainer.val_check_interval", "120", fast=False, root=tmp_path)
     assert cli.trainer.global_step == 120
     values = scalars(tmp_path)

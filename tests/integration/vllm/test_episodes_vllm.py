@@ -22,11 +22,11 @@ def _scalars(root) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("config, extra", [
     # in the trainer's process (as configs/smollm2_reasoning.yaml runs it): a start of 13 s here, not 31-36
-    ("configs/tiny_arith_vllm.yaml", ["--model.engine.init_args.separate_process", "false"]),
-    ("configs/tiny_arith_remote.yaml", ["--model.max_staleness", "1"]),
+    ("configs/tiny_arith_vllm.yaml", ["--model.rollouts.engine.init_args.separate_process", "false"]),
+    ("configs/tiny_arith_remote.yaml", ["--model.rollouts.max_staleness", "1"]),
 ], ids=["vllm", "remote-overlapped"])
 def test_episodes_draw_on_an_engine_of_their_own(run_cli, config, extra):
-    overlapped = "--model.max_staleness" in extra
+    overlapped = "--model.rollouts.max_staleness" in extra
     steps = 3 if overlapped else 2  # overlapped: the third step's episodes are the first drawn ahead of an update
     cli = run_cli(config, *TOOL_TASK, *extra, steps=steps)
     metrics = cli.trainer.logged_metrics
@@ -44,7 +44,7 @@ def test_episodes_on_sharded_ranks_with_a_tensor_parallel_engine_in_them(run_cli
     # FSDP2 over 2 processes that are also the 2 workers of one tensor-parallel vLLM engine: every generate call is
     # the group's, so a rank whose episodes have ended joins the calls of the other's next turns (with no prompts).
     run_cli("configs/tiny_arith_fsdp_vllm.yaml", *TOOL_TASK, "--data.init_args.batch_size", "8",
-            "--model.engine.init_args.placement", "trainer_ranks", "--model.engine.init_args.tensor_parallel_size",
+            "--model.rollouts.engine.init_args.placement", "trainer_ranks", "--model.rollouts.engine.init_args.tensor_parallel_size",
             "2", steps=2, root=tmp_path, subprocess=True, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     scalars = _scalars(tmp_path)
     assert len(scalars["train/reward_mean"]) == 2 and max(scalars["episodes/tool_calls"]) > 0

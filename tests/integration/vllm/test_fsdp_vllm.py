@@ -55,7 +55,7 @@ def _reports(root: Path) -> list[dict]:
 # bf16 weights on both sides, as the GPU configs train: each rank merges its rows of F·A into its shard with the
 # stochastic-rounding bits those rows have in the whole matrix, each engine merges the whole matrix with the same key.
 # (Densely trained bf16 tensors are refused: AdamW would round their steps to nearest.)
-BF16 = ("--trainer.precision", "bf16-true", "--model.dtype", "bfloat16", "--model.engine.init_args.dtype", "bfloat16",
+BF16 = ("--trainer.precision", "bf16-true", "--model.dtype", "bfloat16", "--model.rollouts.engine.init_args.dtype", "bfloat16",
         "--trainer.strategy.init_args.sketch.optimizer.init_args.lr", "1e-4")
 
 
@@ -93,9 +93,9 @@ def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tiny_arith_model,
     # placement trainer_ranks: the 2 trainer ranks are the 2 workers of one tensor-parallel engine (vLLM's external
     # launcher), each holding half of every weight, the ranks' prompts generated together.
     config = _config(tmp_path / "fsdp_vllm.yaml")
-    run_cli(config, "--model.engine.init_args.placement", "trainer_ranks",
-            "--model.engine.init_args.tensor_parallel_size", "2", "--trainer.callbacks+=engine_ranks.RankReport",
-            "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True, env=ENV)
+    run_cli(config, "--model.rollouts.engine.init_args.placement", "trainer_ranks",
+            "--model.rollouts.engine.init_args.tensor_parallel_size", "2", "--trainer.callbacks+=engine_ranks.RankReport",
+            "--model.export.dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True, env=ENV)
     assert_matches("trainer_ranks", observe(tmp_path, tiny_arith_model, tmp_path / "export"),
                    recorded("trainer_ranks"))
     reports = _reports(tmp_path)

@@ -1,5 +1,5 @@
-"""Overlapped rollouts (`model.max_staleness`): with the vLLM engine (CPU backend) in its own process, step t trains on
-samples drawn with the weights of step max(0, t − k) while the engine generates ahead.
+"""Overlapped rollouts (`model.rollouts.max_staleness`): with the vLLM engine (CPU backend) in its own process, step t
+trains on samples drawn with the weights of step max(0, t − k) while the engine generates ahead.
 
 A run is reproducible; a checkpoint taken with batches in flight saves them, and the resumed run equals the
 uninterrupted one bit for bit; the engine holds the weights it is meant to (every fingerprint check finds it equal to
@@ -62,7 +62,7 @@ class Record(Callback):
 
 
 def _run(run_cli, root, stop=None, ckpt_path=None):
-    cli = run_cli("tiny_arith_vllm", "--model.max_staleness", str(K), "--trainer.val_check_interval", "2",
+    cli = run_cli("tiny_arith_vllm", "--model.rollouts.max_staleness", str(K), "--trainer.val_check_interval", "2",
                   steps=STEPS, root=root, run=False)
     record = Record(stop)
     cli.trainer.callbacks += [record, ModelCheckpoint(dirpath=root / "steps", every_n_train_steps=STOP,
@@ -142,12 +142,12 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_a
     # vLLM's client does not notice the death: the engine's processes are watched during every call, and the call
     # under way fails within a second or so, not after call_timeout_s (10 minutes here, so that a broken watch fails
     # the test rather than holds it for the default hour).
-    cli = run_cli(config, "--model.max_staleness", "1", "--model.engine.init_args.call_timeout_s", "600", steps=5,
+    cli = run_cli(config, "--model.rollouts.max_staleness", "1", "--model.rollouts.engine.init_args.call_timeout_s", "600", steps=5,
                   root=tmp_path, run=False)
     kill = KillEngine(step=2)
     cli.trainer.callbacks.append(kill)
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert cli.trainer.global_step == 5 and cli.model.engine.restarts == 1
+    assert cli.trainer.global_step == 5 and cli.model.rollouts.engine.restarts == 1
     assert time.monotonic() - kill.killed_at < 300  # the restart and three steps, not the call's deadline
     scalars = _scalars(tmp_path)
     # The batches in flight at the restart were drawn again from the trainer's newest weights: fresher than the lag
@@ -157,7 +157,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_a
 
 
 def test_the_in_process_engine_stays_serial(run_cli, tmp_path, caplog):
-    run_cli("tiny_arith", "--model.max_staleness", "1", steps=2, root=tmp_path)
+    run_cli("tiny_arith", "--model.rollouts.max_staleness", "1", steps=2, root=tmp_path)
     assert "the steps stay serial" in caplog.text
     assert _scalars(tmp_path)["rollout/staleness/max"] == [0, 0]
 
@@ -178,8 +178,8 @@ def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, conf
     config = tmp_path / f"{config_name}.yaml"
     config.write_text(yaml.safe_dump(data))
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    run_cli(config, "--model.max_staleness", "1", "--trainer.val_check_interval", "4",
-            "--data.init_args.eval_limit", "4", "--model.engine.init_args.gpu_memory_utilization", "0.04",
+    run_cli(config, "--model.rollouts.max_staleness", "1", "--trainer.val_check_interval", "4",
+            "--data.init_args.eval_limit", "4", "--model.rollouts.engine.init_args.gpu_memory_utilization", "0.04",
             steps=4, root=tmp_path, subprocess=True, env=env)
     scalars = _scalars(tmp_path)
     assert scalars["rollout/staleness/max"] == [0, 1, 1, 1]
@@ -197,7 +197,7 @@ def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, conf
     # What a run killed after step 2 leaves (its last periodic checkpoint), resumed by one process: the two ranks'
     # batches in flight are not this run's slices, so they are drawn again, and the run goes on.
     with caplog.at_level(logging.WARNING, logger="lightning_logra"):
-        resumed = run_cli(config, "--model.max_staleness", "1", "--trainer.devices", "1", "--ckpt_path", str(path),
+        resumed = run_cli(config, "--model.rollouts.max_staleness", "1", "--trainer.devices", "1", "--ckpt_path", str(path),
                           "--trainer.val_check_interval", "4", "--data.init_args.eval_limit", "4",
                           steps=4, root=tmp_path / "one")
     assert resumed.trainer.global_step == 4
@@ -240,7 +240,7 @@ class StallEngineThenSignal(Callback):
 def test_a_signal_while_the_trainer_waits_on_a_stalled_engine_saves_the_last_finished_step(run_cli, tmp_path, caplog):
     # Only the signal's grace (2 s) can end the wait soon: the engine's own deadline is 10 minutes here (the default
     # hour, had the grace failed, would hold the test that long).
-    cli = run_cli("tiny_arith_vllm", "--model.max_staleness", "1", "--model.engine.init_args.call_timeout_s", "600",
+    cli = run_cli("tiny_arith_vllm", "--model.rollouts.max_staleness", "1", "--model.rollouts.engine.init_args.call_timeout_s", "600",
                   steps=5, root=tmp_path, run=False)
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, SaveOnSignal)]
     stall = StallEngineThenSignal(step=2)
@@ -258,7 +258,7 @@ def test_a_signal_while_the_trainer_waits_on_a_stalled_engine_saves_the_last_fin
     # Nothing in flight was finished (the engine stopped before the batch waited for): the resumed run draws it again
     assert saved[KEY]["in_flight"] == [[]]
 
-    resumed = run_cli("tiny_arith_vllm", "--model.max_staleness", "1", steps=5, root=tmp_path / "resumed",
+    resumed = run_cli("tiny_arith_vllm", "--model.rollouts.max_staleness", "1", steps=5, root=tmp_path / "resumed",
                       run=False)
     resumed.trainer.fit(resumed.model, resumed.datamodule, ckpt_path=checkpoint)
     assert resumed.trainer.global_step == 5

@@ -66,7 +66,7 @@ def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, 
     path = tmp_path / "remote.yaml"
     path.write_text(yaml.safe_dump(data))
     run_cli(path, "--trainer.val_check_interval", "3", "--data.init_args.eval_limit", "4",
-            "--model.export_dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True,
+            "--model.export.dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True,
             env={"LOGRA_SERVER_TOKEN": TOKEN})
     values = scalars(tmp_path)
     assert values["sync/max_abs_diff"] == [0.0] * 3  # the server equals the trainer bit for bit after every step

@@ -107,7 +107,7 @@ def test_only_one_chunk_of_logits_exists_at_a_time():
 
 @pytest.mark.parametrize("chunk", [None, 1, 5, 1000])
 def test_the_entropy_bonus_gradient_equals_autograd_through_the_full_logits_in_float64(chunk):
-    # model.entropy_coef differentiates the token entropy; the chunked path's backward computes dH/dlogits itself
+    # model.loss.entropy_coef differentiates the token entropy; the chunked path's backward computes dH/dlogits itself
     # (−p·(log p + H)/T), which must equal autograd through a plain log-softmax of the full logits.
     model = _model(dtype=torch.float64)
     batch = _batch()

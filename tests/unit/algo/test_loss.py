@@ -37,7 +37,7 @@ def test_batch_scaling_divides_by_the_std_of_every_reward_over_all_ranks():
     assert sorted(ADVANTAGES) == ["batch", "group", "none"]
     assert torch.equal(group_advantages(rewards, 4, True), group_advantages(rewards, 4, "group"))
     assert torch.equal(group_advantages(rewards, 4, False), centered)
-    with pytest.raises(ValueError, match=r"model.scale_rewards must be one of \['batch', 'group', 'none'\]"):
+    with pytest.raises(ValueError, match=r"model.loss.scale_rewards must be one of \['batch', 'group', 'none'\]"):
         group_advantages(rewards, 4, "rank")
 
 
@@ -50,7 +50,7 @@ def test_a_loss_registered_by_name_is_one_the_config_can_choose():
     try:
         assert torch.equal(token_weights(MASK, "sum", 5), MASK.float())
         names = r"\['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo', 'sum'\]"
-        with pytest.raises(ValueError, match=r"model.loss_type must be one of " + names):
+        with pytest.raises(ValueError, match=r"model.loss.type must be one of " + names):
             token_weights(MASK, "ppo", 5)
     finally:
         del LOSSES["sum"]

@@ -1,5 +1,5 @@
-"""The sampler corrections (`model.is_mode`) and the losses with a ratio to the sampler (`model.loss_type` gspo,
-cispo), on their own: weights, clips and losses computed by lightning_logra.algo.losses and compared, exact in
+"""The sampler corrections (`model.rollouts.is_mode`) and the losses with a ratio to the sampler (`model.loss.type`
+gspo, cispo), on their own: weights, clips and losses computed by lightning_logra.algo.losses and compared, exact in
 float64, with the same quantities written out here. tests/integration/cli/test_offpolicy_runs.py compares a real
 training step's gradient with them."""
 
@@ -49,7 +49,8 @@ def test_each_correction_weighs_tokens_as_trl_defines_it():
     for mode in expected:
         weight, stats = importance_weights(DELTA, sampler, MASK, cap=None, mode=mode)
         assert torch.equal(weight, MASK.double()) and float(stats.abs_diff) == pytest.approx(2.3)
-    with pytest.raises(ValueError, match=r"model.is_mode must be one of \['sequence_mask', 'sequence_truncate', "
+    with pytest.raises(ValueError, match=r"model.rollouts.is_mode must be one of \['sequence_mask', "
+                                         r"'sequence_truncate', "
                                          r"'token_mask', 'token_truncate'\], got 'sequence'"):
         importance_weights(DELTA, sampler, MASK, cap=2.0, mode="sequence")
 
@@ -97,13 +98,14 @@ def test_gspo_and_cispo_gradients_match_their_hand_derived_forms():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"is_mode": "sequence"}, r"model.is_mode must be one of \['sequence_mask', 'sequence_truncate', 'token_mask', "
+    ({"is_mode": "sequence"}, r"model.rollouts.is_mode must be one of \['sequence_mask', 'sequence_truncate', "
+                              r"'token_mask', "
                               r"'token_truncate'\]"),
-    ({"loss_type": "ppo"}, r"model.loss_type must be one of \['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo'\]"),
-    ({"epsilon": 0.0}, "model.epsilon must be a positive number"),
-    ({"epsilon_high": float("nan")}, "model.epsilon_high must be a positive number"),
-    ({"max_staleness": -1}, "model.max_staleness must be a whole number of steps ≥ 0"),
-    ({"max_staleness": 1.5}, "model.max_staleness must be a whole number of steps ≥ 0"),
+    ({"loss_type": "ppo"}, r"model.loss.type must be one of \['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo'\]"),
+    ({"epsilon": 0.0}, "model.loss.epsilon must be a positive number"),
+    ({"epsilon_high": float("nan")}, "model.loss.epsilon_high must be a positive number"),
+    ({"max_staleness": -1}, "model.rollouts.max_staleness must be a whole number of steps ≥ 0"),
+    ({"max_staleness": 1.5}, "model.rollouts.max_staleness must be a whole number of steps ≥ 0"),
 ])
 def test_bad_settings_are_refused_naming_the_key(tiny_arith_model, settings, message):
     from lightning_logra.train.module import RLVRModule

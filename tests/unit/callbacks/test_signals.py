@@ -136,7 +136,7 @@ def test_no_engine_server_left_saves_the_last_finished_step(tmp_path, caplog):
                               save_checkpoint=lambda path, weights_only: written.append((path, weights_only)))
     callback = SaveOnSignal()
     callback.on_train_start(trainer, None)
-    callback.on_exception(trainer, None, NoServerLeft("model.engine: no engine server is left to generate on"))
+    callback.on_exception(trainer, None, NoServerLeft("model.rollouts.engine: no engine server is left to generate on"))
     path = str(tmp_path / "checkpoints" / "last.ckpt")
     assert written == [(path, False)]
     assert f"no engine server left: saved a checkpoint of step 7 (the last finished) to {path}; stopping" in caplog.text

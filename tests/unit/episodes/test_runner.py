@@ -13,7 +13,7 @@ from lightning_logra.base.batch import EPISODE_COLUMNS, Rollout
 from lightning_logra.data.tool_task import build_tool_tokenizer
 from lightning_logra.episodes.metrics import environment_rewards
 from lightning_logra.episodes.processes import spec_from_settings
-from lightning_logra.episodes.runner import EpisodeRunner, EpisodeSettings
+from lightning_logra.episodes.runner import EpisodeLimits, EpisodeRunner
 from lightning_logra.episodes.template import TurnTemplate, check_template
 from lightning_logra.rewards import BUILTIN
 from lightning_logra.rollout import SamplingParams
@@ -68,7 +68,7 @@ class GroupEngine(ScriptedEngine):
 
 def runner(tokenizer, *, tools=None, environment=None, max_turns=3, budget=400, timeout_s=5.0, workers=2):
     spec = spec_from_settings(environment, tools, "answer", 32 * budget)
-    return EpisodeRunner(EpisodeSettings(max_turns, budget, timeout_s, None), spec, tokenizer,
+    return EpisodeRunner(EpisodeLimits(max_turns, budget, timeout_s, None), spec, tokenizer,
                          [tokenizer.eos_token_id], tokenizer.pad_token_id, workers=workers, memory_gib=None)
 
 
@@ -127,7 +127,7 @@ def test_an_environment_class_resets_from_the_row_and_rewards_its_episode(tokeni
     assert "<t>count 2 in" in text and text.count("<t>") == 3
     # `model.reward: environment` scores with it; completions from no environment are refused, naming the setting
     assert BUILTIN["environment"]([], [], environment_reward=environment_rewards(rollout)) == [6.0]
-    with pytest.raises(ValueError, match="model.environment_factory"):
+    with pytest.raises(ValueError, match="model.episodes.environment_factory"):
         BUILTIN["environment"]([], ["text"])
 
 

@@ -241,7 +241,7 @@ def test_a_custom_reward_past_its_deadline_is_stopped_and_the_batch_scores_none(
     with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
         assert reward(["p", "p"], ["hang", "ok"]) == [None, None]
     assert time.monotonic() - start < 15  # 2 s, then the kill; the hung call would take 10 minutes
-    assert any("ran past model.reward_timeout_s=2 s" in r.getMessage() for r in caplog.records)
+    assert any("ran past model.scoring.timeout_s=2 s" in r.getMessage() for r in caplog.records)
     assert not psutil.pid_exists(pid)  # killed
     assert int(reward(["p"], ["ok"])[0]) not in (pid, os.getpid())  # a fresh process takes the next batch
 
@@ -254,7 +254,8 @@ def test_a_reward_past_its_memory_limit_is_replaced_and_the_batch_scores_none(ca
     with caplog.at_level(logging.WARNING, logger="lightning_logra.rewards"):
         assert reward(["p", "p"], ["hog", "ok"]) == [None, None]
     assert any("'bad_rewards.hungry_reward' ran out of memory on a batch of 2 completions: its process may map "
-               "model.reward_memory_gib=0.5 GiB" in r.getMessage() and "raise model.reward_memory_gib" in r.getMessage()
+               "model.scoring.memory_gib=0.5 "
+               "GiB" in r.getMessage() and "raise model.scoring.memory_gib" in r.getMessage()
                for r in caplog.records)
     assert not psutil.pid_exists(pid)  # replaced
     assert int(reward(["p"], ["ok"])[0]) not in (pid, os.getpid())  # a fresh process takes the next batch
@@ -270,7 +271,7 @@ def test_a_reward_process_may_map_model_reward_memory_gib_beyond_its_start(tiny_
     pid = int(module.rewards[0].fn(["p"], ["ok"])[0])
     assert psutil.Process(pid).rlimit(psutil.RLIMIT_AS)[0] == psutil.RLIM_INFINITY  # null: no limit
     for bad in (0, -2, math.inf, math.nan, "8"):
-        with pytest.raises(ValueError, match=r"model.reward_memory_gib must be a positive number of GiB \(or null: "
+        with pytest.raises(ValueError, match=r"model.scoring.memory_gib must be a positive number of GiB \(or null: "
                                              r"no limit\), got"):
             RLVRModule(tiny_arith_model, reward="exact_match", reward_memory_gib=bad)
 
@@ -327,7 +328,7 @@ def test_an_error_in_a_custom_reward_names_it_and_shows_its_traceback():
     # An allocation refused under the limit need not be a MemoryError (torch's is a RuntimeError): the limit and its
     # key are named for it
     with pytest.raises(RuntimeError, match=r"(?s)model.reward 'bad_rewards.failed_allocation' raised .*allocate.*"
-                                           r"model.reward_memory_gib=0.75 GiB"):
+                                           r"model.scoring.memory_gib=0.75 GiB"):
         resolve_reward("bad_rewards.failed_allocation", timeout_s=60.0, memory_gib=0.75)(["p"], ["c"], answer=["1"])
 
 
@@ -403,10 +404,10 @@ def test_a_list_of_rewards_with_weights_resolves_with_unique_metric_names():
     assert rewards[0].fn is exact_match and rewards[2].fn(["p"], ["24"]) == [1.0]
     (single,) = resolve_rewards("math_answer", None, timeout_s=60.0)  # one reward, as before: weight 1.0
     assert (single.key, single.weight, isinstance(single.fn, TimedReward)) == ("math_answer", 1.0, True)
-    with pytest.raises(ValueError, match=r"model.reward_weights has 1 weights for the 2 rewards of model.reward: "
+    with pytest.raises(ValueError, match=r"model.scoring.weights has 1 weights for the 2 rewards of model.reward: "
                                          r"give one weight per reward"):
         resolve_rewards(["exact_match", "math_answer"], [1.0], timeout_s=None)
-    with pytest.raises(ValueError, match=r"model.reward_weights must be finite numbers, got \[1.0, nan\]"):
+    with pytest.raises(ValueError, match=r"model.scoring.weights must be finite numbers, got \[1.0, nan\]"):
         resolve_rewards(["exact_match", "math_answer"], [1.0, math.nan], timeout_s=None)
     with pytest.raises(ValueError, match=r"model.reward is an empty list"):
         resolve_rewards([], None, timeout_s=None)

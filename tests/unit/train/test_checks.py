@@ -67,14 +67,17 @@ def test_the_largest_rank_that_fits_passes_the_checks(run_cli, nothing_loads):
 
 
 @pytest.mark.parametrize("override, key, value, message", [
-    (["--model.lr", "1e-3"], "lr", 1e-3,
-     f"model.lr: set to 0.001, but a sketch strategy would ignore it (it sets the dense baseline's AdamW); set "
+    (["--trainer.strategy.init_args.dense.lr", "1e-3"], "lr", 1e-3,
+     "trainer.strategy.init_args.dense.lr: set to 0.001, but a sketch strategy would ignore it (it sets the dense "
+     "baseline's AdamW); set "
      f"{KEY}.optimizer.init_args.lr (the sketched matrices) and {KEY}.rest_lr"),
-    (["--model.weight_decay", "0.1"], "weight_decay", 0.1,
-     f"model.weight_decay: set to 0.1, but a sketch strategy would ignore it (it sets the dense baseline's AdamW); "
+    (["--trainer.strategy.init_args.dense.weight_decay", "0.1"], "weight_decay", 0.1,
+     "trainer.strategy.init_args.dense.weight_decay: set to 0.1, but a sketch strategy would ignore it (it sets the "
+     "dense baseline's AdamW); "
      f"set {KEY}.rest_weight_decay"),
-    (["--model.lr_schedule.warmup_steps", "5"], "lr_schedule", LRSchedule(warmup_steps=5),
-     f"model.lr_schedule: set to {LRSchedule(warmup_steps=5)}, but a sketch strategy would ignore it (it sets the "
+    (["--trainer.strategy.init_args.dense.lr_schedule.warmup_steps", "5"], "lr_schedule", LRSchedule(warmup_steps=5),
+     f"trainer.strategy.init_args.dense.lr_schedule: set to {LRSchedule(warmup_steps=5)}, but a sketch strategy would "
+     "ignore it (it sets the "
      f"dense baseline's AdamW); set {KEY}.lr_schedule instead"),
 ], ids=["lr", "weight_decay", "lr_schedule"])
 def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(run_cli, nothing_loads, override, key, value,
@@ -82,9 +85,10 @@ def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(run_cli, n
     with pytest.raises(ValueError) as info:
         run_cli("tiny_arith", *override)
     assert message in str(info.value)
-    # In a dense run they are what acts (tiny_arith_dense_all.yaml sets model.lr 1e-4 itself).
+    # In a dense run they are what acts (tiny_arith_dense_all.yaml sets trainer.strategy.init_args.dense.lr 1e-4
+    # itself).
     dense = run_cli("tiny_arith_dense_all", *override, run=False)
-    assert (dense.model.lr_schedule if key == "lr_schedule" else dense.model.hparams[key]) == value
+    assert (dense.trainer.strategy.init_args.dense.lr_schedule if key == "lr_schedule" else dense.model.hparams[key]) == value
 
 
 @pytest.mark.parametrize("option", [["--optimizer", "torch.optim.Adam"],
@@ -129,7 +133,7 @@ def test_every_module_and_sketch_option_has_a_description_in_help(capsys):
 
     schedule = [f.name for f in dataclasses.fields(LRSchedule)]
     module = [f"--model.{name}" for name in inspect.signature(RLVRModule.__init__).parameters
-              if name not in ("self", "lr_schedule")] + [f"--model.lr_schedule.{name}" for name in schedule]
+              if name not in ("self", "lr_schedule")] + [f"--trainer.strategy.init_args.dense.lr_schedule.{name}" for name in schedule]
     sketch = [f"--trainer.strategy.sketch.{f.name}" for f in dataclasses.fields(SketchConfig)
               if f.name != "lr_schedule"]
     sketch += [f"--trainer.strategy.sketch.lr_schedule.{name}" for name in schedule]
@@ -144,7 +148,7 @@ def test_a_kl_penalty_under_fsdp_is_refused_before_the_processes_start(run_cli, 
     # The reference would be a whole copy of the weights on every rank: refused by the CLI's checks, before
     # `fit` launches the ranks or anything loads (configure_model refuses it too, for a module used without the CLI).
     with pytest.raises(ValueError, match=r"model\.beta=0\.04: .*unsharded copy .*SketchDDPStrategy"):
-        run_cli("tiny_arith_fsdp", "--model.beta", "0.04")
+        run_cli("tiny_arith_fsdp", "--model.loss.beta", "0.04")
 
 
 def _float_settings(cls: type) -> list[str]:
@@ -180,8 +184,8 @@ def test_every_float_setting_of_every_config_class_refuses_nan_and_infinity(run_
     expected: set[str] = set()
     model = _set(RLVRModule, value, "model", expected)
     model["engine"] = {"class_path": "lightning_logra.rollout.VLLMEngine",
-                       "init_args": _set(VLLMEngine, value, "model.engine.init_args", expected)}
-    model["lr_schedule"] = _set(LRSchedule, value, "model.lr_schedule", expected)
+                       "init_args": _set(VLLMEngine, value, "model.rollouts.engine.init_args", expected)}
+    model["lr_schedule"] = _set(LRSchedule, value, "trainer.strategy.init_args.dense.lr_schedule", expected)
     callbacks = [{"class_path": f"lightning_logra.callbacks.{cls.__name__}",
                   "init_args": _set(cls, value, f"trainer.callbacks[{index}].init_args", expected)}
                  for index, cls in enumerate([PredictedKLBudget, KLFromStart, MemoryProfiler, RolloutWeightSync])]
@@ -224,8 +228,8 @@ def test_more_devices_than_a_one_device_strategy_trains_on_are_refused(run_cli, 
 
 @pytest.mark.parametrize("override, message", [
     # an unknown key, on the command line or in a config file, names the nearest ones it could be
-    (["--model.temprature", "1.0"], "did you mean model.temperature or model.eval_temperature?"),
-    (["--config", "typo.yaml"], "does not accept option 'temprature' (did you mean model.temperature"),
+    (["--model.temprature", "1.0"], "did you mean model.sampling.temperature or model.evaluation.temperature?"),
+    (["--config", "typo.yaml"], "does not accept option 'temprature' (did you mean model.sampling.temperature"),
     # a seed numpy refuses: refused naming the key, not a traceback from inside Lightning
     (["--seed_everything", "99999999999999999999"], "seed_everything=99999999999999999999: a seed must be in [0, "
                                                     "4294967295]"),

@@ -1,4 +1,4 @@
-"""Dynamic sampling (model.dynamic_sampling): which groups a step keeps, round by round, on one process and on
+"""Dynamic sampling (model.rollouts.dynamic_sampling): which groups a step keeps, round by round, on one process and on
 several (simulated with threads and a summing barrier), and the data module's extra prompts."""
 
 import threading
@@ -57,14 +57,14 @@ def test_at_the_round_limit_the_step_trains_on_what_it_has_and_says_so(caplog):
     kept, metrics = sampler.fill(drawn(0, [False, True, False]), lambda r: drawn(r, [False, False, False]))
     assert kept.batch["prompt"] == ["r0k0i1"]
     assert metrics["rollout/missing_groups"] == 2.0 and metrics["rollout/generation_rounds"] == 2.0
-    # nothing learnable in any round: the first round as drawn (model.max_unlearnable_steps counts it)
+    # nothing learnable in any round: the first round as drawn (model.scoring.max_unlearnable_steps counts it)
     first = drawn(0, [False, False, False])
     with caplog.at_level("WARNING"):
         kept, metrics = sampler.fill(first, lambda r: drawn(r, [False, False, False]))
     assert kept is first and metrics["rollout/filtered_groups"] == 6.0
     # said, naming the settings (it ran every round each step with a loss of 0 and no word)
-    assert "model.dynamic_sampling: none of the 6 groups drawn in 2 rounds (model.max_generation_rounds)" in caplog.text
-    assert "model.max_unlearnable_steps" in caplog.text
+    assert "model.rollouts.dynamic_sampling: none of the 6 groups drawn in 2 rounds (model.rollouts.max_generation_rounds)" in caplog.text
+    assert "model.scoring.max_unlearnable_steps" in caplog.text
 
 
 def test_two_ranks_keep_what_one_process_keeps_and_run_as_many_rounds():

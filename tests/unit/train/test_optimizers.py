@@ -1,6 +1,6 @@
-"""`model.optimizer` (`lightning_logra.train.optimizers`): the spec is checked before anything loads, each family's
-parameter groups are the ones its package documents (a step equals the constructor called by hand), and a projector
-state survives a checkpoint loaded with weights_only=True."""
+"""`trainer.strategy.init_args.dense.optimizer` (`lightning_logra.train.optimizers`): the spec is checked before
+anything loads, each family's parameter groups are the ones its package documents (a step equals the constructor called
+by hand), and a projector state survives a checkpoint loaded with weights_only=True."""
 
 import importlib.util
 import io
@@ -19,15 +19,18 @@ def _needs(module: str):
 
 
 @pytest.mark.parametrize("value, message", [
-    (42, "model.optimizer must be a class path or"),
-    ({"init_args": {"lr": 1.0}}, "model.optimizer must be a class path or"),
-    ({"class_path": "torch.optim.AdamW", "args": {}}, "model.optimizer must be a class path or"),
-    ({"class_path": "torch.optim.AdamW", "init_args": [1]}, "model.optimizer.init_args must be a mapping"),
-    ("torch.nn.Linear", "model.optimizer.class_path: torch.nn.Linear is not a torch.optim.Optimizer subclass"),
-    ("AdamW", "model.optimizer.class_path: AdamW is not a torch.optim.Optimizer subclass"),
+    (42, "trainer.strategy.init_args.dense.optimizer must be a class path or"),
+    ({"init_args": {"lr": 1.0}}, "trainer.strategy.init_args.dense.optimizer must be a class path or"),
+    ({"class_path": "torch.optim.AdamW", "args": {}}, "trainer.strategy.init_args.dense.optimizer must be a class path "
+                                                      "or"),
+    ({"class_path": "torch.optim.AdamW", "init_args": [1]}, "trainer.strategy.init_args.dense.optimizer.init_args must "
+                                                            "be a mapping"),
+    ("torch.nn.Linear", "trainer.strategy.init_args.dense.optimizer.class_path: torch.nn.Linear is not a "
+                        "torch.optim.Optimizer subclass"),
+    ("AdamW", "trainer.strategy.init_args.dense.optimizer.class_path: AdamW is not a torch.optim.Optimizer subclass"),
     ({"class_path": "torch.optim.AdamW", "init_args": {"rank": 4}},
-     "model.optimizer.init_args.rank: torch.optim.AdamW takes no such argument"),
-    ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0}}, "model.optimizer.init_args.lr must be a positive"),
+     "trainer.strategy.init_args.dense.optimizer.init_args.rank: torch.optim.AdamW takes no such argument"),
+    ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0}}, "trainer.strategy.init_args.dense.optimizer.init_args.lr must be a positive"),
     ({"class_path": "torch.optim.SGD", "init_args": {"lr": float("nan")}}, "init_args.lr must be a positive"),
     # classes that cannot take a step here, and settings torch refused only at the first step
     ("torch.optim.Optimizer", "torch.optim.Optimizer cannot be the dense or LoRA optimizer: it is the base class"),
@@ -35,9 +38,11 @@ def _needs(module: str):
     ("torch.optim.SparseAdam", "SparseAdam cannot be the dense or LoRA optimizer: it takes only sparse gradients"),
     ("lightning_logra.sketch.SketchAdam", "SketchAdam cannot be the dense or LoRA optimizer: it is a sketch optimizer"),
     ({"class_path": "torch.optim.AdamW", "init_args": {"weight_decay": -1}},
-     "model.optimizer.init_args: torch.optim.AdamW refuses them (Invalid weight_decay value: -1"),
+     "trainer.strategy.init_args.dense.optimizer.init_args: torch.optim.AdamW refuses them (Invalid weight_decay "
+     "value: -1"),
     ({"class_path": "torch.optim.AdamW", "init_args": {"betas": [2, 0.9]}},
-     "model.optimizer.init_args: torch.optim.AdamW refuses them (Invalid beta parameter at index 0"),
+     "trainer.strategy.init_args.dense.optimizer.init_args: torch.optim.AdamW refuses them (Invalid beta parameter at "
+     "index 0"),
 ])
 def test_a_bad_spec_is_refused_naming_its_key(value, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
@@ -207,7 +212,8 @@ def test_a_checkpoint_of_another_optimizer_is_not_resumed():
     saved = {"lightning_logra": {"format": 2, "package": "x", "weights_dtype": "float32", "training": "densely",
                                  "optimizer": "galore_torch.GaLoreAdamW"}}
     current = {"format": 2, "package": "x", "weights_dtype": "float32", "training": "densely"}
-    with pytest.raises(ValueError, match="model.optimizer: the checkpoint's state is galore_torch.GaLoreAdamW's, this "
+    with pytest.raises(ValueError, match="trainer.strategy.init_args.dense.optimizer: the checkpoint's state is "
+                                         "galore_torch.GaLoreAdamW's, this "
                                          "run's optimizer AdamW"):
         check_resumable(saved, current)
     check_resumable(saved, {**current, "optimizer": "galore_torch.GaLoreAdamW"})

@@ -30,21 +30,22 @@ def test_a_step_whose_completions_are_all_cut_says_it_trains_on_nothing(caplog):
     rollout = Rollout(ids[:, :1], torch.ones(2, 1, dtype=torch.long), ids, mask, torch.zeros(2, 3))
     with caplog.at_level("WARNING"):
         assert module.trained_tokens(rollout).completion_mask.sum() == 0
-    assert "every completion of this step (and of 1 steps so far) was cut at model.max_new_tokens=3" in caplog.text
-    assert "set model.mask_truncated_completions: false" in caplog.text
+    assert "every completion of this step (and of 1 steps so far) was cut at model.sampling.max_new_tokens=3" in caplog.text
+    assert "set model.loss.mask_truncated_completions: false" in caplog.text
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"eval_num_samples": 8}, "model.eval_num_samples=8 with model.eval_temperature=0"),
-    ({"eval_num_samples": 0}, "model.eval_num_samples must be a positive"),
-    ({"max_generation_rounds": 0}, "model.max_generation_rounds must be a positive"),
-    ({"entropy_coef": -0.1}, "model.entropy_coef must be a finite number ≥ 0"),
-    ({"entropy_coef": float("nan")}, "model.entropy_coef"),
-    ({"eval_temperature": -1.0}, "model.eval_temperature must be a finite number ≥ 0.01"),
-    ({"eval_temperature": 1e-40}, "model.eval_temperature must be a finite number ≥ 0.01"),
+    ({"eval_num_samples": 8}, "model.evaluation.num_samples=8 with model.evaluation.temperature=0"),
+    ({"eval_num_samples": 0}, "model.evaluation.num_samples must be a positive"),
+    ({"max_generation_rounds": 0}, "model.rollouts.max_generation_rounds must be a positive"),
+    ({"entropy_coef": -0.1}, "model.loss.entropy_coef must be a finite number ≥ 0"),
+    ({"entropy_coef": float("nan")}, "model.loss.entropy_coef"),
+    ({"eval_temperature": -1.0}, "model.evaluation.temperature must be a finite number ≥ 0.01"),
+    ({"eval_temperature": 1e-40}, "model.evaluation.temperature must be a finite number ≥ 0.01"),
     # 1e-40 passed as positive: the logits divided by it overflowed (garbage samples, NaN kl/predicted)
-    ({"temperature": 1e-40}, "model.temperature must be a finite number ≥ 0.01"),
-    ({"temperature": 0.0}, r"model.temperature must be .* \(for greedy evaluation set model.eval_temperature: 0\)"),
+    ({"temperature": 1e-40}, "model.sampling.temperature must be a finite number ≥ 0.01"),
+    ({"temperature": 0.0}, r"model.sampling.temperature must be .* \(for greedy evaluation set "
+                           r"model.evaluation.temperature: 0\)"),
 ])
 def test_bad_recipe_settings_are_refused_naming_the_key(settings, message):
     with pytest.raises(ValueError, match=message):

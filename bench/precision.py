@@ -106,7 +106,8 @@ def command(run: dict, args: argparse.Namespace) -> list[str]:
     lr = [] if args.lr is None else ["--trainer.strategy.init_args.sketch.optimizer.lr", str(args.lr)]
     reward = ["--model.scoring.timeout_s", "null"] if args.reward_in_trainer else []
     return cli_command("tiny_arith_bf16.yaml", args.steps, args.runs_dir, _log_name(run), *VARIANTS[run["variant"]],
-                       "--seed_everything", seed, "--model.sampling.seed", seed, "--data.init_args.seed", seed, *lr, *reward)
+                       "--seed_everything", seed, "--model.sampling.seed", seed, "--data.init_args.seed", seed, *lr,
+                       *reward)
 
 
 def _mean(values: list[float]) -> float:

@@ -1,6 +1,7 @@
 """Toggleable pieces of a run; each owns only its own schedule and state, and the run works without it. This folder
 installs as `lightning_logra.callbacks` (a top-level `callbacks` package would collide on PyPI).
 
+- export.py          PolicyExport: transformers folders of the policy at the end of fit and every N steps
 - kl_budget.py       PredictedKLBudget: the predicted-KL step control, a δ schedule or a total for the run (a
                      StepSizeController)
 - kl_from_start.py   KLFromStart: KL(π_t ‖ π_0), measured at every validation
@@ -22,5 +23,5 @@ from lightning_logra.callbacks.signals import SaveOnSignal
 from lightning_logra.callbacks.summary import SketchModelSummary
 from lightning_logra.callbacks.weight_sync import RolloutWeightSync
 
-__all__ = ["KLFromStart", "MemoryProfiler", "PolicyExport", "PredictedKLBudget", "RolloutWeightSync", "RunDirectory", "SaveOnSignal",
-           "SketchModelSummary", "StepProgressBar"]
+__all__ = ["KLFromStart", "MemoryProfiler", "PolicyExport", "PredictedKLBudget", "RolloutWeightSync", "RunDirectory",
+           "SaveOnSignal", "SketchModelSummary", "StepProgressBar"]

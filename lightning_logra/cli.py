@@ -63,8 +63,8 @@ class _Parser(LightningArgumentParser):
 
 def _did_you_mean(message: str, parser: ArgumentParser) -> str:
     """For an unknown key in `message`: where it lives now when it is a key of the settings before their groups
-    (` (model.sampling.temperature is now model.sampling.temperature)`), else ` (did you mean
-    model.sampling.temperature?)` when it is close to a known one, else ''."""
+    (` (model.temperature is now model.sampling.temperature)`), else ` (did you mean model.sampling.temperature?)`
+    when it is close to a known one, else ''."""
     found = re.search(r"(?:Group '([\w.]+)' does not accept |\b)option '([\w.]+)'|unrecognized arguments: --([\w.]+)",
                       message)
     if found is None:
@@ -75,7 +75,13 @@ def _did_you_mean(message: str, parser: ArgumentParser) -> str:
         return f" ({key} is now {MOVED[key]})"
     subcommands = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {})
     known = {action.dest for each in (parser, *subcommands.values()) for action in each._actions}
-    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.75)
+    # A setting's own name misspelt, in its group or without it (`model.temprature`): the settings of that name in
+    # any group, the key's own group first; else the keys closest as a whole.
+    section, parent, name = key.partition(".")[0], key.rpartition(".")[0], key.rpartition(".")[2]
+    close = sorted((dest for dest in known if dest.startswith(f"{section}.")
+                    and difflib.SequenceMatcher(None, name, dest.rpartition(".")[2]).ratio() >= 0.8),
+                   key=lambda dest: (dest.rpartition(".")[0] != parent, dest))[:3]
+    close = close or difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.75)
     return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
@@ -184,7 +190,7 @@ def default_callbacks(trainer: Any, configured: list[Callback], model: RLVRModul
         defaults.append(StepProgressBar())
     if wanted(ModelSummary, "enable_model_summary"):
         defaults.append(SketchModelSummary())
-    engine = model.rollouts.engine if model is not None else None
+    engine = model.engine if model is not None else None
     own_weights = engine is not None and not engine.samples_from(model.policy)
     if own_weights and not any(isinstance(callback, WeightSync) for callback in configured):
         defaults.append(RolloutWeightSync())

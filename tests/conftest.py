@@ -102,7 +102,8 @@ def tool_model(tmp_path_factory) -> str:
 # second turn and groups have non-zero advantages.
 TOOL_TASK = ["--model.model", "lightning_logra/data/tools", "--data.class_path",
              "lightning_logra.data.module.ToolTaskDataModule", "--model.episodes.tools",
-             '["lightning_logra.data.tool_task.multiply"]', "--model.reward", "exact_match", "--model.episodes.max_turns", "2",
+             '["lightning_logra.data.tool_task.multiply"]', "--model.reward", "exact_match",
+             "--model.episodes.max_turns", "2",
              "--model.sampling.max_new_tokens", "64", "--model.episodes.max_tokens", "96"]
 
 

@@ -50,13 +50,13 @@ class RankReport(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.steps > 0:
             return
-        n, count = pl_module.hparams.num_generations, len(batch["prompt"])
+        n, count = pl_module.hparams.sampling.num_generations, len(batch["prompt"])
         everyone: list = [None] * trainer.world_size
         dist.all_gather_object(everyone, list(batch["prompt"]))
         prompts = [p for rank_prompts in everyone for p in rank_prompts]
         # One process with one engine: the whole batch in one call, prompt j seeded by its global index j.
         together = pl_module.engine.generate(pl_module.encode_prompts(prompts), n, pl_module.sampling,
-                                             prompt_seeds(pl_module.hparams.seed, 0, 0, len(prompts)))
+                                             prompt_seeds(pl_module.hparams.sampling.seed, 0, 0, len(prompts)))
         mine = pl_module.generate(batch, n, pl_module.sampling, 0)
         self.report["samples"] = _rows(mine, 0, count * n)
         self.report["same_samples"] = _rows(together, trainer.global_rank * count * n, count * n) == _rows(mine, 0,

@@ -70,7 +70,8 @@ def answer_text(value: Any) -> str:
 
 
 class FunctionTools:
-    """The environment of plain functions (`model.episodes.tools`): stateless, nothing to reset, no reward of its own."""
+    """The environment of plain functions (`model.episodes.tools`): stateless, nothing to reset, no reward of its
+    own."""
 
     def __init__(self, functions: dict[str, Callable]) -> None:
         self.functions = functions

@@ -243,8 +243,7 @@ class EnvironmentPool:
                 results.update(answers)
                 if stuck:
                     log.warning("an environment request or tool call ran past model.episodes.tool_timeout_s=%g s: its "
-                                "answer "
-                                "says so, and environment process %d is replaced (the episodes it held end)",
+                                "answer says so, and environment process %d is replaced (the episodes it held end)",
                                 self.timeout_s, w)
                     self._workers[w].close()
         return results
@@ -258,7 +257,8 @@ class EnvironmentPool:
 
 def spec_from_settings(environment_factory: str | dict | None, tools: list[str] | None, invalid_tool_call: str,
                        max_answer_chars: int) -> EnvironmentSpec:
-    """The spec of `model.episodes.environment_factory` (a dotted path, or class_path and init_args) or `model.episodes.tools`."""
+    """The spec of `model.episodes.environment_factory` (a dotted path, or class_path and init_args) or
+    `model.episodes.tools`."""
     common = {"invalid_tool_call": invalid_tool_call, "max_answer_chars": max_answer_chars}
     if environment_factory is None:
         return EnvironmentSpec("functions", paths=tuple(tools or ()), **common)

@@ -75,7 +75,8 @@ class EpisodeRunner:
                  pad_token_id: int, workers: int, memory_gib: float | None) -> None:
         self.settings, self.spec, self.tokenizer = settings, spec, tokenizer
         self.stop_token_ids, self.pad_token_id = set(stop_token_ids), pad_token_id
-        schemas = tool_schemas(spec_tools(spec), "model.episodes.environment_factory" if spec.kind == "class" else "model.episodes.tools")
+        schemas = tool_schemas(spec_tools(spec),
+                               "model.episodes.environment_factory" if spec.kind == "class" else "model.episodes.tools")
         self.template = TurnTemplate(tokenizer, schemas, stop_token_ids)
         self.environment_role = "user" if spec.kind == "gym" else "tool"
         check_template(self.template, self.environment_role)

@@ -27,8 +27,7 @@ class TurnTemplate:
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, stop_token_ids: list[int]) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("model.episodes.max_turns > 1: episodes are rendered with the model's chat template, and "
-                             "its "
-                             "tokenizer has none; use an instruct model's tokenizer (one with a chat template)")
+                             "its tokenizer has none; use an instruct model's tokenizer (one with a chat template)")
         self.tokenizer, self.tools = tokenizer, tools or None
         self.stop_texts = [tokenizer.decode([token]) for token in stop_token_ids]
 
@@ -59,8 +58,7 @@ class TurnTemplate:
             if text.startswith(stop, end):
                 return conversation, end + len(stop)
         raise ValueError("model.episodes.max_turns > 1: the chat template does not end an assistant turn with a stop "
-                         "token "
-                         f"(it renders {text[end:end + 40]!r} after the turn's text; the stop tokens are "
+                         f"token (it renders {text[end:end + 40]!r} after the turn's text; the stop tokens are "
                          f"{self.stop_texts}), so a sampled turn cannot be continued token for token")
 
 

@@ -63,8 +63,7 @@ def environment(prompts: list, completions: list[Completion], environment_reward
     if environment_reward is None:
         raise ValueError("model.reward: environment scores an episode with its environment's reward(), and these "
                          "completions come from no environment: set model.episodes.environment_factory to a class with "
-                         "a "
-                         "reward method (and model.episodes.max_turns), or choose another reward")
+                         "a reward method (and model.episodes.max_turns), or choose another reward")
     return list(environment_reward)
 
 

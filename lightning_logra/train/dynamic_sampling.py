@@ -112,10 +112,10 @@ class DynamicSampling:
                    "rollout/prompts_drawn": float(target * len(rounds)),
                    "rollout/filtered_groups": float(target * len(rounds) - found),
                    "rollout/missing_groups": float(max(0, target - found))}
-        if found == 0:  # nothing to learn anywhere: the first round as drawn (model.scoring.max_unlearnable_steps counts it)
+        # nothing to learn anywhere: the first round as drawn (model.scoring.max_unlearnable_steps counts it)
+        if found == 0:
             log.warning("model.rollouts.dynamic_sampling: none of the %d groups drawn in %d rounds "
-                        "(model.rollouts.max_generation_rounds)"
-                        " has rewards that differ: this step learns nothing; check the reward and the data, and set "
+                        "(model.rollouts.max_generation_rounds) has rewards that differ: this step learns nothing; check the reward and the data, and set "
                         "model.scoring.max_unlearnable_steps to stop a run that goes on like "
                         "this", target * len(rounds),
                         len(rounds))

@@ -118,8 +118,7 @@ class Rollouts:
         if k == 0:
             if self.engine.updates_in_flight():
                 raise ValueError("model.rollouts.engine: in_flight updates reach the engine while it generates the "
-                                 "steps "
-                                 "ahead, and with model.rollouts.max_staleness=0 there are none: set "
+                                 "steps ahead, and with model.rollouts.max_staleness=0 there are none: set "
                                  "model.rollouts.max_staleness to 1 (or more), or engine in_flight: false")
             return
         if not self.engine.runs_alongside():
@@ -138,7 +137,8 @@ class Rollouts:
         reload = self.engine.reload_after_restart(reload_here)  # the sync's full load (or its refusal, sharded)
         trainer = module.trainer
         self.pipeline = RolloutPipeline(
-            k, lambda batch, step: self.engine_call(batch, module.hparams.sampling.num_generations, module.sampling, step),
+            k, lambda batch, step: self.engine_call(batch, module.hparams.sampling.num_generations, module.sampling,
+                                                    step),
             self.weight_sync.send, reload, iter(trainer.train_dataloader),
             start=module.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None,
             in_flight=self.engine.updates_in_flight())

@@ -202,8 +202,7 @@ class RemoteEngine(RolloutEngine):
         if self.launch:
             return secrets.token_hex(16)
         raise ValueError(f"model.rollouts.engine: the servers' update routes need their shared token: set ${TOKEN_ENV} "
-                         "or "
-                         "engine.token_file")
+                         "or engine.token_file")
 
     def close(self) -> None:
         if self._started and self.sender:  # the run has ended: the servers it held are free for the next

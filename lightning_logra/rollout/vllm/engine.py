@@ -155,8 +155,7 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         if world_size > 1 and self.placement == "trainer_ranks":
             if world_size % tp:
                 raise ValueError(f"model.rollouts.engine: placement trainer_ranks runs one engine per {tp} consecutive "
-                                 "ranks "
-                                 f"(engine.tensor_parallel_size); {world_size} ranks are not a multiple of it")
+                                 f"ranks (engine.tensor_parallel_size); {world_size} ranks are not a multiple of it")
             # Every rank builds every group (a collective), and keeps its own.
             groups = [list(range(first, first + tp)) for first in range(0, world_size, tp)]
             self.group_ranks = groups[rank // tp]

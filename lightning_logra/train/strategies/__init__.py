@@ -18,4 +18,5 @@ from lightning_logra.train.strategies.fsdp import SketchFSDPStrategy
 from lightning_logra.train.strategies.single import DenseStrategy, LoRAStrategy, SketchStrategy
 
 __all__ = ["Collectives", "DenseConfig", "DenseDDPStrategy", "DenseStrategy", "LightningCollectives", "LoRAConfig",
-           "LoRAStrategy", "SketchConfig", "SketchDDPStrategy", "SketchFSDPStrategy", "SketchStrategy", "collectives_of"]
+           "LoRAStrategy", "SketchConfig", "SketchDDPStrategy", "SketchFSDPStrategy", "SketchStrategy",
+           "collectives_of"]

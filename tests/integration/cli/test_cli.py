@@ -107,7 +107,9 @@ def test_resume_refuses_other_sketch_settings(run_cli, tmp_path, override, messa
     ("tiny_arith.yaml", ["--trainer.strategy.init_args.sketch.optimizer.lr", "5.0e-4",
                          "--trainer.strategy.init_args.sketch.optimizer.betas", "[0.8, 0.99]"],
      "sketch.optimizer.init_args.lr", 5e-4),
-    ("tiny_arith_dense.yaml", ["--trainer.strategy.init_args.dense.lr", "3.0e-5", "--trainer.strategy.init_args.dense.weight_decay", "0.01"], "trainer.strategy.init_args.dense.lr", 3e-5),
+    ("tiny_arith_dense.yaml", ["--trainer.strategy.init_args.dense.lr", "3.0e-5",
+                               "--trainer.strategy.init_args.dense.weight_decay", "0.01"],
+                               "trainer.strategy.init_args.dense.lr", 3e-5),
     ("tiny_arith_lora.yaml", ["--trainer.strategy.init_args.lora.lr", "1.0e-3"], "lora.lr", 1e-3),
 ], ids=["sketch", "dense", "lora"])
 def test_a_resume_trains_with_this_runs_optimizer_settings_and_says_so(run_cli, tmp_path, caplog, config, changed,
@@ -377,7 +379,8 @@ def test_the_optimizer_receives_at_most_max_grad_norm(run_cli, config):
     # path) and the dense gradients (baseline) an optimizer is given have a norm of at most max_grad_norm.
     check = GradNormAtMost()
     cli = run_cli(config, "--trainer.max_steps", "3", "--data.init_args.batch_size", "8",
-                  "--trainer.val_check_interval", "1000", "--model.training.max_grad_norm", "1e-3", fast=False, run=False)
+                  "--trainer.val_check_interval", "1000", "--model.training.max_grad_norm", "1e-3", fast=False,
+                  run=False)
     cli.trainer.callbacks.append(check)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert check.seen == 3

@@ -26,7 +26,8 @@ def test_a_fit_with_tools_draws_episodes_trains_and_logs_them(run_cli, config, e
 
 
 def test_an_environment_class_draws_episodes_and_scores_them(run_cli, tool_model):
-    cli = run_cli("configs/tiny_arith.yaml", "--model.episodes.environment_factory", "bad_envs.Counter", "--model.reward",
+    cli = run_cli("configs/tiny_arith.yaml", "--model.episodes.environment_factory", "bad_envs.Counter",
+                  "--model.reward",
                   "[exact_match, "
                   "environment]", "--model.episodes.max_turns", "3", "--model.sampling.max_new_tokens", "10",
                   "--model.episodes.max_tokens", "48", model=tool_model)

@@ -71,7 +71,8 @@ def test_a_run_logs_the_distance_it_travelled_at_every_validation(run_cli, tmp_p
     callbacks.write_text("trainer:\n  callbacks:\n"
                          "    - class_path: lightning_logra.callbacks.KLFromStart\n"
                          "      init_args: {prompts: 6, samples: 3}\n")
-    run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--trainer.strategy.init_args.dense.lr", "1e-2", steps=4,
+    run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--trainer.strategy.init_args.dense.lr",
+            "1e-2", steps=4,
             root=tmp_path / "fit")
     travelled = _scalars(tmp_path / "fit")["val/kl_from_start"]
     assert len(travelled) == 2  # steps 2 and 4 (val_check_interval 2)

@@ -56,9 +56,11 @@ class GradientsBeforeStep(Callback):
 
 
 def make_module(model, reward, loss_type="dapo", **settings) -> RLVRModule:
-    return RLVRModule(model, reward=reward, num_generations=G, max_new_tokens=4, micro_batch_size=3,
-                      max_grad_norm=None, is_cap=IS_CAP, loss_type=loss_type, scale_rewards="none",
-                      temperature=TEMPERATURE, seed=0, reward_timeout_s=None, **settings)
+    return RLVRModule(model, reward=reward, **settings,
+                      sampling={"num_generations": G, "max_new_tokens": 4, "temperature": TEMPERATURE, "seed": 0},
+                      loss={"type": loss_type, "scale_rewards": "none"},
+                      training={"micro_batch_size": 3, "max_grad_norm": None}, scoring={"timeout_s": None},
+                      rollouts={"is_cap": IS_CAP})
 
 
 def one_step(module, precision="32-true", moved=False, checkpoint=None):
@@ -217,7 +219,7 @@ def test_beta_zero_loads_no_reference_and_changes_nothing(tiny_arith_model, monk
 
 @pytest.mark.parametrize("beta", [-1.0, math.nan, math.inf, -math.inf])
 def test_a_beta_that_is_not_a_finite_non_negative_number_is_refused(tiny_arith_model, beta):
-    with pytest.raises(ValueError, match=r"model\.beta must be a finite number ≥ 0"):
+    with pytest.raises(ValueError, match=r"model\.loss\.beta must be a finite number ≥ 0"):
         make_module(tiny_arith_model, half_learnable, beta=beta)
 
 
@@ -231,7 +233,7 @@ def test_beta_under_fsdp_is_refused_before_anything_loads(tiny_arith_model, monk
     # A Trainer of the strategy, attached as a fit attaches it (no processes: the check comes before any set-up).
     module.trainer = Trainer(strategy=SketchFSDPStrategy(), accelerator="cpu", devices=1, logger=False)
     module.trainer.state.fn = TrainerFn.FITTING
-    with pytest.raises(ValueError, match=r"model\.beta=0\.04: .*unsharded copy .* every rank .*SketchDDPStrategy"):
+    with pytest.raises(ValueError, match=r"model\.loss\.beta=0\.04: .*unsharded copy .* every rank .*SketchDDPStrategy"):
         module.configure_model()
 
 

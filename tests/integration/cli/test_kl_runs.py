@@ -43,7 +43,8 @@ def test_a_skipped_step_logs_nan_not_the_last_steps_kl(run_cli):
 
 
 @pytest.mark.parametrize("config, extra", [
-    ("tiny_arith_dense_all", ["--trainer.strategy.init_args.dense.lr", "1e-4"]),  # no sketches at all: AdamW on every parameter
+    ("tiny_arith_dense_all", ["--trainer.strategy.init_args.dense.lr", "1e-4"]),
+    # no sketches at all: AdamW on every parameter
     ("tiny_arith", ["--trainer.strategy.init_args.sketch.train_rest", "true",
                     "--trainer.strategy.init_args.sketch.rest_lr", "1e-3"]),  # sketches + dense AdamW
 ])

@@ -36,8 +36,10 @@ def _module(model_path, **kwargs):
 def _lora_run(run_cli, steps, *overrides):
     """tiny_arith_lora.yaml on the tiny model at rank 4, with `_module`'s settings and no validation: parsed and
     instantiated, for the test to fit."""
-    return run_cli("tiny_arith_lora", "--model.sampling.num_generations", str(G), "--model.sampling.max_new_tokens", "4",
-                   "--model.training.micro_batch_size", "4", "--model.training.max_grad_norm", "null", "--model.rollouts.is_cap", "null",
+    return run_cli("tiny_arith_lora", "--model.sampling.num_generations", str(G), "--model.sampling.max_new_tokens",
+                   "4",
+                   "--model.training.micro_batch_size", "4", "--model.training.max_grad_norm", "null",
+                   "--model.rollouts.is_cap", "null",
                    "--model.scoring.timeout_s", "null", "--trainer.limit_val_batches", "0",
                    "--trainer.strategy.init_args.lora.rank", "4", *overrides, steps=steps, run=False)
 
@@ -243,7 +245,8 @@ def test_bad_settings_fail_naming_the_key(settings, message):
     (["--trainer.strategy.init_args.dense.lr", "0.1"], "set trainer.strategy.init_args.lora.lr instead"),
     (["--trainer.strategy.init_args.dense.target_modules", "[q_proj]"], "set "
                                                                         "trainer.strategy.init_args.lora.target_modules instead"),
-], ids=["target", "rank", "dropout", "trainer.strategy.init_args.dense.lr", "trainer.strategy.init_args.dense.target_modules"])
+], ids=["target", "rank", "dropout", "trainer.strategy.init_args.dense.lr",
+        "trainer.strategy.init_args.dense.target_modules"])
 def test_bad_config_values_fail_before_training_naming_the_key(run_cli, tmp_path, capsys, override, message):
     with pytest.raises((ValueError, SystemExit)) as info:
         _fit(run_cli, tmp_path, 2, *override)

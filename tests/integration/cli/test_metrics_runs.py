@@ -75,7 +75,8 @@ def test_data_whose_rows_name_their_task_log_the_reward_and_pass_at_k_per_task(r
         return rewards, per_reward
 
     monkeypatch.setattr(RLVRModule, "score", recording)
-    cli = run_cli("tiny_arith", "--data.class_path", "conftest.TaskedArithDataModule", "--model.evaluation.num_samples", "4",
+    cli = run_cli("tiny_arith", "--data.class_path", "conftest.TaskedArithDataModule",
+                  "--model.evaluation.num_samples", "4",
                   "--model.evaluation.temperature", "1.0", root=tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -44,7 +44,8 @@ def _weights(cli) -> dict[str, torch.Tensor]:
 def test_three_dense_steps(run_cli, tiny_arith_model, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
-    cli = run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.optimizer", _spec(name), "--trainer.limit_val_batches", "0", steps=3,
+    cli = run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.optimizer", _spec(name),
+                  "--trainer.limit_val_batches", "0", steps=3,
                   root=tmp_path)
     assert cli.trainer.global_step == 3
     optimizer = cli.trainer.optimizers[0]
@@ -60,7 +61,8 @@ def test_three_dense_steps(run_cli, tiny_arith_model, tmp_path, name):
 
 
 def test_8bit_adamw_trains_lora_adapters(run_cli, tmp_path):
-    cli = run_cli("tiny_arith_lora", "--trainer.strategy.init_args.dense.optimizer", _spec("adamw_8bit"), "--trainer.limit_val_batches", "0",
+    cli = run_cli("tiny_arith_lora", "--trainer.strategy.init_args.dense.optimizer", _spec("adamw_8bit"),
+                  "--trainer.limit_val_batches", "0",
                   "--trainer.strategy.init_args.lora.rank", "1", "--trainer.strategy.init_args.lora.lr", "2e-3",
                   steps=3, root=tmp_path)
     optimizer = cli.trainer.optimizers[0]
@@ -74,7 +76,8 @@ def test_8bit_adamw_trains_lora_adapters(run_cli, tmp_path):
 def test_a_step_size_controller_scales_a_galore_step(run_cli, tmp_path):
     budget = json.dumps([{"class_path": "lightning_logra.callbacks.PredictedKLBudget",
                           "init_args": {"budget": 1e-4, "alpha_max": 4.0, "subset": 4}}])
-    run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.optimizer", _spec("galore"), "--trainer.callbacks", budget,
+    run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.optimizer", _spec("galore"), "--trainer.callbacks",
+            budget,
             "--trainer.limit_val_batches", "0", steps=3, root=tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -97,6 +100,7 @@ def test_a_resumed_galore_run_equals_the_uninterrupted_one(run_cli, tmp_path):
 
 
 def test_a_sketch_run_refuses_model_optimizer(run_cli):
-    with pytest.raises(ValueError, match=r"model\.optimizer: set to .* a sketch strategy would ignore it .*"
+    with pytest.raises(ValueError, match=r"trainer\.strategy\.init_args\.dense\.optimizer: set to .* a sketch strategy would ignore it .*"
                                          r"trainer\.strategy\.init_args\.sketch\.optimizer"):
-        run_cli(CONFIGS / "tiny_arith.yaml", "--trainer.strategy.init_args.dense.optimizer", "torch.optim.SGD", run=False)
+        run_cli(CONFIGS / "tiny_arith.yaml", "--trainer.strategy.init_args.dense.optimizer", "torch.optim.SGD",
+                run=False)

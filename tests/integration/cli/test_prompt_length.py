@@ -46,7 +46,7 @@ def ids(*pieces: str) -> list[int]:
 
 def encoder(chat_template: bool) -> RLVRModule:
     """The module's own encode_prompts with the chat tokenizer (no weights are needed to tokenize)."""
-    module = RLVRModule("test/tokenizer-only", chat_template=chat_template, reward_timeout_s=None)
+    module = RLVRModule("test/tokenizer-only", chat_template=chat_template, scoring={"timeout_s": None})
     module.tokenizer = chat_tokenizer()
     return module
 
@@ -164,8 +164,8 @@ def test_a_run_rolls_out_only_prompts_within_the_limit(tmp_path, tiny_arith_mode
     path = write_rows(tmp_path / "p.jsonl", [{"prompt": p, "answer": "1"} for p in prompts])
     data = PromptDataModule(train=str(path), val=str(path), batch_size=2, eval_batch_size=6, max_prompt_length=6,
                             overlong_prompts=policy)
-    module = RLVRModule(tiny_arith_model, reward="conftest.odd_first_digit", num_generations=2, max_new_tokens=2,
-                        reward_timeout_s=None)
+    module = RLVRModule(tiny_arith_model, reward="conftest.odd_first_digit",
+                        sampling={"num_generations": 2, "max_new_tokens": 2}, scoring={"timeout_s": None})
     seen = PromptsSeen()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, val_check_interval=100, check_val_every_n_epoch=None,
                       num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -204,30 +204,32 @@ def test_a_prompt_of_no_tokens_is_dropped_and_counted(tmp_path, caplog):
 
 def test_the_limit_is_what_the_model_context_leaves_beside_each_stage_s_completions(tiny_arith_model):
     # The embedded tokenizer's model has 32 positions.
-    module = RLVRModule(tiny_arith_model, max_new_tokens=4, eval_max_new_tokens=8, reward_timeout_s=None)
+    module = RLVRModule(tiny_arith_model, sampling={"max_new_tokens": 4}, scoring={"timeout_s": None},
+                        evaluation={"max_new_tokens": 8})
     module.configure_model()
     assert module.prompt_token_limit("fit") == (28, "model.model's max_position_embeddings=32, less "
                                                     "model.sampling.max_new_tokens=4")
     assert module.prompt_token_limit("validate") == (24, "model.model's max_position_embeddings=32, less "
                                                          "model.evaluation.max_new_tokens=8")
-    too_long = RLVRModule(tiny_arith_model, max_new_tokens=4, eval_max_new_tokens=32, reward_timeout_s=None)
+    too_long = RLVRModule(tiny_arith_model, sampling={"max_new_tokens": 4}, scoring={"timeout_s": None},
+                          evaluation={"max_new_tokens": 32})
     too_long.policy = module.policy
     assert too_long.prompt_token_limit("fit")[0] == 28
     with pytest.raises(ValueError, match=r"model.evaluation.max_new_tokens=32 leaves no room for a prompt in the "
-                                         r"model's "
-                                         r"context of 32 tokens \(model.model's max_position_embeddings\): set "
+                                         r"model's context of 32 tokens \(model.model's max_position_embeddings\): set "
                                          r"model.evaluation.max_new_tokens below 32, or use a model with a longer one"):
         too_long.prompt_token_limit("test")
     # An engine that sets a context of its own: that one holds the prompt and the completion.
-    module = RLVRModule(tiny_arith_model, max_new_tokens=4, reward_timeout_s=None, engine=VLLMEngine(max_model_len=20))
+    module = RLVRModule(tiny_arith_model, sampling={"max_new_tokens": 4}, scoring={"timeout_s": None},
+                        rollouts={"engine": VLLMEngine(max_model_len=20)})
     assert module.prompt_token_limit("fit") == (16, "model.rollouts.engine's max_model_len=20, less "
                                                     "model.sampling.max_new_tokens=4")
     assert module.prompt_token_limit("validate")[0] == 16  # eval_max_new_tokens unset: max_new_tokens
-    module = RLVRModule(tiny_arith_model, max_new_tokens=4, reward_timeout_s=None, engine=VLLMEngine(max_model_len=4))
+    module = RLVRModule(tiny_arith_model, sampling={"max_new_tokens": 4}, scoring={"timeout_s": None},
+                        rollouts={"engine": VLLMEngine(max_model_len=4)})
     with pytest.raises(ValueError, match=r"model.sampling.max_new_tokens=4 leaves no room .* context of 4 tokens "
                                          r"\(model.rollouts.engine's max_model_len\): set "
-                                         r"model.sampling.max_new_tokens below 4, or "
-                                         r"raise it"):
+                                         r"model.sampling.max_new_tokens below 4, or raise it"):
         module.prompt_token_limit("fit")
 
 
@@ -258,8 +260,7 @@ def fit_one_step_without_a_length_limit(run_cli, tmp_path, *overrides):
 
 
 CONTEXT = ("28 tokens (the model's context: model.model's max_position_embeddings=32, less "
-           "model.sampling.max_new_tokens=4; "
-           "data.max_prompt_length is unset)")
+           "model.sampling.max_new_tokens=4; data.max_prompt_length is unset)")
 
 
 def test_without_max_prompt_length_a_prompt_past_the_model_context_is_dropped(run_cli, tmp_path, caplog):
@@ -287,8 +288,7 @@ def test_without_max_prompt_length_truncate_keeps_the_end_that_fits_the_context(
 
 def test_new_tokens_that_fill_the_model_context_fail_naming_the_key(run_cli, tmp_path):
     with pytest.raises(ValueError, match=r"model.sampling.max_new_tokens=32 leaves no room for a prompt in the model's "
-                                         r"context "
-                                         r"of 32 tokens \(model.model's max_position_embeddings\)"):
+                                         r"context of 32 tokens \(model.model's max_position_embeddings\)"):
         fit_one_step_without_a_length_limit(run_cli, tmp_path, "--model.sampling.max_new_tokens", "32")
 
 

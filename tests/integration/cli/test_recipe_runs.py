@@ -13,7 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from reward_stubs import start_judge, train_reward_classifier
 
-DYNAMIC = ["--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3", "--model.sampling.num_generations", "2"]
+DYNAMIC = ["--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3",
+           "--model.sampling.num_generations", "2"]
 
 
 def _scalars(root, tag):
@@ -77,7 +78,8 @@ def test_a_classifier_and_an_llm_judge_score_in_processes_of_their_own(run_cli, 
 def test_the_test_command_reports_pass_at_k_beside_the_checkpoint(run_cli, tmp_path):
     run_cli("tiny_arith", root=tmp_path / "fit")
     checkpoint = glob.glob(str(tmp_path / "fit" / "**" / "checkpoints" / "last.ckpt"), recursive=True)[0]
-    run_cli("tiny_arith", "--ckpt_path", checkpoint, "--model.evaluation.num_samples", "4", "--model.evaluation.temperature",
+    run_cli("tiny_arith", "--ckpt_path", checkpoint, "--model.evaluation.num_samples", "4",
+            "--model.evaluation.temperature",
             "1.0", command="test", root=tmp_path / "test")
     report = json.loads(open(checkpoint.replace(".ckpt", ".test.json")).read())
     metrics = report["metrics"]

@@ -8,8 +8,10 @@ import torch
 def _fit(run_cli, reward, steps, *overrides):
     """A tiny dense run (AdamW at lr 1e-3) rewarded by `bad_rewards.<reward>` in the trainer's process, 4 samples per
     prompt, no validation; returns (its trainer, its module, the weights before it)."""
-    cli = run_cli("tiny_arith_dense_all", "--model.reward", f"bad_rewards.{reward}", "--model.sampling.num_generations", "4",
-                  "--model.sampling.max_new_tokens", "4", "--model.training.micro_batch_size", "16", "--trainer.strategy.init_args.dense.lr", "1e-3",
+    cli = run_cli("tiny_arith_dense_all", "--model.reward", f"bad_rewards.{reward}",
+                  "--model.sampling.num_generations", "4",
+                  "--model.sampling.max_new_tokens", "4", "--model.training.micro_batch_size", "16",
+                  "--trainer.strategy.init_args.dense.lr", "1e-3",
                   "--model.scoring.timeout_s", "null", "--trainer.limit_val_batches", "0", *overrides, steps=steps,
                   run=False)
     cli.model.configure_model()

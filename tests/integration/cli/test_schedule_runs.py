@@ -39,7 +39,8 @@ class Record(Callback):
 def _fit(run_cli, config: str, steps: int, callbacks: list[Callback], *overrides: str):
     """A tiny run of `config` with 4 samples per prompt, no clipping, no validation and no KL control (the schedule
     alone sets each step's size), `callbacks` added; returns its trainer."""
-    cli = run_cli(config, "--model.sampling.num_generations", "4", "--model.sampling.max_new_tokens", "4", "--model.training.micro_batch_size",
+    cli = run_cli(config, "--model.sampling.num_generations", "4", "--model.sampling.max_new_tokens", "4",
+                  "--model.training.micro_batch_size",
                   "16", "--model.training.max_grad_norm", "null", "--model.scoring.timeout_s", "null",
                   "--trainer.limit_val_batches", "0", *overrides, steps=steps, run=False)
     cli.trainer.callbacks = [c for c in cli.trainer.callbacks if not isinstance(c, PredictedKLBudget)] + callbacks
@@ -70,7 +71,8 @@ def test_a_sketch_run_schedules_both_optimizers_by_applied_update(run_cli):
 
 def test_the_dense_baseline_follows_its_own_schedule(run_cli):
     record = Record()
-    _fit(run_cli, "tiny_arith_dense_all", 4, [record], "--trainer.strategy.init_args.dense.lr", "1e-2", "--trainer.strategy.init_args.dense.lr_schedule.warmup_steps", "3")
+    _fit(run_cli, "tiny_arith_dense_all", 4, [record], "--trainer.strategy.init_args.dense.lr", "1e-2",
+         "--trainer.strategy.init_args.dense.lr_schedule.warmup_steps", "3")
     assert record.lrs == [[pytest.approx(1e-2 * f, rel=1e-12)] for f in (1 / 3, 2 / 3, 1.0, 1.0)]
     assert record.logged == [pytest.approx(lrs, rel=1e-6) for lrs in record.lrs]
 

@@ -39,9 +39,10 @@ class GradientsBeforeStep(Callback):
 @pytest.fixture(scope="module")
 def step(tiny_arith_model):
     """One step on 4 prompts × 4 samples, micro-batches of 2, no clipping; returns what the test compares."""
-    module = RLVRModule(tiny_arith_model, reward=half_learnable, num_generations=G, max_new_tokens=4,
-                        micro_batch_size=2, max_grad_norm=None, is_cap=IS_CAP, loss_type="dapo", seed=0,
-                        reward_timeout_s=None)
+    module = RLVRModule(tiny_arith_model, reward=half_learnable,
+                        sampling={"num_generations": G, "max_new_tokens": 4, "seed": 0}, loss={"type": "dapo"},
+                        training={"micro_batch_size": 2, "max_grad_norm": None}, scoring={"timeout_s": None},
+                        rollouts={"is_cap": IS_CAP})
     module.configure_model()  # loads the policy and its in-process engine now, so both can be wrapped
     start = copy.deepcopy(module.policy).double()
     rollouts, forwarded = [], []

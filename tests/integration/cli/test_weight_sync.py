@@ -190,8 +190,9 @@ def test_importance_weights_truncate_and_measure_the_mismatch():
 
 
 def _module(model_path, engine=None, **kwargs):
-    return RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
-                      micro_batch_size=16, engine=engine, **kwargs)
+    return RLVRModule(model_path, reward="conftest.odd_first_digit", **kwargs,
+                      sampling={"num_generations": 4, "max_new_tokens": 4}, training={"micro_batch_size": 16},
+                      rollouts={"engine": engine})
 
 
 def _trainer(root, callbacks, steps=3, refresh_every=None):

@@ -103,7 +103,8 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_what_one_process_does(ru
     # Two completions per prompt: about half the groups are all-equal and left out, so steps take more rounds, and
     # the ranks keep different numbers of groups (each keeps those it drew). The DDP wrapper makes every backward a
     # collective: the rank with fewer micro-batches runs the rest on a row whose tokens count zero.
-    extra = ["--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3", "--model.sampling.num_generations", "2",
+    extra = ["--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3",
+             "--model.sampling.num_generations", "2",
              "--model.training.micro_batch_size", "2"]
     data = yaml.safe_load(Path(_dense_on_two_processes(tmp_path / "dense_ddp.yaml")).read_text())
     data["model"].update(dynamic_sampling=True, max_generation_rounds=3, num_generations=2, micro_batch_size=2)

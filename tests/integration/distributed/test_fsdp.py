@@ -61,7 +61,8 @@ def test_dynamic_sampling_sharded_keeps_and_trains_what_one_process_does(run_cli
     # the ranks keep different numbers of groups. Every forward and backward under FSDP is a collective: the rank
     # with fewer micro-batches runs the rest on a row whose tokens count zero, and the KL controller's subset is
     # drawn over the rows the ranks actually hold, as one process draws it from the same groups.
-    extra = ("--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3", "--model.sampling.num_generations",
+    extra = ("--model.rollouts.dynamic_sampling", "true", "--model.rollouts.max_generation_rounds", "3",
+             "--model.sampling.num_generations",
              "2", "--model.training.micro_batch_size", "2")
     single = _fit(run_cli, sharded_run_config("tiny_arith.yaml", tmp_path / "tiny_arith.yaml"), tmp_path / "1", 2,
                   *extra, wait=False)

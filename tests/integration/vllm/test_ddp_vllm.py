@@ -36,7 +36,8 @@ def test_two_ranks_each_with_a_vllm_engine(run_cli, tiny_arith_model, tmp_path):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     run_cli(config, "--trainer.val_check_interval", str(STEPS), "--data.init_args.eval_limit", "4",
             "--model.export.dir", str(tmp_path / "export"), "--trainer.callbacks+=engine_ranks.RankReport",
-            "--model.rollouts.engine.init_args.gpu_memory_utilization", "0.04", steps=STEPS, root=tmp_path, subprocess=True,
+            "--model.rollouts.engine.init_args.gpu_memory_utilization", "0.04", steps=STEPS, root=tmp_path,
+            subprocess=True,
             env=env)
 
     assert_matches("ddp_vllm", observe(tmp_path, tiny_arith_model, tmp_path / "export"), recorded("ddp_vllm"))

@@ -44,7 +44,8 @@ def test_episodes_on_sharded_ranks_with_a_tensor_parallel_engine_in_them(run_cli
     # FSDP2 over 2 processes that are also the 2 workers of one tensor-parallel vLLM engine: every generate call is
     # the group's, so a rank whose episodes have ended joins the calls of the other's next turns (with no prompts).
     run_cli("configs/tiny_arith_fsdp_vllm.yaml", *TOOL_TASK, "--data.init_args.batch_size", "8",
-            "--model.rollouts.engine.init_args.placement", "trainer_ranks", "--model.rollouts.engine.init_args.tensor_parallel_size",
+            "--model.rollouts.engine.init_args.placement", "trainer_ranks",
+            "--model.rollouts.engine.init_args.tensor_parallel_size",
             "2", steps=2, root=tmp_path, subprocess=True, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     scalars = _scalars(tmp_path)
     assert len(scalars["train/reward_mean"]) == 2 and max(scalars["episodes/tool_calls"]) > 0

@@ -55,7 +55,8 @@ def _reports(root: Path) -> list[dict]:
 # bf16 weights on both sides, as the GPU configs train: each rank merges its rows of F·A into its shard with the
 # stochastic-rounding bits those rows have in the whole matrix, each engine merges the whole matrix with the same key.
 # (Densely trained bf16 tensors are refused: AdamW would round their steps to nearest.)
-BF16 = ("--trainer.precision", "bf16-true", "--model.dtype", "bfloat16", "--model.rollouts.engine.init_args.dtype", "bfloat16",
+BF16 = ("--trainer.precision", "bf16-true", "--model.dtype", "bfloat16", "--model.rollouts.engine.init_args.dtype",
+        "bfloat16",
         "--trainer.strategy.init_args.sketch.optimizer.init_args.lr", "1e-4")
 
 
@@ -94,7 +95,8 @@ def test_tensor_parallel_engine_in_the_trainers_ranks(run_cli, tiny_arith_model,
     # launcher), each holding half of every weight, the ranks' prompts generated together.
     config = _config(tmp_path / "fsdp_vllm.yaml")
     run_cli(config, "--model.rollouts.engine.init_args.placement", "trainer_ranks",
-            "--model.rollouts.engine.init_args.tensor_parallel_size", "2", "--trainer.callbacks+=engine_ranks.RankReport",
+            "--model.rollouts.engine.init_args.tensor_parallel_size", "2",
+            "--trainer.callbacks+=engine_ranks.RankReport",
             "--model.export.dir", str(tmp_path / "export"), steps=3, root=tmp_path, subprocess=True, env=ENV)
     assert_matches("trainer_ranks", observe(tmp_path, tiny_arith_model, tmp_path / "export"),
                    recorded("trainer_ranks"))

@@ -142,7 +142,8 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_a
     # vLLM's client does not notice the death: the engine's processes are watched during every call, and the call
     # under way fails within a second or so, not after call_timeout_s (10 minutes here, so that a broken watch fails
     # the test rather than holds it for the default hour).
-    cli = run_cli(config, "--model.rollouts.max_staleness", "1", "--model.rollouts.engine.init_args.call_timeout_s", "600", steps=5,
+    cli = run_cli(config, "--model.rollouts.max_staleness", "1", "--model.rollouts.engine.init_args.call_timeout_s",
+                  "600", steps=5,
                   root=tmp_path, run=False)
     kill = KillEngine(step=2)
     cli.trainer.callbacks.append(kill)
@@ -197,7 +198,8 @@ def test_two_ranks_each_generate_ahead_with_their_engine(run_cli, tmp_path, conf
     # What a run killed after step 2 leaves (its last periodic checkpoint), resumed by one process: the two ranks'
     # batches in flight are not this run's slices, so they are drawn again, and the run goes on.
     with caplog.at_level(logging.WARNING, logger="lightning_logra"):
-        resumed = run_cli(config, "--model.rollouts.max_staleness", "1", "--trainer.devices", "1", "--ckpt_path", str(path),
+        resumed = run_cli(config, "--model.rollouts.max_staleness", "1", "--trainer.devices", "1", "--ckpt_path",
+                          str(path),
                           "--trainer.val_check_interval", "4", "--data.init_args.eval_limit", "4",
                           steps=4, root=tmp_path / "one")
     assert resumed.trainer.global_step == 4
@@ -240,7 +242,8 @@ class StallEngineThenSignal(Callback):
 def test_a_signal_while_the_trainer_waits_on_a_stalled_engine_saves_the_last_finished_step(run_cli, tmp_path, caplog):
     # Only the signal's grace (2 s) can end the wait soon: the engine's own deadline is 10 minutes here (the default
     # hour, had the grace failed, would hold the test that long).
-    cli = run_cli("tiny_arith_vllm", "--model.rollouts.max_staleness", "1", "--model.rollouts.engine.init_args.call_timeout_s", "600",
+    cli = run_cli("tiny_arith_vllm", "--model.rollouts.max_staleness", "1",
+                  "--model.rollouts.engine.init_args.call_timeout_s", "600",
                   steps=5, root=tmp_path, run=False)
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, SaveOnSignal)]
     stall = StallEngineThenSignal(step=2)

@@ -65,8 +65,9 @@ class Record(EngineSnapshot):
 
 def _run(model_path, root, engine, *callbacks, steps=STEPS, ckpt_path=None, checkpoints=False):
     """test_vllm_engine.py's run (its recorded steps) with `engine`."""
-    module = RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
-                        micro_batch_size=16, engine=engine)
+    module = RLVRModule(model_path, reward="conftest.odd_first_digit",
+                        sampling={"num_generations": 4, "max_new_tokens": 4}, training={"micro_batch_size": 16},
+                        rollouts={"engine": engine})
     record = Record()
     saving = [ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1)] if checkpoints else []
     trainer = Trainer(
@@ -114,7 +115,7 @@ def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_m
     trainer, record = _run(tiny_arith_model, tmp_path, engine, another)
     assert another.served == {"name": tiny_arith_model, "dtype": "float32",
                               **{key: config[key] for key in SHAPE_KEYS if key in config}}
-    assert re.fullmatch(r"model\.engine: engine server http://127\.0\.0\.1:\d+ serves .*: num_hidden_layers 4 here, "
+    assert re.fullmatch(r"model\.rollouts\.engine: engine server http://127\.0\.0\.1:\d+ serves .*: num_hidden_layers 4 here, "
                         rf"{config['num_hidden_layers']} there; start it with the trainer's model .*", another.refused)
     # The same samples and steps as the engine in the trainer's processes: the same vLLM, seeds and merges.
     start = load_file(Path(tiny_arith_model) / "model.safetensors")

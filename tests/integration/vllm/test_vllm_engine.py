@@ -103,8 +103,9 @@ class Record(EngineSnapshot):
 
 def _run(model_path, root, disturb: bool):
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=True)
-    module = RLVRModule(model_path, reward="conftest.odd_first_digit", num_generations=4, max_new_tokens=4,
-                        micro_batch_size=16, engine=engine)
+    module = RLVRModule(model_path, reward="conftest.odd_first_digit",
+                        sampling={"num_generations": 4, "max_new_tokens": 4}, training={"micro_batch_size": 16},
+                        rollouts={"engine": engine})
     sync = RolloutWeightSync(check_every=1, tolerance=1e-5)
     record = Record(sync)
     trainer = Trainer(

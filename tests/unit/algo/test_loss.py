@@ -78,7 +78,7 @@ def test_token_weights_by_loss_type(counts, expected):
     for loss_type, row_weights in expected.items():
         # Exact: each weight is 1 divided by an integer, computed once in float32 both here and there.
         assert torch.equal(token_weights(MASK, loss_type, 5, **counts), _on_mask(row_weights)), loss_type
-    with pytest.raises(ValueError, match="loss_type"):
+    with pytest.raises(ValueError, match="model.loss.type"):
         token_weights(MASK, "ppo", 5)
 
 

@@ -50,8 +50,7 @@ def test_each_correction_weighs_tokens_as_trl_defines_it():
         weight, stats = importance_weights(DELTA, sampler, MASK, cap=None, mode=mode)
         assert torch.equal(weight, MASK.double()) and float(stats.abs_diff) == pytest.approx(2.3)
     with pytest.raises(ValueError, match=r"model.rollouts.is_mode must be one of \['sequence_mask', "
-                                         r"'sequence_truncate', "
-                                         r"'token_mask', 'token_truncate'\], got 'sequence'"):
+                                         r"'sequence_truncate', 'token_mask', 'token_truncate'\], got 'sequence'"):
         importance_weights(DELTA, sampler, MASK, cap=2.0, mode="sequence")
 
 
@@ -98,14 +97,14 @@ def test_gspo_and_cispo_gradients_match_their_hand_derived_forms():
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"is_mode": "sequence"}, r"model.rollouts.is_mode must be one of \['sequence_mask', 'sequence_truncate', "
-                              r"'token_mask', "
-                              r"'token_truncate'\]"),
-    ({"loss_type": "ppo"}, r"model.loss.type must be one of \['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo'\]"),
-    ({"epsilon": 0.0}, "model.loss.epsilon must be a positive number"),
-    ({"epsilon_high": float("nan")}, "model.loss.epsilon_high must be a positive number"),
-    ({"max_staleness": -1}, "model.rollouts.max_staleness must be a whole number of steps ≥ 0"),
-    ({"max_staleness": 1.5}, "model.rollouts.max_staleness must be a whole number of steps ≥ 0"),
+    ({"rollouts": {"is_mode": "sequence"}}, r"model.rollouts.is_mode must be one of \['sequence_mask', "
+                                            r"'sequence_truncate', "
+                              r"'token_mask', 'token_truncate'\]"),
+    ({"loss": {"type": "ppo"}}, r"model.loss.type must be one of \['cispo', 'dapo', 'dr_grpo', 'grpo', 'gspo'\]"),
+    ({"loss": {"epsilon": 0.0}}, "model.loss.epsilon must be a positive number"),
+    ({"loss": {"epsilon_high": float("nan")}}, "model.loss.epsilon_high must be a positive number"),
+    ({"rollouts": {"max_staleness": -1}}, "model.rollouts.max_staleness must be a whole number of steps ≥ 0"),
+    ({"rollouts": {"max_staleness": 1.5}}, "model.rollouts.max_staleness must be a whole number of steps ≥ 0"),
 ])
 def test_bad_settings_are_refused_naming_the_key(tiny_arith_model, settings, message):
     from lightning_logra.train.module import RLVRModule

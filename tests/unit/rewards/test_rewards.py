@@ -267,13 +267,13 @@ def test_a_reward_process_may_map_model_reward_memory_gib_beyond_its_start(tiny_
     for memory_gib in (1.5, rewards.DEFAULT_MEMORY_GIB):
         pid = int(resolve_reward("bad_rewards.sleepy_reward", timeout_s=60.0, memory_gib=memory_gib)(["p"], ["ok"])[0])
         assert memory_gib - 0.5 < _room(pid) <= memory_gib
-    module = RLVRModule(tiny_arith_model, reward="bad_rewards.sleepy_reward", reward_memory_gib=None)
+    module = RLVRModule(tiny_arith_model, reward="bad_rewards.sleepy_reward", scoring={"memory_gib": None})
     pid = int(module.rewards[0].fn(["p"], ["ok"])[0])
     assert psutil.Process(pid).rlimit(psutil.RLIMIT_AS)[0] == psutil.RLIM_INFINITY  # null: no limit
     for bad in (0, -2, math.inf, math.nan, "8"):
         with pytest.raises(ValueError, match=r"model.scoring.memory_gib must be a positive number of GiB \(or null: "
                                              r"no limit\), got"):
-            RLVRModule(tiny_arith_model, reward="exact_match", reward_memory_gib=bad)
+            RLVRModule(tiny_arith_model, reward="exact_match", scoring={"memory_gib": bad})
 
 
 def test_the_memory_limit_stays_under_a_hard_limit_of_the_shell():
@@ -293,11 +293,11 @@ def test_the_memory_limit_stays_under_a_hard_limit_of_the_shell():
 
 
 def test_built_in_rewards_get_the_deadline_too(tiny_arith_model):
-    module = RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=60.0)
+    module = RLVRModule(tiny_arith_model, reward="exact_match", scoring={"timeout_s": 60.0})
     (reward,) = module.rewards
     assert isinstance(reward.fn, TimedReward)
     assert reward.fn(["p", "p"], ["12", "3"], answer=["12", "4"]) == [1.0, 0.0]
-    assert RLVRModule(tiny_arith_model, reward="exact_match", reward_timeout_s=None).rewards[0].fn is exact_match
+    assert RLVRModule(tiny_arith_model, reward="exact_match", scoring={"timeout_s": None}).rewards[0].fn is exact_match
 
 
 def test_a_class_reward_keeps_its_settings_in_its_reward_process():
@@ -313,9 +313,9 @@ def test_a_class_reward_keeps_its_settings_in_its_reward_process():
 def test_a_reward_that_does_not_pickle_is_refused_at_set_up_naming_the_key(tiny_arith_model):
     with pytest.raises(ValueError, match=r"model.reward 'bad_rewards.HoldsALock' cannot be sent to its reward "
                                          r"process: it does not pickle \(TypeError: cannot pickle '_thread.lock'"):
-        RLVRModule(tiny_arith_model, reward=bad_rewards.HoldsALock(), reward_timeout_s=60.0)
+        RLVRModule(tiny_arith_model, reward=bad_rewards.HoldsALock(), scoring={"timeout_s": 60.0})
     with pytest.raises(ValueError, match=r"model.reward 'test_rewards.*<lambda>' cannot be sent .*local object"):
-        RLVRModule(tiny_arith_model, reward=lambda prompts, completions, **_: [0.0], reward_timeout_s=60.0)
+        RLVRModule(tiny_arith_model, reward=lambda prompts, completions, **_: [0.0], scoring={"timeout_s": 60.0})
     # in the trainer's process nothing is sent
     assert resolve_reward(bad_rewards.HoldsALock(), timeout_s=None)(["p"], ["c"]) == [0.0]
 
@@ -428,8 +428,8 @@ def test_rewards_get_trl_arguments_completions_as_text_or_messages_and_their_tok
         tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
         tokenizer.save_pretrained(model)
     recorder = bad_rewards.RecordCalls()
-    module = RLVRModule(model, reward=recorder, reward_timeout_s=None, chat_template=chat_template,
-                        num_generations=3, max_new_tokens=6, temperature=1.0)
+    module = RLVRModule(model, reward=recorder, chat_template=chat_template, scoring={"timeout_s": None},
+                        sampling={"num_generations": 3, "max_new_tokens": 6, "temperature": 1.0})
     module.configure_model()
     batch = {"prompt": ["12+34=", "81+19="], "answer": ["64", "10"]}
     module.score(batch, module.generate(batch, 3, module.sampling, step=-1), 3)

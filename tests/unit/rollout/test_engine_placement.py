@@ -104,7 +104,7 @@ def test_under_sharded_training_each_rank_places_an_engine_of_its_own(tiny_arith
     started = []
     monkeypatch.setattr(VLLMEngine, "start", lambda self, model, pad, stop: started.append(model))
     engine = VLLMEngine()
-    module = RLVRModule(tiny_arith_model, reward="exact_match", engine=engine)
+    module = RLVRModule(tiny_arith_model, reward="exact_match", rollouts={"engine": engine})
     module._trainer = SimpleNamespace(world_size=2, global_rank=1, strategy=SketchFSDPStrategy(),
                                       state=SimpleNamespace(fn=TrainerFn.FITTING), log_dir=None)
     monkeypatch.setattr(SketchFSDPStrategy, "root_device", torch.device("cpu"))

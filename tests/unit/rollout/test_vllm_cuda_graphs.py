@@ -20,7 +20,7 @@ def test_enforce_eager_defaults_to_graphs_on_a_gpu_and_eager_on_the_cpu_backend(
 
 @pytest.mark.parametrize("name", ["qwen1_5b", "qwen7b"])
 def test_the_gpu_configs_generate_with_cuda_graphs_and_sleep_between_rollouts(name):
-    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["model"]["engine"]
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["model"]["rollouts"]["engine"]
     assert config["class_path"] == "lightning_logra.rollout.VLLMEngine"
     engine = VLLMEngine(**config["init_args"])
     assert eager_by_default(engine.options["enforce_eager"], cpu_backend=False) is False

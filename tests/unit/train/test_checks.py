@@ -8,14 +8,20 @@ import math
 import re
 
 import pytest
+import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
 from lightning_logra.base.schedule import LRSchedule
 from lightning_logra.cli import main
 from lightning_logra.data.module import ArithDataModule
+from lightning_logra.episodes.settings import EpisodeSettings
 from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.train.dense import DenseConfig
+from lightning_logra.train.modes import training_mode
 from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.settings import GROUPS
+from lightning_logra.train.strategies import Collectives
 
 KEY = "trainer.strategy.init_args.sketch"
 
@@ -66,29 +72,29 @@ def test_the_largest_rank_that_fits_passes_the_checks(run_cli, nothing_loads):
     assert cli.trainer.strategy.config.rank == 127 and cli.model.policy is None
 
 
-@pytest.mark.parametrize("override, key, value, message", [
-    (["--trainer.strategy.init_args.dense.lr", "1e-3"], "lr", 1e-3,
-     "trainer.strategy.init_args.dense.lr: set to 0.001, but a sketch strategy would ignore it (it sets the dense "
-     "baseline's AdamW); set "
-     f"{KEY}.optimizer.init_args.lr (the sketched matrices) and {KEY}.rest_lr"),
-    (["--trainer.strategy.init_args.dense.weight_decay", "0.1"], "weight_decay", 0.1,
-     "trainer.strategy.init_args.dense.weight_decay: set to 0.1, but a sketch strategy would ignore it (it sets the "
-     "dense baseline's AdamW); "
-     f"set {KEY}.rest_weight_decay"),
-    (["--trainer.strategy.init_args.dense.lr_schedule.warmup_steps", "5"], "lr_schedule", LRSchedule(warmup_steps=5),
-     f"trainer.strategy.init_args.dense.lr_schedule: set to {LRSchedule(warmup_steps=5)}, but a sketch strategy would "
-     "ignore it (it sets the "
-     f"dense baseline's AdamW); set {KEY}.lr_schedule instead"),
-], ids=["lr", "weight_decay", "lr_schedule"])
-def test_dense_optimizer_settings_are_refused_under_a_sketch_strategy(run_cli, nothing_loads, override, key, value,
-                                                                     message):
-    with pytest.raises(ValueError) as info:
-        run_cli("tiny_arith", *override)
-    assert message in str(info.value)
-    # In a dense run they are what acts (tiny_arith_dense_all.yaml sets trainer.strategy.init_args.dense.lr 1e-4
-    # itself).
-    dense = run_cli("tiny_arith_dense_all", *override, run=False)
-    assert (dense.trainer.strategy.init_args.dense.lr_schedule if key == "lr_schedule" else dense.model.hparams[key]) == value
+@pytest.mark.parametrize("override, message", [
+    (["--model.lr", "1e-3"], "(model.lr is now trainer.strategy.init_args.dense.lr (with DenseStrategy"),
+    (["--model.beta", "0.1"], "(model.beta is now model.loss.beta)"),
+    (["--config", "old.yaml"], "(model.temperature is now model.sampling.temperature)"),
+    # the dense run's settings are its strategy's: a sketch strategy has none
+    (["--trainer.strategy.init_args.dense.lr", "1e-3"], "dense.lr"),
+], ids=["lr", "beta", "old config file", "dense under sketch"])
+def test_a_setting_of_the_old_shape_names_its_new_key(run_cli, tmp_path, capsys, monkeypatch, override, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.yaml").write_text("model:\n  temperature: 0.5\n")
+    with pytest.raises(SystemExit) as info:
+        run_cli("tiny_arith", *override, run=False)
+    assert info.value.code != 0 and message in capsys.readouterr().err
+
+
+def test_a_dense_run_takes_its_optimizer_settings_from_its_strategy(run_cli):
+    dense = run_cli("tiny_arith_dense", "--trainer.strategy.init_args.dense.lr", "1e-3",
+                    "--trainer.strategy.init_args.dense.lr_schedule.warmup_steps", "5", run=False)
+    config = dense.trainer.strategy.config
+    assert (config.lr, config.lr_schedule, config.target_modules[0]) == (1e-3, LRSchedule(warmup_steps=5), "q_proj")
+    optimizers, schedulers = training_mode(dense.trainer.strategy, Collectives()).build_optimizers(
+        AutoModelForCausalLM.from_pretrained(dense.model.hparams.model))
+    assert type(optimizers[0]) is torch.optim.AdamW and optimizers[0].defaults["lr"] == 1e-3
 
 
 @pytest.mark.parametrize("option", [["--optimizer", "torch.optim.Adam"],
@@ -130,10 +136,15 @@ def test_every_module_and_sketch_option_has_a_description_in_help(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--trainer.strategy.help", "lightning_logra.train.strategies.SketchStrategy"])
     strategy_help = _help_entries(capsys.readouterr().out)
+    with pytest.raises(SystemExit):  # a group that may be null has a help of its own
+        main(["fit", "--model.episodes.help"])
+    module_help.update(_help_entries(capsys.readouterr().out))
 
     schedule = [f.name for f in dataclasses.fields(LRSchedule)]
     module = [f"--model.{name}" for name in inspect.signature(RLVRModule.__init__).parameters
-              if name not in ("self", "lr_schedule")] + [f"--trainer.strategy.init_args.dense.lr_schedule.{name}" for name in schedule]
+              if name not in ("self", "episodes", *GROUPS)]
+    module += [f"--model.{group}.{f.name}" for group, kind in GROUPS.items() for f in dataclasses.fields(kind)]
+    module += [f"--model.episodes.{f.name}" for f in dataclasses.fields(EpisodeSettings)]
     sketch = [f"--trainer.strategy.sketch.{f.name}" for f in dataclasses.fields(SketchConfig)
               if f.name != "lr_schedule"]
     sketch += [f"--trainer.strategy.sketch.lr_schedule.{name}" for name in schedule]
@@ -147,7 +158,7 @@ def test_every_module_and_sketch_option_has_a_description_in_help(capsys):
 def test_a_kl_penalty_under_fsdp_is_refused_before_the_processes_start(run_cli, nothing_loads):
     # The reference would be a whole copy of the weights on every rank: refused by the CLI's checks, before
     # `fit` launches the ranks or anything loads (configure_model refuses it too, for a module used without the CLI).
-    with pytest.raises(ValueError, match=r"model\.beta=0\.04: .*unsharded copy .*SketchDDPStrategy"):
+    with pytest.raises(ValueError, match=r"model\.loss\.beta=0\.04: .*unsharded copy .*SketchDDPStrategy"):
         run_cli("tiny_arith_fsdp", "--model.loss.beta", "0.04")
 
 
@@ -170,7 +181,7 @@ def _set(cls: type, value: float, key: str, expected: set[str]) -> dict:
     return settings
 
 
-@pytest.mark.parametrize("strategy", ["sketch", "lora"])
+@pytest.mark.parametrize("strategy", ["sketch", "lora", "dense"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_every_float_setting_of_every_config_class_refuses_nan_and_infinity(run_cli, tmp_path, strategy, value):
     # A config file's .nan / .inf in every float setting of the module, its engine and schedule, each callback, the
@@ -182,10 +193,10 @@ def test_every_float_setting_of_every_config_class_refuses_nan_and_infinity(run_
     from lightning_logra.train.lora import LoRAConfig
 
     expected: set[str] = set()
-    model = _set(RLVRModule, value, "model", expected)
-    model["engine"] = {"class_path": "lightning_logra.rollout.VLLMEngine",
-                       "init_args": _set(VLLMEngine, value, "model.rollouts.engine.init_args", expected)}
-    model["lr_schedule"] = _set(LRSchedule, value, "trainer.strategy.init_args.dense.lr_schedule", expected)
+    model = {group: _set(kind, value, f"model.{group}", expected) for group, kind in GROUPS.items()}
+    model["episodes"] = _set(EpisodeSettings, value, "model.episodes", expected)
+    model["rollouts"]["engine"] = {"class_path": "lightning_logra.rollout.VLLMEngine",
+                                   "init_args": _set(VLLMEngine, value, "model.rollouts.engine.init_args", expected)}
     callbacks = [{"class_path": f"lightning_logra.callbacks.{cls.__name__}",
                   "init_args": _set(cls, value, f"trainer.callbacks[{index}].init_args", expected)}
                  for index, cls in enumerate([PredictedKLBudget, KLFromStart, MemoryProfiler, RolloutWeightSync])]
@@ -198,6 +209,12 @@ def test_every_float_setting_of_every_config_class_refuses_nan_and_infinity(run_
         settings["lr_schedule"] = _set(LRSchedule, value, f"{key}.lr_schedule", expected)
         strategy_config = {"class_path": "lightning_logra.train.strategies.SketchStrategy",
                            "init_args": {"sketch": settings}}
+    elif strategy == "dense":
+        key = "trainer.strategy.init_args.dense"
+        settings = _set(DenseConfig, value, key, expected)
+        settings["lr_schedule"] = _set(LRSchedule, value, f"{key}.lr_schedule", expected)
+        strategy_config = {"class_path": "lightning_logra.train.strategies.DenseStrategy",
+                           "init_args": {"dense": settings}}
     else:
         key = "trainer.strategy.init_args.lora"
         settings = _set(LoRAConfig, value, key, expected)
@@ -228,8 +245,8 @@ def test_more_devices_than_a_one_device_strategy_trains_on_are_refused(run_cli, 
 
 @pytest.mark.parametrize("override, message", [
     # an unknown key, on the command line or in a config file, names the nearest ones it could be
-    (["--model.temprature", "1.0"], "did you mean model.sampling.temperature or model.evaluation.temperature?"),
-    (["--config", "typo.yaml"], "does not accept option 'temprature' (did you mean model.sampling.temperature"),
+    (["--model.temprature", "1.0"], "did you mean model.evaluation.temperature or model.sampling.temperature?"),
+    (["--config", "typo.yaml"], "(did you mean model.evaluation.temperature or model.sampling.temperature?)"),
     # a seed numpy refuses: refused naming the key, not a traceback from inside Lightning
     (["--seed_everything", "99999999999999999999"], "seed_everything=99999999999999999999: a seed must be in [0, "
                                                     "4294967295]"),

@@ -83,8 +83,8 @@ def test_the_headers_memory_arithmetic_is_the_models(run_cli, name):
     engine, hp = cli.model.rollouts.engine, cli.model.hparams
     assert type(engine).__name__ == "VLLMEngine" and engine.sleep_between_rollouts
     assert engine.placement == ("trainer_ranks" if name == "qwen32b_fsdp.yaml" else "processes")
-    sequences = cli.datamodule.batch_size // 8 * hp.num_generations  # per GPU: its share of the prompts
-    assert engine.options["max_model_len"] >= cli.datamodule.max_prompt_length + hp.max_new_tokens
+    sequences = cli.datamodule.batch_size // 8 * hp.sampling.num_generations  # per GPU: its share of the prompts
+    assert engine.options["max_model_len"] >= cli.datamodule.max_prompt_length + hp.sampling.max_new_tokens
     computed |= _engine_per_gpu(model, Qwen2Config(**SHAPES[name]), engine, sequences)
     stated = _header(CONFIGS / name)
     assert set(computed) <= set(stated)

@@ -37,12 +37,13 @@ def rollouts(seed: int = 0) -> tuple[Rollout, Rollout]:
 
 
 def module_for(**settings) -> RLVRModule:
-    module = RLVRModule(MODEL, micro_batch_size=2, **settings)
+    module = RLVRModule(MODEL, **settings, training={"micro_batch_size": 2})
     module.configure_model()
     module.sum_over_ranks = lambda value: value  # one process, no Trainer
     module.max_over_ranks = lambda value: value
     module.manual_backward = lambda loss: loss.backward()
-    if settings.get("beta", 0) > 0:  # the frozen reference a fit loads: the starting weights, before a perturbation
+    if settings.get("loss", {}).get("beta",
+                                    0) > 0:  # the frozen reference a fit loads: the starting weights, before a perturbation
         object.__setattr__(module, "reference", copy.deepcopy(module.policy).requires_grad_(False))
         with torch.no_grad():
             for p in module.policy.parameters():
@@ -51,9 +52,10 @@ def module_for(**settings) -> RLVRModule:
 
 
 @pytest.mark.parametrize("settings", [
-    {"loss_type": "dapo"}, {"loss_type": "grpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "gspo"},
-    {"loss_type": "cispo"}, {"is_mode": "sequence_mask"}, {"entropy_coef": 0.01}, {"beta": 0.05},
-], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+    {"loss": {"type": "dapo"}}, {"loss": {"type": "grpo"}}, {"loss": {"type": "dr_grpo"}}, {"loss": {"type": "gspo"}},
+    {"loss": {"type": "cispo"}}, {"rollouts": {"is_mode": "sequence_mask"}}, {"loss": {"entropy_coef": 0.01}},
+    {"loss": {"beta": 0.05}},
+], ids=lambda s: "-".join(f"{g}.{k}={v}" for g, d in s.items() for k, v in d.items()))
 def test_the_environments_tokens_count_in_no_sum_of_the_loss(settings):
     with_env, without = rollouts()
     advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
@@ -78,7 +80,7 @@ def test_the_environments_tokens_count_in_no_sum_of_the_loss(settings):
 
 def test_the_kl_estimates_count_the_sampled_tokens_alone():
     """The predicted, intended and realized KL, and KLFromStart's, are `mean_token_kl` over `loss_mask`."""
-    module = module_for(beta=0.05)
+    module = module_for(loss={"beta": 0.05})
     with_env, without = rollouts(1)
     kl = [mean_token_kl(next_tokens(module.policy, r), next_tokens(module.reference, r), r.loss_mask)
           for r in (with_env, without)]
@@ -87,7 +89,7 @@ def test_the_kl_estimates_count_the_sampled_tokens_alone():
 
 
 def test_staleness_is_measured_over_the_sampled_tokens():
-    module = module_for(max_staleness=1)
+    module = module_for(rollouts={"max_staleness": 1})
     with_env, without = rollouts(2)
     staleness = torch.tensor([1.0, 0.0, 1.0, 1.0])
     a, b = (module.rollouts.staleness_metrics(staleness, r) for r in (with_env, without))

@@ -10,7 +10,10 @@ import torch
 
 from conftest import make_tiny_qwen2
 from lightning_logra.train.checkpoint import check_resumable
+from lightning_logra.train.dense import CONFIG_KEY as DENSE_KEY
 from lightning_logra.train.optimizers import FAMILIES, OptimizerSpec, build_optimizer, projected_matrices
+
+KEY = f"{DENSE_KEY}.optimizer"  # where a dense run's config names its optimizer
 
 
 def _needs(module: str):
@@ -30,7 +33,8 @@ def _needs(module: str):
     ("AdamW", "trainer.strategy.init_args.dense.optimizer.class_path: AdamW is not a torch.optim.Optimizer subclass"),
     ({"class_path": "torch.optim.AdamW", "init_args": {"rank": 4}},
      "trainer.strategy.init_args.dense.optimizer.init_args.rank: torch.optim.AdamW takes no such argument"),
-    ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0}}, "trainer.strategy.init_args.dense.optimizer.init_args.lr must be a positive"),
+    ({"class_path": "torch.optim.SGD", "init_args": {"lr": 0}},
+     "trainer.strategy.init_args.dense.optimizer.init_args.lr must be a positive"),
     ({"class_path": "torch.optim.SGD", "init_args": {"lr": float("nan")}}, "init_args.lr must be a positive"),
     # classes that cannot take a step here, and settings torch refused only at the first step
     ("torch.optim.Optimizer", "torch.optim.Optimizer cannot be the dense or LoRA optimizer: it is the base class"),
@@ -46,26 +50,27 @@ def _needs(module: str):
 ])
 def test_a_bad_spec_is_refused_naming_its_key(value, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        OptimizerSpec.parse(value)
+        OptimizerSpec.parse(value, KEY)
 
 
 def test_a_package_that_is_not_installed_names_the_extra():
-    with pytest.raises(ImportError, match=r"model\.optimizer\.class_path: no_such_package\.Opt does not import .*"
+    with pytest.raises(ImportError,
+                       match=r"trainer\.strategy\.init_args\.dense\.optimizer\.class_path: no_such_package\.Opt does not import .*"
                                           r"pip install -e \"\.\[peers\]\""):
-        OptimizerSpec.parse("no_such_package.Opt")
+        OptimizerSpec.parse("no_such_package.Opt", KEY)
 
 
 def test_none_is_adamw_and_a_class_path_alone_takes_the_modes_lr():
     model = make_tiny_qwen2()
     params = list(model.parameters())
-    assert OptimizerSpec.parse(None) is None
+    assert OptimizerSpec.parse(None, KEY) is None
     default = build_optimizer(None, model, params, 0.01, 0.1)
     assert type(default) is torch.optim.AdamW and default.defaults["lr"] == 0.01
-    spec = OptimizerSpec.parse("torch.optim.SGD")
+    spec = OptimizerSpec.parse("torch.optim.SGD", KEY)
     sgd = build_optimizer(spec, model, params, 0.01, 0.1)
     assert type(sgd) is torch.optim.SGD and (sgd.defaults["lr"], sgd.defaults["weight_decay"]) == (0.01, 0.1)
     own = build_optimizer(OptimizerSpec.parse({"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5,
-                                                                                              "momentum": 0.9}}),
+                                                                                              "momentum": 0.9}}, KEY),
                           model, params, 0.01, 0.0)
     assert (own.defaults["lr"], own.defaults["momentum"]) == (0.5, 0.9)
 
@@ -93,16 +98,17 @@ def test_a_sharded_matrix_is_not_projected():
     layer = model.model.layers[0].mlp.up_proj
     whole = layer.weight
     layer.weight = torch.nn.Parameter(whole.detach()[: whole.shape[0] // 2].clone())
-    with pytest.raises(ValueError, match=r"model\.optimizer: model\.layers\.0\.mlp\.up_proj\.weight is sharded "
+    with pytest.raises(ValueError,
+                       match=r"trainer\.strategy\.init_args\.dense\.optimizer: model\.layers\.0\.mlp\.up_proj\.weight is sharded "
                                          r"\(Parameter of local shape \(64, 64\)\).*one device or with DDP"):
-        projected_matrices(model, list(model.parameters()), 16)
+        projected_matrices(model, list(model.parameters()), 16, KEY)
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         layer.weight = torch.nn.Parameter(distribute_tensor(whole.detach(), mesh, [Shard(0)]))
         assert tuple(layer.weight.shape) == (layer.out_features, layer.in_features)  # the whole matrix's
         with pytest.raises(ValueError, match=r"up_proj\.weight is sharded \(DTensor of local shape \(128, 64\)\)"):
-            projected_matrices(model, list(model.parameters()), 16)
+            projected_matrices(model, list(model.parameters()), 16, KEY)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -110,15 +116,16 @@ def test_a_sharded_matrix_is_not_projected():
 def test_a_rank_family_without_a_rank_is_refused():
     if importlib.util.find_spec("galore_torch") is None:
         pytest.skip("galore_torch is not installed (the peers extra: pip install -e .[peers])")
-    with pytest.raises(ValueError, match=r"model\.optimizer\.init_args\.rank must be a positive integer, got None: "
+    with pytest.raises(ValueError,
+                       match=r"trainer\.strategy\.init_args\.dense\.optimizer\.init_args\.rank must be a positive integer, got None: "
                                          r"galore_torch\.GaLoreAdamW projects"):
-        OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"lr": 1e-3}})
+        OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"lr": 1e-3}}, KEY)
 
 
 @_needs("galore_torch")
 def test_a_rank_at_or_above_every_matrixs_sides_is_said_to_be_plain_adamw(caplog):
     model = make_tiny_qwen2()  # its widest matrix's narrow side: 64
-    spec = OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"rank": 64}})
+    spec = OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"rank": 64}}, KEY)
     with caplog.at_level("WARNING"):
         spec.build(model, list(model.parameters()), 1e-3, 0.0)
     assert "rank=64 is at or above both sides of every trained matrix" in caplog.text
@@ -149,7 +156,7 @@ FAMILY_CASES = [
 
 @pytest.mark.parametrize("class_path, init_args", FAMILY_CASES)
 def test_a_familys_step_is_its_constructor_called_with_its_documented_groups(class_path, init_args):
-    spec = OptimizerSpec.parse({"class_path": class_path, "init_args": {"lr": 1e-2, **init_args}})
+    spec = OptimizerSpec.parse({"class_path": class_path, "init_args": {"lr": 1e-2, **init_args}}, KEY)
     ours, theirs = make_tiny_qwen2(), make_tiny_qwen2()
     optimizer = spec.build(ours, list(ours.parameters()), 1e-3, 0.0)
     # By hand, as the package's README builds it: the projected matrices in a group with the projection's settings.
@@ -169,7 +176,7 @@ def test_a_familys_step_is_its_constructor_called_with_its_documented_groups(cla
 
 @pytest.mark.parametrize("class_path, init_args", FAMILY_CASES)
 def test_a_projector_state_survives_a_weights_only_checkpoint(class_path, init_args):
-    spec = OptimizerSpec.parse({"class_path": class_path, "init_args": {"lr": 1e-2, **init_args}})
+    spec = OptimizerSpec.parse({"class_path": class_path, "init_args": {"lr": 1e-2, **init_args}}, KEY)
     model, resumed_model = make_tiny_qwen2(), make_tiny_qwen2()
     optimizer = spec.build(model, list(model.parameters()), 1e-3, 0.0)
     _two_steps(optimizer, model, seed=1)
@@ -191,7 +198,7 @@ def test_a_projector_state_survives_a_weights_only_checkpoint(class_path, init_a
 
 @_needs("galore_torch")
 def test_a_projector_of_another_class_is_refused_on_load():
-    spec = OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"rank": 8}})
+    spec = OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"rank": 8}}, KEY)
     model = make_tiny_qwen2()
     optimizer = spec.build(model, list(model.parameters()), 1e-3, 0.0)
     _two_steps(optimizer, model, seed=1)
@@ -212,8 +219,7 @@ def test_a_checkpoint_of_another_optimizer_is_not_resumed():
     saved = {"lightning_logra": {"format": 2, "package": "x", "weights_dtype": "float32", "training": "densely",
                                  "optimizer": "galore_torch.GaLoreAdamW"}}
     current = {"format": 2, "package": "x", "weights_dtype": "float32", "training": "densely"}
-    with pytest.raises(ValueError, match="trainer.strategy.init_args.dense.optimizer: the checkpoint's state is "
-                                         "galore_torch.GaLoreAdamW's, this "
-                                         "run's optimizer AdamW"):
+    with pytest.raises(ValueError, match="the strategy's optimizer: the checkpoint's state is "
+                                         "galore_torch.GaLoreAdamW's, this run's optimizer AdamW"):
         check_resumable(saved, current)
     check_resumable(saved, {**current, "optimizer": "galore_torch.GaLoreAdamW"})

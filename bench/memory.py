@@ -612,9 +612,8 @@ def markdown_table(rows: list[dict]) -> str:
     reference = reference or next((row for row in rows if row["method"] == "dense_adamw_meta"), None)
     name = reference["method"] if reference else "dense_adamw"
     lines = [
-        f"| method | weights | peak GiB | avg GiB | median step s (rounds: min–max) | optimizer state MiB "
-        f"| KL check share of step | saved for backward, MiB per micro-batch | peak vs {name} "
-        f"| step time vs {name} |",
+        "| method | weights | peak GiB | avg GiB | median step s (rounds: min–max) | optimizer state MiB | KL check "
+        f"share of step | saved for backward, MiB per micro-batch | peak vs {name} | step time vs {name} |"
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:

@@ -32,8 +32,8 @@ def add_reward_option(parser: argparse.ArgumentParser) -> None:
     """--reward-in-trainer, for a benchmark whose runs take it (their --quick turns it on)."""
     parser.add_argument("--reward-in-trainer", action="store_true",
                         help="score the reward in the trainer's process (model.scoring.timeout_s: null), not in a "
-                             "reward process of its own, whose start (an interpreter re-importing the CLI) is about "
-                             "5 s of a run")
+                             "reward process of its own, whose start (an interpreter re-importing the CLI) is about 5 "
+                             "s of a run")
 
 
 def scalars(log_dir: Path) -> dict[str, list[float]]:

@@ -101,8 +101,8 @@ class RLVRCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         seed = (self.config[subcommand] if subcommand else self.config).get("seed_everything")
         if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed <= _MAX_SEED:
-            parser.error(f"seed_everything={seed}: a seed must be in [0, {_MAX_SEED}] (numpy's range), or true for "
-                         f"a random one")
+            parser.error(f"seed_everything={seed}: a seed must be in [0, {_MAX_SEED}] (numpy's range), or true for a "
+                         "random one")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -80,8 +80,8 @@ def _check_out(out: Path, overwrite: bool, ckpt_path: Path) -> None:
                      for p in out.rglob(pattern)), None)
         if kept is not None:
             raise FileExistsError(f"--out: {str(out)!r} holds a run's checkpoints or logs ({str(kept)!r}), which "
-                                  "--overwrite would delete with it; name another folder (an export's own folder, "
-                                  "or a new one)")
+                                  "--overwrite would delete with it; name another folder (an export's own folder, or a "
+                                  "new one)")
 
 
 def _check_not_the_base(out: Path, model: str) -> None:
@@ -92,8 +92,8 @@ def _check_not_the_base(out: Path, model: str) -> None:
     base = Path(model_path(model))
     if base.is_dir() and (out.resolve() == base.resolve() or out.resolve() in base.resolve().parents):
         raise FileExistsError(f"--out: {str(out)!r} holds the run's base model ({str(base)!r}), which the checkpoint "
-                              "needs to be exported or resumed, and which writing the export there would delete; "
-                              "name another folder")
+                              "needs to be exported or resumed, and which writing the export there would delete; name "
+                              "another folder")
 
 
 def _load(ckpt_path: Path) -> dict[str, Any]:

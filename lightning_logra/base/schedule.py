@@ -48,9 +48,9 @@ class LRSchedule:
         if self.decay not in ("constant", "linear", "cosine"):
             raise ValueError(f"lr_schedule.decay must be constant, linear or cosine, got {self.decay!r}")
         if self.decay != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
-            raise ValueError(f"lr_schedule.total_steps: decay {self.decay!r} needs the update at which it reaches "
-                             f"its floor, larger than warmup_steps={self.warmup_steps} (usually trainer.max_steps); "
-                             f"got {self.total_steps}")
+            raise ValueError(f"lr_schedule.total_steps: decay {self.decay!r} needs the update at which it reaches its "
+                             f"floor, larger than warmup_steps={self.warmup_steps} (usually trainer.max_steps); got "
+                             f"{self.total_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"lr_schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 

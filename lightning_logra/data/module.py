@@ -48,8 +48,8 @@ class StepBatchSampler(Sampler[list[int]]):
         if batch_size > size:
             raise ValueError(f"data.batch_size={batch_size} is larger than the training set ({size} prompts)")
         if batch_size % world_size:
-            raise ValueError(f"data.batch_size={batch_size} (the global batch) must be divisible by the "
-                             f"{world_size} processes")
+            raise ValueError(f"data.batch_size={batch_size} (the global batch) must be divisible by the {world_size} "
+                             "processes")
         self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
         self.per_epoch = size // batch_size  # the remainder of each permutation is dropped
         local = batch_size // world_size

@@ -74,10 +74,9 @@ def check_template(template: TurnTemplate, later_role: str) -> None:
         if not turn.startswith(prompt):
             raise ValueError(
                 "model.episodes.max_turns > 1: the chat template renders an assistant turn differently from how its "
-                "generation "
-                f"prompt begins it (the prompt ends {prompt[-40:]!r}, the turn reads {turn[len(prompt) - 40:][:80]!r}"
-                "), so the sampled ids would not be the conversation's; use a template whose generation prompt is "
-                "the start of the assistant turn")
+                f"generation prompt begins it (the prompt ends {prompt[-40:]!r}, the turn reads "
+                f"{turn[len(prompt) - 40:][:80]!r}), so the sampled ids would not be the conversation's; use a "
+                "template whose generation prompt is the start of the assistant turn")
         message = {"role": later_role, "content": "more"} | ({"name": "tool"} if later_role == "tool" else {})
         later = template.render([*conversation, message], generation_prompt=True)
         if not later.startswith(turn[:cut]):

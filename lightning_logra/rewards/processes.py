@@ -272,8 +272,8 @@ class RewardProcess(ChildProcess):
         if self.memory_gib is None or not _ALLOCATION.search(error):
             return ""
         return (f"\n(The reward process may map model.scoring.memory_gib={self.memory_gib:g} GiB beyond what it holds "
-                f"once started; if the error is an allocation that failed, raise it, or set it to null for a reward "
-                f"that runs on a GPU.)")
+                "once started; if the error is an allocation that failed, raise it, or set it to null for a reward "
+                "that runs on a GPU.)")
 
 
 # How a failed allocation reads in a traceback (Python's, torch's, CUDA's, the C library's).

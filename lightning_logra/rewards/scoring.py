@@ -67,8 +67,8 @@ def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], pr
         for index, r in enumerate(output):
             if not (r is None or _is_real_scalar(r)):
                 raise ValueError(f"model.reward {name!r} returned a {type(r).__name__} ({r!r:.40}) for completion "
-                                 f"{index}: a reward must be a number (int, float, bool, a numpy or 0-d torch "
-                                 f"scalar) or None")
+                                 f"{index}: a reward must be a number (int, float, bool, a numpy or 0-d torch scalar) "
+                                 "or None")
         columns.append([float("nan") if r is None else float(r) for r in output])
         nones.append([r is None for r in output])
     values = torch.tensor(columns, dtype=torch.float32).T  # (N, F)
@@ -123,6 +123,5 @@ class UnlearnableSteps:
             names = " + ".join(reward.name for reward in self.rewards)
             raise RuntimeError(
                 f"model.scoring.max_unlearnable_steps={self.limit}: {self.count} training steps in a row had nothing "
-                "to learn "
-                f"(in every group the rewards were equal, None or NaN). Check model.reward {names!r} and the data, or "
-                f"set model.scoring.max_unlearnable_steps higher or to null")
+                f"to learn (in every group the rewards were equal, None or NaN). Check model.reward {names!r} and the "
+                "data, or set model.scoring.max_unlearnable_steps higher or to null")

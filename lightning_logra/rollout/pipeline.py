@@ -103,9 +103,8 @@ class RolloutPipeline:
         if pending.batch["prompt"] != batch["prompt"]:
             raise RuntimeError(
                 f"model.rollouts.max_staleness: the prompts generated ahead for step {step} are not those the training "
-                "loader "
-                "gave the step; overlapped rollouts need a loader whose batches depend on the step alone (the data "
-                "modules of lightning_logra.data)")
+                "loader gave the step; overlapped rollouts need a loader whose batches depend on the step alone (the "
+                "data modules of lightning_logra.data)")
         if pending.staleness > self.max_staleness:  # never trained on (only a bug could get here)
             raise RuntimeError(f"a batch drawn at step {pending.version} reached step {step}: staler than "
                                f"model.rollouts.max_staleness={self.max_staleness}")

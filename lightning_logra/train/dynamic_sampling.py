@@ -115,10 +115,9 @@ class DynamicSampling:
         # nothing to learn anywhere: the first round as drawn (model.scoring.max_unlearnable_steps counts it)
         if found == 0:
             log.warning("model.rollouts.dynamic_sampling: none of the %d groups drawn in %d rounds "
-                        "(model.rollouts.max_generation_rounds) has rewards that differ: this step learns nothing; check the reward and the data, and set "
-                        "model.scoring.max_unlearnable_steps to stop a run that goes on like "
-                        "this", target * len(rounds),
-                        len(rounds))
+                        "(model.rollouts.max_generation_rounds) has rewards that differ: this step learns nothing; "
+                        "check the reward and the data, and set model.scoring.max_unlearnable_steps to stop a run that "
+                        "goes on like this", target * len(rounds), len(rounds))
             return first, metrics
         counts = torch.zeros(len(rounds), self.world_size, dtype=torch.float64)
         counts[:, self.rank] = torch.tensor([float(mask.sum()) for mask in masks], dtype=torch.float64)

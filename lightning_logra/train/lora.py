@@ -71,8 +71,8 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         if not self.target_modules:
-            raise ValueError(f"{CONFIG_KEY}.target_modules is empty: name the linear layers to adapt, e.g. "
-                             "[q_proj, v_proj]")
+            raise ValueError(f"{CONFIG_KEY}.target_modules is empty: name the linear layers to adapt, e.g. [q_proj, "
+                             "v_proj]")
         check_positive(f"{CONFIG_KEY}.rank", self.rank, "integer (the rank r of each adapter, smaller than "
                        "in_features of every target)", integer=True)
         check_positive(f"{CONFIG_KEY}.alpha", self.alpha, "number (the adapters are scaled by alpha / rank)")

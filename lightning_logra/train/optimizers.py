@@ -90,8 +90,7 @@ class OptimizerSpec:
                              f"class_path: torch.optim.AdamW), got {value!r}")
         init_args = value.get("init_args") or {}
         if not isinstance(init_args, dict):
-            raise ValueError(f"{key}.init_args must be a mapping of the constructor's arguments, got "
-                             f"{init_args!r}")
+            raise ValueError(f"{key}.init_args must be a mapping of the constructor's arguments, got {init_args!r}")
         spec = cls(value["class_path"], dict(init_args), key)
         spec.check()
         return spec

@@ -107,9 +107,8 @@ class RemoteEngine(RolloutEngine):
         urls = list(urls or [])
         if bool(urls) == bool(launch):
             raise ValueError("model.rollouts.engine: RemoteEngine needs either urls (servers started with "
-                             "`lightning-logra "
-                             f"serve`) or launch: N (local servers it starts itself), not both; got urls={urls}, "
-                             f"launch={launch}")
+                             "`lightning-logra serve`) or launch: N (local servers it starts itself), not both; got "
+                             f"urls={urls}, launch={launch}")
         check_positive("engine.journal_steps", journal_steps, "number of updates", integer=True)
         seconds = dict(request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
                        version_wait_s=version_wait_s, probe_every_s=probe_every_s, no_server_wait_s=no_server_wait_s,
@@ -153,9 +152,8 @@ class RemoteEngine(RolloutEngine):
     def place(self, rank: int, world_size: int, device: torch.device) -> None:
         if self.launch and world_size > 1:
             raise ValueError("model.rollouts.engine: RemoteEngine's launch starts servers for a run of one process; "
-                             "with "
-                             f"{world_size} processes start the servers with `lightning-logra serve` and give their "
-                             "urls")
+                             f"with {world_size} processes start the servers with `lightning-logra serve` and give "
+                             "their urls")
         self.rank, self.world_size = rank, world_size
         if world_size > 1:  # one run id for every rank: the servers' weights are labelled with rank 0's
             run = [self.journal.run]

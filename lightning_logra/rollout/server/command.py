@@ -37,12 +37,10 @@ def parser() -> argparse.ArgumentParser:
         prog="lightning-logra serve",
         description="A vLLM server (OpenAI-compatible: /v1/completions, /v1/chat/completions, ...) whose weights a "
                     "lightning-logra run keeps in step with its own by low-rank factors and seeds "
-                    "(model.rollouts.engine: "
-                    "RemoteEngine with this server's URL). The update routes (/logra/) need a shared token: set "
-                    f"${TOKEN_ENV} or give --token-file, and give the trainer the same.",
-        epilog="Any other vLLM server option goes after `--`, e.g. `-- --max-num-seqs 64 --api-key KEY`. "
-               "The server binds 127.0.0.1 unless --host says otherwise; docs/vllm.md says what an exposed server "
-               "allows.")
+                    "(model.rollouts.engine: RemoteEngine with this server's URL). The update routes (/logra/) need a "
+                    f"shared token: set ${TOKEN_ENV} or give --token-file, and give the trainer the same.",
+        epilog="Any other vLLM server option goes after `--`, e.g. `-- --max-num-seqs 64 --api-key KEY`. The server "
+               "binds 127.0.0.1 unless --host says otherwise; docs/vllm.md says what an exposed server allows.")
     parser.add_argument("--model", required=True,
                         help="the model the trainer starts from: a folder, a hub id or a fetched model's short name")
     parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: %(default)s)")

@@ -164,14 +164,12 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         elif world_size > 1 and not self.separate_process:
             # vLLM's worker would run in the trainer's process, where torch.distributed is the trainer's already.
             raise ValueError("model.rollouts.engine: with several trainer processes each rank's engine must run in "
-                             "processes "
-                             "of its own (engine.separate_process: true), or in the trainer's ranks themselves "
-                             "(engine.placement: trainer_ranks)")
+                             "processes of its own (engine.separate_process: true), or in the trainer's ranks "
+                             "themselves (engine.placement: trainer_ranks)")
         elif world_size > 1 and tp != 1:
             raise ValueError("model.rollouts.engine: with several trainer processes each rank's engine runs on that "
-                             "rank's "
-                             f"device alone; set engine.tensor_parallel_size: 1 (got {tp}), or engine.placement: "
-                             "trainer_ranks for tensor-parallel engines in the trainer's ranks")
+                             f"rank's device alone; set engine.tensor_parallel_size: 1 (got {tp}), or "
+                             "engine.placement: trainer_ranks for tensor-parallel engines in the trainer's ranks")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
 
     @property

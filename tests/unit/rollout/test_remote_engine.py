@@ -130,7 +130,8 @@ def test_in_flight_updates_without_overlapped_rollouts_are_refused_naming_both_k
 
     module = RLVRModule(tiny_arith_model, reward="exact_match",
                         rollouts={"engine": RemoteEngine(urls=["http://a:1"], in_flight=True)})
-    with pytest.raises(ValueError, match=r"in_flight.*model\.rollouts\.max_staleness=0.*model\.rollouts\.max_staleness to 1"):
+    with pytest.raises(ValueError,
+                       match=r"in_flight.*model\.rollouts\.max_staleness=0.*model\.rollouts\.max_staleness to 1"):
         module.rollouts.start()
 
 
@@ -210,8 +211,8 @@ def test_a_server_of_another_model_is_refused_at_the_start_naming_it_and_the_dif
     monkeypatch.setenv(TOKEN_ENV, "a-token")
     engine = RemoteEngine(urls=["http://a:1"], start_timeout_s=5, probe_every_s=0.01)
     difference = f"hidden_size {ours['hidden_size']} here, {served['hidden_size']} there"
-    with pytest.raises(ValueError, match=r"model\.rollouts\.engine: engine server http://a:1 serves /models/other, whose "
-                                         rf"tensors differ .*: {difference}; start it with"):
+    with pytest.raises(ValueError, match=r"model\.rollouts\.engine: engine server http://a:1 serves /models/other, "
+                                         rf"whose tensors differ .*: {difference}; start it with"):
         engine.start(tiny_arith_model, 0, [])
     served["hidden_size"] = ours["hidden_size"]
     engine.start(tiny_arith_model, 0, [])  # the same shapes (another revision, a fine-tune): taken, in any dtype

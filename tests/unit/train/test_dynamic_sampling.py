@@ -63,7 +63,8 @@ def test_at_the_round_limit_the_step_trains_on_what_it_has_and_says_so(caplog):
         kept, metrics = sampler.fill(first, lambda r: drawn(r, [False, False, False]))
     assert kept is first and metrics["rollout/filtered_groups"] == 6.0
     # said, naming the settings (it ran every round each step with a loss of 0 and no word)
-    assert "model.rollouts.dynamic_sampling: none of the 6 groups drawn in 2 rounds (model.rollouts.max_generation_rounds)" in caplog.text
+    assert ("model.rollouts.dynamic_sampling: none of the 6 groups drawn in 2 rounds "
+            "(model.rollouts.max_generation_rounds)") in caplog.text
     assert "model.scoring.max_unlearnable_steps" in caplog.text
 
 

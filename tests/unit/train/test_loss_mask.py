@@ -42,8 +42,8 @@ def module_for(**settings) -> RLVRModule:
     module.sum_over_ranks = lambda value: value  # one process, no Trainer
     module.max_over_ranks = lambda value: value
     module.manual_backward = lambda loss: loss.backward()
-    if settings.get("loss", {}).get("beta",
-                                    0) > 0:  # the frozen reference a fit loads: the starting weights, before a perturbation
+    # the frozen reference a fit loads: the starting weights, before a perturbation
+    if settings.get("loss", {}).get("beta", 0) > 0:
         object.__setattr__(module, "reference", copy.deepcopy(module.policy).requires_grad_(False))
         with torch.no_grad():
             for p in module.policy.parameters():

@@ -55,8 +55,8 @@ def test_a_bad_spec_is_refused_naming_its_key(value, message):
 
 def test_a_package_that_is_not_installed_names_the_extra():
     with pytest.raises(ImportError,
-                       match=r"trainer\.strategy\.init_args\.dense\.optimizer\.class_path: no_such_package\.Opt does not import .*"
-                                          r"pip install -e \"\.\[peers\]\""):
+                       match=r"trainer\.strategy\.init_args\.dense\.optimizer\.class_path: no_such_package\.Opt does "
+                             r"not import .*pip install -e \"\.\[peers\]\""):
         OptimizerSpec.parse("no_such_package.Opt", KEY)
 
 
@@ -99,8 +99,8 @@ def test_a_sharded_matrix_is_not_projected():
     whole = layer.weight
     layer.weight = torch.nn.Parameter(whole.detach()[: whole.shape[0] // 2].clone())
     with pytest.raises(ValueError,
-                       match=r"trainer\.strategy\.init_args\.dense\.optimizer: model\.layers\.0\.mlp\.up_proj\.weight is sharded "
-                                         r"\(Parameter of local shape \(64, 64\)\).*one device or with DDP"):
+                       match=r"trainer\.strategy\.init_args\.dense\.optimizer: model\.layers\.0\.mlp\.up_proj\.weight "
+                             r"is sharded \(Parameter of local shape \(64, 64\)\).*one device or with DDP"):
         projected_matrices(model, list(model.parameters()), 16, KEY)
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
@@ -117,8 +117,8 @@ def test_a_rank_family_without_a_rank_is_refused():
     if importlib.util.find_spec("galore_torch") is None:
         pytest.skip("galore_torch is not installed (the peers extra: pip install -e .[peers])")
     with pytest.raises(ValueError,
-                       match=r"trainer\.strategy\.init_args\.dense\.optimizer\.init_args\.rank must be a positive integer, got None: "
-                                         r"galore_torch\.GaLoreAdamW projects"):
+                       match=r"trainer\.strategy\.init_args\.dense\.optimizer\.init_args\.rank must be a positive "
+                             r"integer, got None: galore_torch\.GaLoreAdamW projects"):
         OptimizerSpec.parse({"class_path": "galore_torch.GaLoreAdamW", "init_args": {"lr": 1e-3}}, KEY)
 
 

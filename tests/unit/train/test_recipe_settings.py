@@ -30,7 +30,8 @@ def test_a_step_whose_completions_are_all_cut_says_it_trains_on_nothing(caplog):
     rollout = Rollout(ids[:, :1], torch.ones(2, 1, dtype=torch.long), ids, mask, torch.zeros(2, 3))
     with caplog.at_level("WARNING"):
         assert module.trained_tokens(rollout).completion_mask.sum() == 0
-    assert "every completion of this step (and of 1 steps so far) was cut at model.sampling.max_new_tokens=3" in caplog.text
+    assert ("every completion of this step (and of 1 steps so far) was cut at model.sampling.max_new_tokens=3"
+            in caplog.text)
     assert "set model.loss.mask_truncated_completions: false" in caplog.text
 
 

@@ -293,7 +293,7 @@ class GradNormAtMost(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = float(torch.nn.utils.get_total_norm(grads))
-        limit = pl_module.hparams.max_grad_norm
+        limit = pl_module.hparams.training.max_grad_norm
         assert norm <= limit * (1 + 1e-4), f"rank {trainer.global_rank}: the optimizer got norm {norm} > {limit}"
         self.seen = getattr(self, "seen", 0) + 1
 

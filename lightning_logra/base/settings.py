@@ -5,7 +5,10 @@ bool is not a number (YAML's `yes` would otherwise pass as 1)."""
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Any
+
+import yaml
 
 
 def is_number(value: Any, integer: bool = False) -> bool:
@@ -39,3 +42,14 @@ def check_at_least(key: str, value: Any, minimum: float, what: str | None = None
     what = what or ("whole number" if integer else "number")
     raise ValueError(f"{key} must be a {what} ≥ {minimum}{f' (or null: {null})' if null else ''}, got {value!r}"
                      f"{f': {why}' if why else ''}")
+
+
+def _as_mapping(dumper: yaml.Dumper, group: Any) -> yaml.Node:
+    return dumper.represent_dict({f.name: getattr(group, f.name) for f in fields(group)})
+
+
+def yaml_as_mappings(*kinds: type) -> None:
+    """Settings dataclasses in YAML (a run's hparams.yaml) as plain mappings of their fields, which load back as
+    dicts, rather than as Python objects no safe loader reads."""
+    for kind in kinds:
+        yaml.add_representer(kind, _as_mapping)

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_logra.base.child import DEFAULT_MEMORY_GIB, check_memory_gib
-from lightning_logra.base.settings import check_positive
+from lightning_logra.base.settings import check_positive, yaml_as_mappings
 from lightning_logra.episodes.processes import spec_from_settings, spec_tools
 from lightning_logra.episodes.runner import EpisodeLimits, EpisodeRunner
 
 
-@dataclass(frozen=True)
+@dataclass
 class EpisodeSettings:
     """Multi-turn episodes (docs/multi-turn.md): the model's turns, each followed by the environment's answer (tool
     answers, or an observation), carried as token ids; the loss counts only the tokens the engine sampled.
@@ -73,6 +73,10 @@ class EpisodeSettings:
     def tokens(self, max_new_tokens: int) -> int:
         """The most completion-side tokens an episode holds, turns of at most `max_new_tokens` each."""
         return self.max_tokens or self.max_turns * max_new_tokens
+
+
+
+yaml_as_mappings(EpisodeSettings)
 
 
 def episode_runner(episodes: EpisodeSettings | None, max_new_tokens: int, tokenizer: Any, stop_token_ids: list[int],

@@ -133,10 +133,11 @@ class RLVRModule(LightningModule):
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
         # refused here, naming the key.
         self.rewards: list[Reward] = resolve_rewards(reward, scoring.weights, scoring.timeout_s, scoring.memory_gib)
-        self.save_hyperparameters(ignore=[*GROUPS, "episodes"])
-        self.hparams["reward"] = reward_setting(self.hparams["reward"])  # a function by name: checkpoints hold none
-        # The groups as built (a dict given by hand made into its dataclass); the engine is a live object, kept apart.
-        self.hparams.update({**groups, "rollouts": without_engine(groups["rollouts"]), "episodes": episodes})
+        # The groups as built (a dict given by hand made into its dataclass); a reward function by name (checkpoints
+        # hold none); the engine is a live object, kept apart.
+        self.save_hyperparameters({"model": model, "reward": reward_setting(reward), "dtype": dtype,
+                                   "chat_template": chat_template, **groups,
+                                   "rollouts": without_engine(groups["rollouts"]), "episodes": episodes})
         _check_model(model)
         self.automatic_optimization = False
         sampling, evaluation = groups["sampling"], groups["evaluation"]

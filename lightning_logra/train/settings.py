@@ -16,13 +16,13 @@ from typing import Any
 from lightning_logra.algo.advantages import ScaleRewards, estimator
 from lightning_logra.algo.losses import CorrectionMode, LossType, check_correction, get_loss
 from lightning_logra.base.child import DEFAULT_MEMORY_GIB, check_memory_gib
-from lightning_logra.base.settings import check_at_least, check_positive, is_number
+from lightning_logra.base.settings import check_at_least, check_positive, is_number, yaml_as_mappings
 from lightning_logra.rollout import RolloutEngine
 
 MIN_TEMPERATURE = 0.01  # model.sampling.temperature and a positive model.evaluation.temperature
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingSettings:
     """How the training rollouts are sampled.
 
@@ -56,7 +56,7 @@ class SamplingSettings:
             raise ValueError(f"model.sampling.top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class LossSettings:
     """The policy-gradient objective.
 
@@ -102,7 +102,7 @@ class LossSettings:
                        why="0 turns the entropy bonus off; verl's examples use about 0.001")
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainingSettings:
     """How each step's backward passes run.
 
@@ -129,7 +129,7 @@ class TrainingSettings:
         check_positive("model.training.max_grad_norm", self.max_grad_norm, null="no clipping")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScoringSettings:
     """How the rewards of `model.reward` are combined and run.
 
@@ -158,7 +158,7 @@ class ScoringSettings:
                        integer=True, null="never stop")
 
 
-@dataclass(frozen=True)
+@dataclass
 class EvalSettings:
     """How validate and test sample (`lightning_logra.train.evaluation`).
 
@@ -187,7 +187,7 @@ class EvalSettings:
                        null="model.sampling.max_new_tokens")
 
 
-@dataclass(frozen=True)
+@dataclass
 class RolloutSettings:
     """Where the samples come from, how stale they may be, and how the loss corrects for their sampler.
 
@@ -233,7 +233,7 @@ class RolloutSettings:
                        integer=True, null="never")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ExportSettings:
     """Transformers folders of the policy, written by `lightning_logra.callbacks.PolicyExport`.
 
@@ -256,12 +256,15 @@ class ExportSettings:
 GROUPS = {"sampling": SamplingSettings, "loss": LossSettings, "training": TrainingSettings,
           "scoring": ScoringSettings, "evaluation": EvalSettings, "rollouts": RolloutSettings,
           "export": ExportSettings}
+yaml_as_mappings(*GROUPS.values())
+
 
 
 def as_group(kind: type, value: Any, key: str) -> Any:
-    """`value` as the group `kind`: itself, or built from a dict of its fields (a module made by hand)."""
+    """`value` as the group `kind`: a copy of it (a default is one instance shared by every module), or built from a
+    dict of its fields (a module made by hand)."""
     if isinstance(value, kind):
-        return value
+        return replace(value)
     if isinstance(value, dict):
         return kind(**value)
     if is_dataclass(value):  # the same fields under another class (e.g. reloaded from a checkpoint)

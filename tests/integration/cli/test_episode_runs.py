@@ -7,11 +7,11 @@ import pytest
 
 from conftest import TOOL_TASK
 
-DENSE = ["--trainer.strategy", "auto", "--trainer.strategy.init_args.dense.lr", "1e-3"]
-
 
 @pytest.mark.parametrize("config, extra", [
-    ("configs/tiny_arith.yaml", []), ("configs/tiny_arith.yaml", DENSE), ("configs/tiny_arith_lora.yaml", []),
+    ("configs/tiny_arith.yaml", []),
+    ("configs/tiny_arith_dense.yaml", ["--trainer.strategy.init_args.dense.lr", "1e-3"]),
+    ("configs/tiny_arith_lora.yaml", []),
 ], ids=["sketch", "dense", "lora"])
 def test_a_fit_with_tools_draws_episodes_trains_and_logs_them(run_cli, config, extra):
     cli = run_cli(config, *TOOL_TASK, *extra)  # 4 prompts, 32 episodes a step

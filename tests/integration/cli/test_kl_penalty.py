@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 import lightning_logra.train.module as module_file
+import lightning_logra.train.objective as objective_file
 from lightning_logra.algo.logprobs import completion_logits, completion_logprobs
 from lightning_logra.algo.losses import reference_kl
 from lightning_logra.data.module import ArithDataModule
@@ -55,10 +56,11 @@ class GradientsBeforeStep(Callback):
         self.grads = {n: p.grad.clone() for n, p in pl_module.policy.named_parameters() if p.grad is not None}
 
 
-def make_module(model, reward, loss_type="dapo", **settings) -> RLVRModule:
-    return RLVRModule(model, reward=reward, **settings,
+def make_module(model, reward, loss_type="dapo", **loss) -> RLVRModule:
+    """A module on `model` with `reward`; `loss`: settings of model.loss (beta, epsilon, ...)."""
+    return RLVRModule(model, reward=reward,
                       sampling={"num_generations": G, "max_new_tokens": 4, "temperature": TEMPERATURE, "seed": 0},
-                      loss={"type": loss_type, "scale_rewards": "none"},
+                      loss={"type": loss_type, "scale_rewards": "none", **loss},
                       training={"micro_batch_size": 3, "max_grad_norm": None}, scoring={"timeout_s": None},
                       rollouts={"is_cap": IS_CAP})
 
@@ -93,7 +95,7 @@ def one_step(module, precision="32-true", moved=False, checkpoint=None):
                       callbacks=[grads], precision=precision)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module.engine, "generate", shifted_generate)
-        patch.setattr(module_file, "completion_logprobs", counted_logprobs)
+        patch.setattr(objective_file, "completion_logprobs", counted_logprobs)
         trainer.fit(module, ArithDataModule(batch_size=4))
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)
@@ -233,7 +235,8 @@ def test_beta_under_fsdp_is_refused_before_anything_loads(tiny_arith_model, monk
     # A Trainer of the strategy, attached as a fit attaches it (no processes: the check comes before any set-up).
     module.trainer = Trainer(strategy=SketchFSDPStrategy(), accelerator="cpu", devices=1, logger=False)
     module.trainer.state.fn = TrainerFn.FITTING
-    with pytest.raises(ValueError, match=r"model\.loss\.beta=0\.04: .*unsharded copy .* every rank .*SketchDDPStrategy"):
+    with pytest.raises(ValueError,
+                       match=r"model\.loss\.beta=0\.04: .*unsharded copy .* every rank .*SketchDDPStrategy"):
         module.configure_model()
 
 

@@ -11,36 +11,32 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from conftest import CONFIGS, SKETCH_TARGETS, odd_first_digit
+from conftest import CONFIGS, SKETCH_TARGETS
 from lightning_logra.algo.advantages import group_advantages
 from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.losses import token_weights
 from lightning_logra.algo.update import Update
 from lightning_logra.callbacks import PredictedKLBudget, RolloutWeightSync
 from lightning_logra.export import export_checkpoint
+from lightning_logra.paths import model_path
 from lightning_logra.rollout import HFEngine, SamplingParams
 from lightning_logra.train import lora
 from lightning_logra.train.checkpoint import check_resumable
-from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.dense import DenseConfig
+from lightning_logra.train.modes import DenseMode, training_mode
 from lightning_logra.train.policy import pad_token_id
+from lightning_logra.train.strategies import Collectives
 
 G = 4
-
-
-def _module(model_path, **kwargs):
-    settings = dict(reward=odd_first_digit, num_generations=G, max_new_tokens=4, micro_batch_size=4,
-                    max_grad_norm=None, is_cap=None, seed=0, reward_timeout_s=None)
-    return RLVRModule(model_path, **{**settings, **kwargs})
 
 
 def _lora_run(run_cli, steps, *overrides):
     """tiny_arith_lora.yaml on the tiny model at rank 4, with `_module`'s settings and no validation: parsed and
     instantiated, for the test to fit."""
     return run_cli("tiny_arith_lora", "--model.sampling.num_generations", str(G), "--model.sampling.max_new_tokens",
-                   "4",
-                   "--model.training.micro_batch_size", "4", "--model.training.max_grad_norm", "null",
-                   "--model.rollouts.is_cap", "null",
-                   "--model.scoring.timeout_s", "null", "--trainer.limit_val_batches", "0",
+                   "4", "--model.training.micro_batch_size", "4", "--model.training.max_grad_norm", "null",
+                   "--model.rollouts.is_cap", "null", "--model.scoring.timeout_s", "null",
+                   "--trainer.limit_val_batches", "0",
                    "--trainer.strategy.init_args.lora.rank", "4", *overrides, steps=steps, run=False)
 
 
@@ -242,11 +238,9 @@ def test_bad_settings_fail_naming_the_key(settings, message):
     (["--trainer.strategy.init_args.lora.rank", "128"],
      "trainer.strategy.init_args.lora.rank: 128 must be smaller than in_features=128"),
     (["--trainer.strategy.init_args.lora.dropout", "1.5"], "trainer.strategy.init_args.lora.dropout must be in"),
-    (["--trainer.strategy.init_args.dense.lr", "0.1"], "set trainer.strategy.init_args.lora.lr instead"),
-    (["--trainer.strategy.init_args.dense.target_modules", "[q_proj]"], "set "
-                                                                        "trainer.strategy.init_args.lora.target_modules instead"),
-], ids=["target", "rank", "dropout", "trainer.strategy.init_args.dense.lr",
-        "trainer.strategy.init_args.dense.target_modules"])
+    # the dense run's settings are DenseStrategy's: LoRAStrategy has none to ignore
+    (["--trainer.strategy.init_args.dense.lr", "0.1"], "unrecognized arguments: --dense.lr"),
+], ids=["target", "rank", "dropout", "dense.lr"])
 def test_bad_config_values_fail_before_training_naming_the_key(run_cli, tmp_path, capsys, override, message):
     with pytest.raises((ValueError, SystemExit)) as info:
         _fit(run_cli, tmp_path, 2, *override)
@@ -256,15 +250,17 @@ def test_bad_config_values_fail_before_training_naming_the_key(run_cli, tmp_path
 
 
 def test_dense_baseline_on_the_target_matrices_only(tiny_arith_model):
-    module = _module(tiny_arith_model, target_modules=["q_proj", "down_proj"])
-    module.configure_model()
-    trained = sorted(n for n, p in module.policy.named_parameters() if p.requires_grad)
-    assert trained == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
-                             for m in ("self_attn.q_proj", "mlp.down_proj"))
+    def trained(targets):
+        policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model)
+        DenseMode(Collectives(), DenseConfig(target_modules=targets)).install(policy, fitting=True)
+        return sorted(n for n, p in policy.named_parameters() if p.requires_grad)
+
+    assert trained(["q_proj", "down_proj"]) == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
+                                                      for m in ("self_attn.q_proj", "mlp.down_proj"))
     with pytest.raises(ValueError, match="trainer.strategy.init_args.dense.target_modules: 'w_proj' matches no module"):
-        _module(tiny_arith_model, target_modules=["w_proj"]).configure_model()
+        trained(["w_proj"])
     with pytest.raises(ValueError, match="trainer.strategy.init_args.dense.target_modules is empty"):
-        _module(tiny_arith_model, target_modules=[])
+        DenseConfig(target_modules=[])
 
 
 
@@ -276,9 +272,10 @@ def test_the_dense_baseline_config_trains_what_the_logra_config_trains(run_cli):
     trained = {}
     for name in ("tiny_arith_dense", "tiny_arith_dense_all"):
         cli = run_cli(name, fast=False, run=False)
-        cli.model.configure_model()
-        trained[name] = {n for n, p in cli.model.policy.named_parameters() if p.requires_grad}
-    params = dict(cli.model.policy.named_parameters())
+        policy = AutoModelForCausalLM.from_pretrained(model_path(cli.model.hparams.model))
+        training_mode(cli.trainer.strategy, Collectives()).install(policy, fitting=True)  # what a fit trains
+        trained[name] = {n for n, p in policy.named_parameters() if p.requires_grad}
+    params = dict(policy.named_parameters())
     assert trained["tiny_arith_dense"] == {n for n in params if n.rsplit(".", 2)[-2] in targets and
                                            n.endswith(".weight")}
     assert trained["tiny_arith_dense_all"] == params.keys()

@@ -59,7 +59,7 @@ def test_the_sketch_settings_are_logged_as_hyperparameters(run_cli, tmp_path):
                                                                                                   1e-3)
     assert hparams["sketch/target_modules"] == str(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                     "down_proj"])
-    assert hparams["num_generations"] == 8  # the module's own stay
+    assert hparams["sampling"]["num_generations"] == 8  # the module's own stay, by group
 
 
 def test_data_whose_rows_name_their_task_log_the_reward_and_pass_at_k_per_task(run_cli, tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ def test_dynamic_sampling_draws_more_rounds_and_a_resumed_run_equals_the_uninter
 def test_truncated_completions_masked_and_penalized_with_the_entropy_bonus(run_cli, tmp_path, config):
     reward = {"model": {"reward": ["conftest.odd_first_digit", {
         "class_path": "lightning_logra.rewards.OverlongPenalty", "init_args": {"max_length": 3, "buffer": 2}}],
-        "reward_weights": [1.0, 0.5]}}
+        "scoring": {"weights": [1.0, 0.5]}}}
     (tmp_path / "reward.yaml").write_text(yaml.safe_dump(reward))
     run_cli(config, "--config", str(tmp_path / "reward.yaml"), "--model.sampling.max_new_tokens", "3",
             "--model.loss.mask_truncated_completions", "true", "--model.loss.entropy_coef", "0.01", root=tmp_path)
@@ -61,7 +61,7 @@ def test_a_classifier_and_an_llm_judge_score_in_processes_of_their_own(run_cli, 
         reward = {"model": {"reward": [
             {"class_path": "lightning_logra.rewards.RewardModel", "init_args": {"path": str(classifier)}},
             {"class_path": "lightning_logra.rewards.LLMJudge", "init_args": {"url": server.url, "model": "stub"}}],
-            "reward_weights": [0.5, 1.0]}}
+            "scoring": {"weights": [0.5, 1.0]}}}
         (tmp_path / "reward.yaml").write_text(yaml.safe_dump(reward))
         cli = run_cli("tiny_arith", "--config", str(tmp_path / "reward.yaml"), "--trainer.limit_val_batches", "0",
                       root=tmp_path / "run")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-import lightning_logra.train.module as module_file
+import lightning_logra.train.objective as objective_file
 from lightning_logra.algo.logprobs import completion_logits, completion_logprobs
 from lightning_logra.data.module import ArithDataModule
 from lightning_logra.train.module import RLVRModule
@@ -65,7 +65,7 @@ def step(tiny_arith_model):
                       callbacks=[grads])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module.engine, "generate", shifted_generate)
-        patch.setattr(module_file, "completion_logprobs", counted_logprobs)
+        patch.setattr(objective_file, "completion_logprobs", counted_logprobs)
         trainer.fit(module, ArithDataModule(batch_size=4))
     assert len(rollouts) == 1
     return dict(rollout=rollouts[0], start=start, grads=grads.grads, forwarded=forwarded,

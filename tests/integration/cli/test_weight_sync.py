@@ -189,10 +189,11 @@ def test_importance_weights_truncate_and_measure_the_mismatch():
         torch.tensor(1.0)]))
 
 
-def _module(model_path, engine=None, **kwargs):
-    return RLVRModule(model_path, reward="conftest.odd_first_digit", **kwargs,
+def _module(model_path, engine=None, dtype="float32", **rollouts):
+    """A module on `model_path`; `rollouts`: settings of model.rollouts beside the engine."""
+    return RLVRModule(model_path, reward="conftest.odd_first_digit", dtype=dtype,
                       sampling={"num_generations": 4, "max_new_tokens": 4}, training={"micro_batch_size": 16},
-                      rollouts={"engine": engine})
+                      rollouts={"engine": engine, **rollouts})
 
 
 def _trainer(root, callbacks, steps=3, refresh_every=None):

@@ -70,11 +70,13 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(run_cli, tiny_
 
 
 def _dense_on_two_processes(path: Path) -> str:
-    # tiny_arith_dense_all.yaml on 2 processes: Lightning's DDP wrapper (gloo on CPU) averages the gradients inside
-    # every backward; the data module shards each step's prompts itself.
+    # tiny_arith_dense_all.yaml on 2 processes: DenseDDPStrategy, Lightning's DDP wrapper (gloo on CPU), averages the
+    # gradients inside every backward; the data module shards each step's prompts itself.
     data = yaml.safe_load((CONFIGS / "tiny_arith_dense_all.yaml").read_text())
+    dense = data["trainer"]["strategy"]["init_args"]["dense"]
     data["trainer"].update(devices=2, use_distributed_sampler=False, strategy={
-        "class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"process_group_backend": "gloo"}})
+        "class_path": "lightning_logra.train.strategies.DenseDDPStrategy",
+        "init_args": {"dense": dense, "process_group_backend": "gloo"}})
     path.write_text(yaml.safe_dump(data))
     return str(path)
 
@@ -107,7 +109,9 @@ def test_dynamic_sampling_on_two_ranks_keeps_and_trains_what_one_process_does(ru
              "--model.sampling.num_generations", "2",
              "--model.training.micro_batch_size", "2"]
     data = yaml.safe_load(Path(_dense_on_two_processes(tmp_path / "dense_ddp.yaml")).read_text())
-    data["model"].update(dynamic_sampling=True, max_generation_rounds=3, num_generations=2, micro_batch_size=2)
+    data["model"]["rollouts"] = {"dynamic_sampling": True, "max_generation_rounds": 3}
+    data["model"]["sampling"]["num_generations"] = 2
+    data["model"]["training"]["micro_batch_size"] = 2
     (tmp_path / "ds_ddp.yaml").write_text(yaml.safe_dump(data))
     single = _fit(lambda config, *o, **k: run_cli(config, *o, *extra, **k), "tiny_arith_dense_all", tmp_path / "1")
     double = _fit(run_cli, str(tmp_path / "ds_ddp.yaml"), tmp_path / "2")

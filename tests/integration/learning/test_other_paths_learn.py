@@ -66,7 +66,7 @@ def test_tiny_arith_learns_from_a_server_with_overlapped_rollouts_and_a_stale_en
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
             callback["init_args"].update(check_every=40, logprob_diff_threshold=0.01, logprob_diff_steps=2)
-    data["model"]["engine"]["init_args"].update(journal_dir=str(tmp_path / "journal"), in_flight=True)
+    data["model"]["rollouts"]["engine"]["init_args"].update(journal_dir=str(tmp_path / "journal"), in_flight=True)
     config = tmp_path / "remote.yaml"
     config.write_text(yaml.safe_dump(data))
     cli = run_cli(config, "--model.rollouts.max_staleness", "1", "--trainer.max_steps", "120",

@@ -115,7 +115,8 @@ def test_a_launched_server_follows_training_as_the_colocated_engine(tiny_arith_m
     trainer, record = _run(tiny_arith_model, tmp_path, engine, another)
     assert another.served == {"name": tiny_arith_model, "dtype": "float32",
                               **{key: config[key] for key in SHAPE_KEYS if key in config}}
-    assert re.fullmatch(r"model\.rollouts\.engine: engine server http://127\.0\.0\.1:\d+ serves .*: num_hidden_layers 4 here, "
+    assert re.fullmatch(r"model\.rollouts\.engine: engine server http://127\.0\.0\.1:\d+ serves .*: "
+                        r"num_hidden_layers 4 here, "
                         rf"{config['num_hidden_layers']} there; start it with the trainer's model .*", another.refused)
     # The same samples and steps as the engine in the trainer's processes: the same vLLM, seeds and merges.
     start = load_file(Path(tiny_arith_model) / "model.safetensors")

@@ -58,8 +58,8 @@ def test_two_ranks_generate_on_one_server_that_rank_zero_keeps_in_step(run_cli, 
     # The shipped two-process configs with the server in place of an engine per rank: each rank generates its slice
     # of the batch there and counts the versions; rank 0 alone sends (under FSDP the factors it gathers as before).
     data = yaml.safe_load((CONFIGS / f"{config}.yaml").read_text())
-    data["model"]["engine"] = {"class_path": "lightning_logra.rollout.RemoteEngine",
-                               "init_args": {"urls": [shared_server]}}
+    data["model"]["rollouts"]["engine"] = {"class_path": "lightning_logra.rollout.RemoteEngine",
+                                           "init_args": {"urls": [shared_server]}}
     for callback in data["trainer"]["callbacks"]:
         if callback["class_path"].endswith("RolloutWeightSync"):
             callback["init_args"].update(check_every=1, tolerance=0.0)  # every rank compares after every sync, exactly

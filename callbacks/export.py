@@ -6,9 +6,11 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_logra.train.policy import export_policy
+
 
 class PolicyExport(Callback):
-    """Exports the policy and tokenizer (`RLVRModule.export`) to `dirpath` at the end of fit and, with
+    """Exports the policy and tokenizer (`policy.export_policy`) to `dirpath` at the end of fit and, with
     `every_n_train_steps`, also to `dirpath/step-NNNNNN` every that many steps. The module adds one for
     `model.export.dir` (`RLVRModule.configure_callbacks`); a sharded policy is gathered first (every rank takes part),
     and rank 0 writes."""
@@ -27,4 +29,4 @@ class PolicyExport(Callback):
     def _export(trainer: Trainer, pl_module: LightningModule, path: Path) -> None:
         state_dict = pl_module.collectives.whole_policy_state()  # a collective where the weights are sharded
         if trainer.is_global_zero:
-            pl_module.export(path, state_dict)
+            export_policy(pl_module.policy, pl_module.tokenizer, path, state_dict)

@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_logra.paths import model_path
 from lightning_logra.train.modes import training_mode
-from lightning_logra.train.module import RLVRModule, check_penalty_placement
+from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.policy import check_penalty_placement
 from lightning_logra.train.strategies.base import collectives_of
 
 

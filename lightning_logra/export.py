@@ -114,6 +114,7 @@ def _write(checkpoint: dict[str, Any], out: Path, lora_settings: dict | None, ad
     from lightning_logra.paths import model_path
     from lightning_logra.train import lora
     from lightning_logra.train.module import RLVRModule
+    from lightning_logra.train.policy import export_policy
 
     hparams = checkpoint["hyper_parameters"]
     module = RLVRModule(model=hparams["model"], dtype=hparams.get("dtype", "float32"), reward="exact_match",
@@ -134,7 +135,7 @@ def _write(checkpoint: dict[str, Any], out: Path, lora_settings: dict | None, ad
         return
     if lora_settings is not None:
         lora.merge_adapters_(module.policy)  # each adapted matrix becomes W₀ + s·B·A under its own name
-    module.export(out)  # with its SHA256SUMS, its files following the umask
+    export_policy(module.policy, module.tokenizer, out)  # with its SHA256SUMS, its files following the umask
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,11 +22,13 @@ import logging
 import os
 import secrets
 import shutil
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_logra.train.digests import KEY as DIGESTS
 from lightning_logra.train.digests import content_digests, verify_content
@@ -79,6 +81,56 @@ def check_resumable(checkpoint: dict[str, Any], current: dict[str, Any]) -> None
         raise ValueError("cannot resume: " + "; ".join(differences) + ". Resume with the checkpoint's settings, or "
                          "start a new run from its weights (export them with lightning-logra export, then train from "
                          "that folder)")
+
+
+def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (recorded, current)} for each of the module's settings that differs from what a checkpoint's
+    hyper-parameters recorded, a group's by field (`loss.beta`)."""
+    changed = {}
+    for key, value in current.items():
+        if key not in recorded or recorded[key] == value:
+            continue
+        before = recorded[key]
+        if is_dataclass(value) and is_dataclass(before):
+            for field in fields(value):
+                old, new = getattr(before, field.name, None), getattr(value, field.name)
+                if old != new:
+                    changed[f"{key}.{field.name}"] = (old, new)
+        else:
+            changed[key] = (before, value)
+    return changed
+
+
+class StampedCheckpoints:
+    """The checkpoint hooks of an RLVRModule, mixed into it: every checkpoint says what it is (`stamp`, with the tokens
+    trained on and the sample source's part), a resume under settings its state would be misread under is refused,
+    and the module's settings that differ from the checkpoint's are named. It uses the module's `mode`, `samples`,
+    `num_tokens` and `hparams`."""
+
+    def weights_dtype(self) -> str:
+        """The dtype the policy's weights are held in during the run: a "-true" precision's, which the strategy's set-up
+        converts them to; otherwise ("-mixed" ones, no Trainer) model.dtype's."""
+        if self._trainer is None:
+            return self.hparams.dtype
+        precision = str(self.trainer.precision)
+        return {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision, self.hparams.dtype)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[KEY] = {**stamp(self.weights_dtype(), self.mode.stamp()), "num_tokens": self.num_tokens,
+                                      **self.samples.state()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Runs before any state is restored. Evaluating or exporting a checkpoint under other settings is fine (its
+        # weights load, cast to this run's dtype); resuming training from state taken under other settings is not.
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        saved = checkpoint.get(KEY, {})
+        if fitting:
+            check_resumable(checkpoint, stamp(self.weights_dtype(), self.mode.stamp()))
+            self.num_tokens = saved.get("num_tokens", 0)
+        self.samples.restore(saved, fitting)
+        # This run's settings apply, not the checkpoint's (lightning_logra.cli): say where they differ.
+        for key, (recorded, value) in changed_settings(checkpoint.get("hyper_parameters", {}), self.hparams).items():
+            log.warning("model.%s: the checkpoint was made with %r, this run uses %r", key, recorded, value)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -112,6 +112,13 @@ class TrainingMode(ABC):
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
         return [Stepped(w.optimizer, w.step if i == 0 else w.optimizer.step) for i, w in enumerate(wrapped)]
 
+    def advance_schedules(self, schedulers: Any, applied: bool) -> None:
+        """Advance the learning-rate schedules (Lightning's `lr_schedulers()`: one, a list, or None) after an applied
+        update only: a skipped one changed no weight, so it spends none of the warm-up or decay."""
+        if applied and schedulers is not None:
+            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+                scheduler.step()
+
     def learning_rates(self) -> dict[str, float]:
         """`train/lr`: the learning rate the step's update is proposed with (its first optimizer's)."""
         return {"train/lr": self._optimizers()[0].optimizer.param_groups[0]["lr"]}

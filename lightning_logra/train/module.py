@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import fields, is_dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,22 +24,28 @@ from lightning_logra.algo.step_size import StepContext, StepSizeController, find
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.callbacks.export import PolicyExport
-from lightning_logra.episodes.metrics import environment_rewards
 from lightning_logra.episodes.settings import EpisodeSettings
-from lightning_logra.paths import PACKAGE_DIR, model_path
 from lightning_logra.rewards import Reward, RewardFn, RewardName, resolve_rewards, reward_setting
-from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics, score
-from lightning_logra.rollout import RolloutEngine, SamplingParams
+from lightning_logra.rewards.scoring import UnlearnableSteps, reward_metrics
+from lightning_logra.rollout import RolloutEngine, SamplingParams, find_sync
 from lightning_logra.train import resume
-from lightning_logra.train.checkpoint import KEY as CHECKPOINT_KEY
-from lightning_logra.train.checkpoint import check_resumable, follow_umask, stamp
-from lightning_logra.train.digests import write_sums
+from lightning_logra.train.checkpoint import StampedCheckpoints
+from lightning_logra.train.context import prompt_token_limit
 from lightning_logra.train.dynamic_sampling import Drawn, DynamicSampling
-from lightning_logra.train.evaluation import sample_metrics
+from lightning_logra.train.evaluation import EvaluationSteps
 from lightning_logra.train.modes import TrainingMode, training_mode
 from lightning_logra.train.objective import PolicyGradient, TruncationMask
-from lightning_logra.train.policy import completions_table, encode_prompts, load_policy, load_reference, stop_token_ids
-from lightning_logra.train.rollouts import Rollouts
+from lightning_logra.train.policy import (
+    PromptCodec,
+    check_model_path,
+    check_penalty_placement,
+    completions_table,
+    encode_prompts,
+    load_policy,
+    load_reference,
+)
+from lightning_logra.train.sample_source import Placement, SampleSource
+from lightning_logra.train.scoring import score_rollout
 from lightning_logra.train.settings import (
     GROUPS,
     EvalSettings,
@@ -57,32 +61,13 @@ from lightning_logra.train.settings import (
 from lightning_logra.train.step_metrics import reward_mean, rollout_metrics, step_tokens, task_rewards
 from lightning_logra.train.step_times import StepTimes
 from lightning_logra.train.strategies.base import Collectives, collectives_of
-from lightning_logra.train.task_metrics import TaskTally, task_index
 
 log = logging.getLogger(__name__)
 
-EVAL_STEP = -1  # the step an evaluation's prompts are seeded with: apart from every training step's
-
-
-def completion_token_lists(rollout: Rollout) -> list[list[int]]:
-    """Each completion's token ids without padding (its stop token included)."""
-    mask = rollout.completion_mask.bool().cpu()
-    return [row[keep].tolist() for row, keep in zip(rollout.completion_ids.cpu(), mask)]
-
-
-def check_penalty_placement(beta: float, collectives: Collectives) -> None:
-    """The KL penalty's reference is a whole copy of the weights in every process: refused where the weights are
-    sharded (it would undo what sharding saves)."""
-    if beta > 0 and collectives.shards_weights:
-        raise ValueError(
-            f"model.loss.beta={beta}: the KL penalty's reference model would be a whole, unsharded copy of the weights "
-            "on every rank under SketchFSDPStrategy; train with SketchDDPStrategy, or set model.loss.beta 0")
-
-
-class RLVRModule(LightningModule):
+class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
     """RLVR on a causal language model: each training step generates, scores, and trains every selected weight
     (`training_step`); validate and test sample and score (`evaluate`). How the weights train (dense, LoGRA's
-    sketches, LoRA) and with which optimizer is the Trainer's strategy's; where the samples come from, `Rollouts`.
+    sketches, LoRA) and with which optimizer is the Trainer's strategy's; where the samples come from, `SampleSource`.
 
     Args:
         model: a transformers causal LM: a local directory or a hub name. A path inside the package
@@ -138,7 +123,7 @@ class RLVRModule(LightningModule):
         self.save_hyperparameters({"model": model, "reward": reward_setting(reward), "dtype": dtype,
                                    "chat_template": chat_template, **groups,
                                    "rollouts": without_engine(groups["rollouts"]), "episodes": episodes})
-        _check_model(model)
+        check_model_path(model)
         self.automatic_optimization = False
         sampling, evaluation = groups["sampling"], groups["evaluation"]
         self.sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens)
@@ -156,9 +141,7 @@ class RLVRModule(LightningModule):
         self.mode: TrainingMode | None = None
         self.collectives: Collectives = Collectives()
         self.controller: StepSizeController | None = None
-        self.rollouts = Rollouts(self, groups["rollouts"].engine)
-        # An evaluation set's metrics per task, summed over its batches (data whose rows name their task)
-        self.tally: TaskTally | None = None
+        self.samples = SampleSource(groups["rollouts"].engine, groups["rollouts"], sampling, episodes)
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -185,7 +168,11 @@ class RLVRModule(LightningModule):
         self.mode = training_mode(trainer and trainer.strategy, self.collectives)
         self.mode.install(self.policy, fitting=fitting)
         self.mode.bind(self.optimizers)
-        self.rollouts.start_engine()
+        self.codec = PromptCodec.of(self.tokenizer, self.policy, hp.chat_template)
+        placement = Placement() if trainer is None else Placement(
+            self.global_rank, trainer.world_size, trainer.strategy.root_device, trainer.log_dir)
+        self.samples.bind(self.codec, self.collectives, placement)
+        self.samples.start_engine(self.policy, hp.model)
 
     def configure_callbacks(self) -> list[Callback]:
         export = self.hparams.export
@@ -194,17 +181,21 @@ class RLVRModule(LightningModule):
     @property
     def engine(self) -> RolloutEngine | None:
         """The rollout engine (`model.rollouts.engine`; once set up, the in-process one when none was given)."""
-        return self.rollouts.engine
+        return self.samples.engine
 
     @engine.setter
     def engine(self, engine: RolloutEngine | None) -> None:
-        self.rollouts.engine = engine
+        self.samples.engine = engine
+
+    def engine_tensors(self) -> dict[str, torch.Tensor]:
+        """What a full load of an engine with weights of its own sends (the training mode's `engine_tensors`)."""
+        return self.mode.engine_tensors(self.policy)
 
     def configure_optimizers(self):
         return self.mode.build_optimizers(self.policy)
 
     def stop_token_ids(self) -> list[int]:
-        return stop_token_ids(self.tokenizer, self.policy)
+        return self.codec.stop_token_ids
 
     def encode_prompts(self, prompts: list[str] | list[list[dict[str, str]]]) -> list[list[int]]:
         """The token ids the rollout engine receives for each prompt (`policy.encode_prompts`)."""
@@ -216,28 +207,12 @@ class RLVRModule(LightningModule):
         return episodes.tokens(max_new_tokens) if episodes is not None else max_new_tokens
 
     def prompt_token_limit(self, stage: str) -> tuple[int, str] | None:
-        """The longest prompt, in tokens, that leaves room in the model's context for the completions of `stage`
-        ("fit": model.sampling.max_new_tokens; "validate", "test": the evaluation's), with where the limit comes from
-        (for the data module's messages). The context is the engine's max_model_len when set, else the policy's
-        max_position_embeddings; None when neither states one. The data module asks for it when
-        data.max_prompt_length is unset: a prompt past the context would grow generation's memory without bound."""
-        max_model_len = self.engine.max_model_len() if self.engine is not None else None
-        if max_model_len is not None:
-            context, context_key, longer = max_model_len, "model.rollouts.engine's max_model_len", "raise it"
-        else:
-            context = getattr(self.policy.config, "max_position_embeddings", None)
-            context_key, longer = "model.model's max_position_embeddings", "use a model with a longer one"
-            if context is None:  # a model without a fixed context (state-space models)
-                return None
-        evaluating = stage != "fit" and self.hparams.evaluation.max_new_tokens is not None
-        new_tokens_key = "model.evaluation.max_new_tokens" if evaluating else "model.sampling.max_new_tokens"
+        """The longest prompt that leaves room for `stage`'s completions, and where the limit comes from
+        (`context.prompt_token_limit`; the data module asks for it)."""
+        hp = self.hparams
         new_tokens = (self.sampling if stage == "fit" else self.eval_sampling).max_new_tokens
-        if self.hparams.episodes is not None:  # an episode's turns and answers follow the prompt
-            new_tokens_key, new_tokens = "model.episodes.max_tokens", self.completion_tokens()
-        if context - new_tokens < 1:
-            raise ValueError(f"{new_tokens_key}={new_tokens} leaves no room for a prompt in the model's context of "
-                             f"{context} tokens ({context_key}): set {new_tokens_key} below {context}, or {longer}")
-        return context - new_tokens, f"{context_key}={context}, less {new_tokens_key}={new_tokens}"
+        return prompt_token_limit(stage, self.engine, self.policy, new_tokens, hp.evaluation.max_new_tokens,
+                                  hp.episodes and self.completion_tokens())
 
     # ---- one RL iteration ---------------------------------------------------------------------------------------
 
@@ -248,14 +223,16 @@ class RLVRModule(LightningModule):
         weights unchanged)."""
         hp, step, times = self.hparams, self.global_step, StepTimes()
         n = hp.sampling.num_generations
-        rollout, version, waited = self.rollouts.draw(batch, step)  # the step's samples, drawn with `version`'s weights
+        rollout, version, waited = self.samples.draw(batch, step)  # the step's samples, drawn with `version`'s weights
         times.took("wait", waited)
         rewards, per_reward = self.score(batch, rollout, n)  # (N,), (N, rewards)
         times.lap("score")
         drawn = Drawn(batch, rollout, rewards, per_reward, torch.full_like(rewards, float(step - version)))
         sampled: dict[str, float] = {}
         if hp.rollouts.dynamic_sampling:  # more rounds until the batch's groups are learnable (time counts as waiting)
-            drawn, sampled = self.dynamic_sampling().fill(drawn, partial(self.rollouts.draw_round, step))
+            rounds = DynamicSampling(hp.rollouts.max_generation_rounds, n, self.global_rank, self.trainer.world_size,
+                                     self.sum_over_ranks, self.device)
+            drawn, sampled = rounds.fill(drawn, partial(self.draw_round, step))
             times.lap("wait")
         batch, rollout, rewards, per_reward = drawn.batch, drawn.rollout, drawn.rewards, drawn.per_reward
         self.unlearnable.add(rewards.view(-1, n), self.sum_over_ranks)
@@ -268,23 +245,27 @@ class RLVRModule(LightningModule):
         lr = self.mode.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
         times.lap("update")
-        self.advance_lr_schedules(applied=update is not None)
-        synced = self.rollouts.sync(update, float(mismatch["rollout/logprob_abs_diff"]), stale=version < step)
+        self.log_dict(self.mode.learning_rates())  # train/lr (the sketch optimizer's or the dense one's), rest_lr
+        self.mode.advance_schedules(self.lr_schedulers(), applied=update is not None)
+        synced = self.samples.sync(update, float(mismatch["rollout/logprob_abs_diff"]), stale=version < step)
         controlled = self.controller.applied(update) if self.controller is not None else {}
         self.log_step(rollout, rewards, per_reward, step, times.elapsed(), {
             "train/loss": loss, "train/grad_norm": grad_norm, **metrics,
             "train/update_skipped": float(update is None),
             # The step actually taken, α·η (NaN when skipped); with a KL budget that binds, α·η = √(δ/q₁).
             "train/effective_lr": alpha * lr if update is not None else math.nan,
-            **times.metrics(), **self.rollouts.staleness_metrics(drawn.staleness, rollout), **sampled,
+            **times.metrics(), **self.samples.staleness_metrics(drawn.staleness, rollout), **sampled,
             **task_rewards(self.task_names(), batch.get("task", []), rollout, rewards, n, self.sum_over_ranks),
             **mismatch, **self.mode.metrics, **self.collectives.reduction_metrics(), **synced, **controlled})
         return {"loss": loss, "update": update}
 
-    def dynamic_sampling(self) -> DynamicSampling:
-        hp = self.hparams
-        return DynamicSampling(hp.rollouts.max_generation_rounds, hp.sampling.num_generations, self.global_rank,
-                               self.trainer.world_size, self.sum_over_ranks, self.device)
+    def draw_round(self, step: int, round: int) -> Drawn:
+        """Round `round` ≥ 1 of the step's dynamic sampling: the data module's extra prompts, generated now with the
+        trainer's weights, and scored."""
+        batch = self.trainer.datamodule.extra_batch(step, round)
+        rollout = self.samples.draw_now(batch, step, round)
+        rewards, per_reward = self.score(batch, rollout, self.hparams.sampling.num_generations)
+        return Drawn(batch, rollout, rewards, per_reward, torch.zeros_like(rewards))
 
     def trained_tokens(self, rollout: Rollout) -> Rollout:
         """The rollout as the loss sees it (`objective.TruncationMask`)."""
@@ -304,25 +285,12 @@ class RLVRModule(LightningModule):
         return self.objective().accumulate(rollout, advantages)
 
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
-        """n completions of each prompt of `batch`, on this process's device (`Rollouts.engine_call`)."""
-        return self.rollouts.generate(batch, n, sampling, step)
+        """n completions of each prompt of `batch`, on this process's device (`SampleSource.engine_call`)."""
+        return self.samples.generate(batch, n, sampling, step)
 
     def score(self, batch: dict[str, list[Any]], rollout: Rollout, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rewards of the rollout's completions (n per prompt of `batch`), each reward called as TRL calls it."""
-        completion_ids = completion_token_lists(rollout)
-        columns = {key: values for key, values in batch.items() if key != "prompt_ids"}
-        per_sample = None
-        if rollout.sampled_mask is not None:  # episodes: each a conversation, its last message the final answer
-            completions = self.rollouts.episodes.conversations(rollout)
-            per_sample = {"environment_reward": environment_rewards(rollout)}
-        else:
-            completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            if self.hparams.chat_template or not all(isinstance(prompt, str) for prompt in batch["prompt"]):
-                # TRL's conversational form
-                completions = [[{"role": "assistant", "content": text}] for text in completions]
-        rewards, per_reward = score(self.rewards, columns, completions, completion_ids, n, self.global_step,
-                                    per_sample)
-        return rewards.to(self.device), per_reward.to(self.device)
+        """The rewards of the rollout's completions (n per prompt of `batch`; `scoring.score_rollout`)."""
+        return score_rollout(self.rewards, self.codec, self.samples.episodes, batch, rollout, n, self.global_step)
 
     def step_size(self, proposal: Update | None, rollout: Rollout, step: int,
                   positions: torch.Tensor | None) -> float:
@@ -337,24 +305,10 @@ class RLVRModule(LightningModule):
         return self.controller.choose_alpha(proposal, rollout, context)
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        return self.trainer.strategy.reduce(value, reduce_op="sum")
+        return self.collectives.sum_over_ranks(value)
 
     def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """Elementwise the largest of every rank's `values` (NaN travels as inf, which the maximum keeps)."""
-        values = values.to(self.device).nan_to_num(nan=math.inf)
-        if self.trainer.world_size == 1:
-            return values
-        return self.trainer.strategy.reduce(values, reduce_op="max")
-
-    def advance_lr_schedules(self, applied: bool) -> None:
-        """Log this step's learning rates (`train/lr`: the sketch optimizer's or the dense one's; `train/rest_lr`: the
-        AdamW of `sketch.train_rest`), then advance the schedules — after an applied update only: a skipped one
-        changed no weight, so it spends none of the warm-up or decay."""
-        self.log_dict(self.mode.learning_rates())
-        schedulers = self.lr_schedulers()
-        if applied and schedulers is not None:
-            for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
-                scheduler.step()
+        return self.collectives.max_over_ranks(values)
 
     def task_names(self) -> list[str]:
         """The tasks the data's rows belong to (`RLVRDataModule.task_names`); empty: one task."""
@@ -382,52 +336,6 @@ class RLVRModule(LightningModule):
                                       rewards[shown])
             experiment.add_text("completions", table, global_step=step)
 
-    # ---- evaluation: pass@1, or pass@k, mean@k and maj@k (train/evaluation.py) ----------------------------------
-
-    def evaluate(self, batch: dict[str, list[Any]], stage: str) -> None:
-        """`model.evaluation.num_samples` completions of each prompt at its temperature, scored: `<stage>/pass@1`
-        for one, and with more, pass@k for k = 1, 2, 4, … and mean@k, maj@k (`evaluation.sample_metrics`); for data
-        whose rows name their task, each also per task at the set's end (`<stage>/<task>/pass@1`)."""
-        n = self.hparams.evaluation.num_samples
-        rollout = self.generate(batch, n, self.eval_sampling, EVAL_STEP)
-        rewards, _ = self.score(batch, rollout, n)
-        if n == 1:
-            per_prompt = {f"{stage}/pass@1": rewards}
-        else:
-            texts = self.tokenizer.batch_decode(completion_token_lists(rollout), skip_special_tokens=True)
-            per_prompt = sample_metrics(rewards.view(-1, n), texts, stage)  # {key: (prompts,)}
-        for key, values in per_prompt.items():
-            self.log(key, values.mean().to(self.device), prog_bar=key == f"{stage}/pass@1", batch_size=len(values),
-                     sync_dist=True)
-        if self.tally is not None:
-            self.tally.add(task_index(self.tally.names, batch["task"]), per_prompt)
-
-    def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self.evaluate(batch, "val")
-
-    def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self.evaluate(batch, "test")
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_task_metrics()
-
-    def on_test_epoch_end(self) -> None:
-        self._log_task_metrics()
-
-    def _log_task_metrics(self) -> None:
-        if self.tally is not None:  # reduced over ranks already: every rank logs the same values (their mean)
-            self.log_dict(self.tally.compute(self.sum_over_ranks, self.device), sync_dist=True)
-
-    # ---- export ---------------------------------------------------------------------------------------------------
-
-    def export(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        """Save the policy and tokenizer as a transformers checkpoint (sketched layers keep the original layout);
-        `state_dict`: the policy's weights when this process does not hold them whole (gathered from FSDP shards)."""
-        self.policy.save_pretrained(path, state_dict=state_dict)
-        self.tokenizer.save_pretrained(path)
-        follow_umask(Path(path))
-        write_sums(Path(path))  # checked when a run loads the folder (`load_policy`); `sha256sum -c SHA256SUMS` too
-
     # ---- the run's components -------------------------------------------------------------------------------------
 
     def on_fit_start(self) -> None:
@@ -441,7 +349,7 @@ class RLVRModule(LightningModule):
                              "reward/<name>/mean would log both: rename the reward function or class")
         # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
         self.controller = find_controller(self.trainer.callbacks)
-        self.rollouts.find_sync()
+        self.samples.use_sync(find_sync(self.trainer.callbacks), self.policy)
         # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
         self._configured = resume.configured(self.trainer.optimizers)
         self._trained = False  # whether training began (a resume already at trainer.max_steps never does)
@@ -455,55 +363,14 @@ class RLVRModule(LightningModule):
         # (Lightning's restore_checkpoint_after_setup), the others' before. (A sanity validation attaches it first, in
         # on_validation_start, which also comes after the restore.)
         self._trained = True
-        self.rollouts.attach()
-        self.rollouts.start()
+        self.samples.attach(self.engine_tensors)
+        max_steps = self.trainer.max_steps
+        self.samples.start(iter(self.trainer.train_dataloader), self.global_step,
+                           last_step=max_steps - 1 if max_steps > 0 else None)
         # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
         for change in resume.reapply(self.trainer.optimizers, schedulers, self._configured, self.mode.config_key):
             log.warning("resuming: %s; training on with this run's value", change)
-
-    def on_validation_start(self) -> None:
-        self.rollouts.finish_queued()  # the engine is used here: it first finishes what it was given
-        self.rollouts.find_sync()
-        self.rollouts.attach()
-        self.tally = self._new_tally()
-
-    def on_test_start(self) -> None:
-        self.rollouts.find_sync()
-        self.rollouts.attach()
-        self.tally = self._new_tally()
-
-    def _new_tally(self) -> TaskTally | None:
-        """An evaluation's metrics per task, when the data names tasks."""
-        names = self.task_names()
-        return TaskTally(names) if names else None
-
-    # ---- checkpoints say what they are (train/checkpoint.py) ------------------------------------------------------
-
-    def weights_dtype(self) -> str:
-        """The dtype the policy's weights are held in during the run: a "-true" precision's, which the strategy's set-up
-        converts them to; otherwise ("-mixed" ones, no Trainer) model.dtype's."""
-        if self._trainer is None:
-            return self.hparams.dtype
-        precision = str(self.trainer.precision)
-        return {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision, self.hparams.dtype)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = {**stamp(self.weights_dtype(), self.mode.stamp()), "num_tokens": self.num_tokens,
-                                      **self.rollouts.state()}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Runs before any state is restored. Evaluating or exporting a checkpoint under other settings is fine (its
-        # weights load, cast to this run's dtype); resuming training from state taken under other settings is not.
-        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-        saved = checkpoint.get(CHECKPOINT_KEY, {})
-        if fitting:
-            check_resumable(checkpoint, stamp(self.weights_dtype(), self.mode.stamp()))
-            self.num_tokens = saved.get("num_tokens", 0)
-        self.rollouts.restore(saved, fitting)
-        # This run's settings apply, not the checkpoint's (lightning_logra.cli): say where they differ.
-        for key, (recorded, value) in _changed_settings(checkpoint.get("hyper_parameters", {}), self.hparams).items():
-            log.warning("model.%s: the checkpoint was made with %r, this run uses %r", key, recorded, value)
 
     def on_fit_end(self) -> None:
         max_steps = self.trainer.max_steps
@@ -512,28 +379,5 @@ class RLVRModule(LightningModule):
                         "raise trainer.max_steps to train further", self.global_step, max_steps)
 
     def teardown(self, stage: str) -> None:
-        self.rollouts.close()
+        self.samples.close(self.policy)
 
-
-def _changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{key: (recorded, current)} for each setting that differs, a group's by field (`loss.beta`)."""
-    changed = {}
-    for key, value in current.items():
-        if key not in recorded or recorded[key] == value:
-            continue
-        before = recorded[key]
-        if is_dataclass(value) and is_dataclass(before):
-            for field in fields(value):
-                old, new = getattr(before, field.name, None), getattr(value, field.name)
-                if old != new:
-                    changed[f"{key}.{field.name}"] = (old, new)
-        else:
-            changed[key] = (before, value)
-    return changed
-
-
-def _check_model(model: str) -> None:
-    """A hub id is "org/name"; anything else that does not exist locally is a mistyped path."""
-    if not Path(model_path(model)).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
-        raise FileNotFoundError(f"model.model: no such model directory {model!r} (looked for from {Path.cwd()}, "
-                                f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")

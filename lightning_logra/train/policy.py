@@ -1,9 +1,10 @@
-"""The policy and its tokenizer, loaded from `model.model`, and what generation needs of them (stop and pad tokens,
-prompts as token ids)."""
+"""The policy and its tokenizer, loaded from `model.model`, and what generation needs of them (`PromptCodec`: stop and
+pad tokens, prompts as token ids)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_logra.base.waits import waiting_for
-from lightning_logra.paths import check_hub_model, model_path
-from lightning_logra.train.digests import verify_sums
+from lightning_logra.paths import PACKAGE_DIR, check_hub_model, model_path
+from lightning_logra.train.checkpoint import follow_umask
+from lightning_logra.train.digests import verify_sums, write_sums
+from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,24 @@ def encode_prompts(tokenizer: Any, prompts: list[str] | list[list[dict[str, str]
             for chat in chats for begun in [chat[-1]["role"] == "assistant"]]
 
 
+@dataclass(frozen=True)
+class PromptCodec:
+    """What generation needs of the tokenizer: prompts as token ids (`encode_prompts`), the stop and pad tokens,
+    completions as text. The module makes it once the policy is loaded and hands it to where samples come from."""
+
+    tokenizer: Any
+    chat_template: bool
+    stop_token_ids: list[int]
+    pad_token_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Any, policy: torch.nn.Module, chat_template: bool) -> PromptCodec:
+        return cls(tokenizer, chat_template, stop_token_ids(tokenizer, policy), pad_token_id(tokenizer))
+
+    def encode(self, prompts: list[str] | list[list[dict[str, str]]]) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, prompts, self.chat_template)
+
+
 def completions_table(tokenizer: Any, prompt_ids: torch.Tensor, completion_ids: torch.Tensor,
                       rewards: torch.Tensor) -> str:
     """Prompts, completions and rewards as a markdown table (TensorBoard's Text tab)."""
@@ -90,3 +111,30 @@ def completions_table(tokenizer: Any, prompt_ids: torch.Tensor, completion_ids: 
     table = ["| prompt | completion | reward |", "|---|---|---|"]
     table += [f"| {cell(p)} | {cell(c)} | {float(r):.3g} |" for p, c, r in zip(prompts, completions, rewards)]
     return "\n".join(table)
+
+
+def check_penalty_placement(beta: float, collectives: Collectives) -> None:
+    """The KL penalty's reference is a whole copy of the weights in every process: refused where the weights are
+    sharded (it would undo what sharding saves)."""
+    if beta > 0 and collectives.shards_weights:
+        raise ValueError(
+            f"model.loss.beta={beta}: the KL penalty's reference model would be a whole, unsharded copy of the weights "
+            "on every rank under SketchFSDPStrategy; train with SketchDDPStrategy, or set model.loss.beta 0")
+
+
+def check_model_path(model: str) -> None:
+    """`model.model`, refused before anything loads when it names no folder and is no hub id: a hub id is
+    "org/name"; anything else that does not exist locally is a mistyped path."""
+    if not Path(model_path(model)).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        raise FileNotFoundError(f"model.model: no such model directory {model!r} (looked for from {Path.cwd()}, "
+                                f"and for a `lightning_logra/...` path in the installed package {PACKAGE_DIR})")
+
+
+def export_policy(policy: torch.nn.Module, tokenizer: Any, path: str | Path,
+                  state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Save the policy and tokenizer as a transformers checkpoint (sketched layers keep the original layout);
+    `state_dict`: the policy's weights when this process does not hold them whole (gathered from FSDP shards)."""
+    policy.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+    follow_umask(Path(path))
+    write_sums(Path(path))  # checked when a run loads the folder (`load_policy`); `sha256sum -c SHA256SUMS` too

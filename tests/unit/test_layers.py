@@ -1,6 +1,6 @@
-"""The architecture, kept: the layers only point down (base ← sketch ← algo; the math never imports the engines nor
-Lightning), the package's root holds only the face, the training mode is chosen in one place, and every dotted path
-a config, the README, docs/ or bench/ names imports."""
+"""The architecture, kept: no import cycles, the layers only point down (base ← sketch ← algo; the math never imports
+the engines nor Lightning), the package's root holds only the face, the training mode is chosen in one place, and
+every dotted path a config, the README, docs/ or bench/ names imports."""
 
 import ast
 import importlib
@@ -44,6 +44,82 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
         for module in _imported_modules(path):
             if module.startswith("lightning_logra."):
                 assert module.split(".")[1] in allowed, f"{path.relative_to(ROOT)} imports {module}"
+
+
+def _package_modules(root: Path) -> dict[str, Path]:
+    """Every module of the package under `root` by its dotted name (callbacks/ installs as
+    lightning_logra.callbacks)."""
+    found = {}
+    for folder, prefix in ((root / "lightning_logra", ()), (root / "callbacks", ("lightning_logra",))):
+        for path in folder.rglob("*.py"):
+            parts = prefix + path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """The package's import cycles (strongly connected groups of modules), every import counted: inside functions
+    and under `if TYPE_CHECKING:` too. `from a.b import c` points at the module a.b.c when there is one, else at
+    a.b."""
+    modules = _package_modules(root)
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named = (f"{node.module}.{alias.name}" for alias in node.names)
+                edges.update(name if name in modules else node.module for name in named)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[name] = sorted(edge for edge in edges if edge in modules and edge != name)
+    # Tarjan's strongly connected components, iteratively
+    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            edge = next(edges, None)
+            if edge is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        cycles.append(sorted(group))
+            elif edge not in index:
+                index[edge] = low[edge] = len(index)
+                stack.append(edge)
+                on_stack.add(edge)
+                work.append((edge, iter(graph[edge])))
+            elif edge in on_stack:
+                low[node] = min(low[node], index[edge])
+    return cycles
+
+
+def test_the_package_has_no_import_cycles():
+    assert import_cycles(ROOT) == []
+
+
+def test_an_import_cycle_is_found(tmp_path):
+    # A cycle through a TYPE_CHECKING import, as the module and its sample source had.
+    (tmp_path / "lightning_logra" / "train").mkdir(parents=True)
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "lightning_logra" / "train" / "module.py").write_text("from lightning_logra.train.source import S\n")
+    (tmp_path / "lightning_logra" / "train" / "source.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_logra.train.module import M\n")
+    assert import_cycles(tmp_path) == [["lightning_logra.train.module", "lightning_logra.train.source"]]
 
 
 MATH = ["lightning_logra.base.batch", "lightning_logra.base.hashing", "lightning_logra.sketch",

@@ -1,12 +1,14 @@
 """What a strategy gives a training step: only its collectives. The training mode (`lightning_logra.train.modes`)
 decides what is reduced, clipped, proposed and applied, and asks the run's `Collectives` to do it over the ranks.
 
-The project's strategies (one device, DDP, FSDP2, LoRA's one device) are `Collectives` themselves; a run on one of
-Lightning's own strategies (the dense baseline, or dense DDP through Lightning's wrapper) gets `LightningCollectives`
-(`collectives_of`).
+The project's strategies (one device, DDP, FSDP2) are `Collectives` themselves (`StrategyCollectives`); a run on one of
+Lightning's own strategies or on `DenseDDPStrategy` (Lightning's DDP wrapper) gets `LightningCollectives`
+(`collectives_of`). Reductions over the ranks (`sum_over_ranks`, `max_over_ranks`) are theirs too.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -31,6 +33,14 @@ class Collectives:
     def loss_scale(self) -> float:
         """What the loss is multiplied by before each backward pass (1: gradients are summed as they are)."""
         return 1.0
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Elementwise the sum of every rank's `value` (one process: itself)."""
+        return value
+
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise the largest of every rank's `values`; NaN travels as inf, which the maximum keeps."""
+        return values.nan_to_num(nan=math.inf)
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Sum the gradients of `params` over the ranks, once per step before clipping (one process: nothing)."""
@@ -57,6 +67,17 @@ class Collectives:
         return bool(finished.all())
 
 
+class StrategyCollectives(Collectives):
+    """The project's strategies, which are Lightning strategies too: reductions through the strategy's own."""
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return self.reduce(value, reduce_op="sum")
+
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.to(self.root_device).nan_to_num(nan=math.inf)
+        return values if getattr(self, "world_size", 1) == 1 else self.reduce(values, reduce_op="max")
+
+
 class LightningCollectives(Collectives):
     """A run on one of Lightning's own strategies: one device, or DDP's wrapper, which averages the gradients over
     the ranks inside every backward pass (a collective: every rank runs as many). The module normalizes its loss by
@@ -76,6 +97,13 @@ class LightningCollectives(Collectives):
     @property
     def loss_scale(self) -> float:
         return float(self.trainer.world_size) if self.wrapped else 1.0
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return self.trainer.strategy.reduce(value, reduce_op="sum")
+
+    def max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.to(self.trainer.strategy.root_device).nan_to_num(nan=math.inf)
+        return values if self.trainer.world_size == 1 else self.trainer.strategy.reduce(values, reduce_op="max")
 
 
 def collectives_of(trainer) -> Collectives:

@@ -18,10 +18,10 @@ from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.install import sketch_carriers, sketched_layers
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.dense import DenseConfig
-from lightning_logra.train.strategies.base import Collectives
+from lightning_logra.train.strategies.base import StrategyCollectives
 
 
-class SketchDDPStrategy(Collectives, DDPStrategy):
+class SketchDDPStrategy(StrategyCollectives, DDPStrategy):
     strategy_name = "logra_sketch_ddp"
 
     def __init__(self, sketch: SketchConfig = SketchConfig(), process_group_backend: str | None = None,

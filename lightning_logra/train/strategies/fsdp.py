@@ -61,7 +61,7 @@ from lightning_logra.train.digests import (
     write_sums,
 )
 from lightning_logra.train.safe_load import load_file, load_sharded
-from lightning_logra.train.strategies.base import Collectives
+from lightning_logra.train.strategies.base import StrategyCollectives
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def shard_policy(policy: nn.Module, mesh: DeviceMesh) -> None:
             raise RuntimeError(f"{name}: FSDP gave rank {rank} {local} rows, expected rows {layer.rows}")
 
 
-class SketchFSDPStrategy(Collectives, ModelParallelStrategy):
+class SketchFSDPStrategy(StrategyCollectives, ModelParallelStrategy):
     """Sketch training with the weights sharded by FSDP2 over all processes (pure data parallelism: one mesh
     dimension). Per rank: 1/world of the weights, of the sketch optimizer's state and of any dense optimizer's state;
     each rank still accumulates the whole d×r sketch of its own samples before the reduction."""

@@ -10,10 +10,10 @@ from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.dense import DenseConfig
 from lightning_logra.train.lora import LoRAConfig
-from lightning_logra.train.strategies.base import Collectives
+from lightning_logra.train.strategies.base import StrategyCollectives
 
 
-class _OneDevice(Collectives, SingleDeviceStrategy):
+class _OneDevice(StrategyCollectives, SingleDeviceStrategy):
     def __init__(self, device: str | None) -> None:
         super().__init__(checkpoint_io=AtomicCheckpointIO())
         # As in Lightning's parallel strategies: the Trainer's accelerator connector fills an empty `parallel_devices`

@@ -9,17 +9,17 @@ import torch
 
 
 def test_a_run_logs_trl_metrics_that_mean_what_they_say(run_cli, tmp_path, monkeypatch):
-    from lightning_logra.train.rollouts import Rollouts
+    from lightning_logra.train.sample_source import SampleSource
 
     seen = []  # every training step's rollout, as the module scored it
-    draw = Rollouts.draw
+    draw = SampleSource.draw
 
     def recording(self, batch, step):
         rollout, *drawn = draw(self, batch, step)
         seen.append(rollout)
         return rollout, *drawn
 
-    monkeypatch.setattr(Rollouts, "draw", recording)
+    monkeypatch.setattr(SampleSource, "draw", recording)
     cli = run_cli("tiny_arith", "--model.rollouts.log_completions_every", "1", root=tmp_path)
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     last = seen[-1]

@@ -148,7 +148,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_batches_in_flight_drawn_a
     kill = KillEngine(step=2)
     cli.trainer.callbacks.append(kill)
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert cli.trainer.global_step == 5 and cli.model.rollouts.engine.restarts == 1
+    assert cli.trainer.global_step == 5 and cli.model.engine.restarts == 1
     assert time.monotonic() - kill.killed_at < 300  # the restart and three steps, not the call's deadline
     scalars = _scalars(tmp_path)
     # The batches in flight at the restart were drawn again from the trainer's newest weights: fresher than the lag

@@ -132,7 +132,7 @@ def test_in_flight_updates_without_overlapped_rollouts_are_refused_naming_both_k
                         rollouts={"engine": RemoteEngine(urls=["http://a:1"], in_flight=True)})
     with pytest.raises(ValueError,
                        match=r"in_flight.*model\.rollouts\.max_staleness=0.*model\.rollouts\.max_staleness to 1"):
-        module.rollouts.start()
+        module.samples.start(iter([]), first_step=0, last_step=None)
 
 
 @pytest.mark.parametrize("answer, problem", [

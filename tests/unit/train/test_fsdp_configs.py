@@ -80,7 +80,7 @@ def test_the_headers_memory_arithmetic_is_the_models(run_cli, name):
     computed = _per_gpu(model, strategy, world=8)
     # The configs generate with vLLM: each rank's engine whole (7B), or one engine per node in the trainer's ranks,
     # tensor-parallel (32B), asleep during the update.
-    engine, hp = cli.model.rollouts.engine, cli.model.hparams
+    engine, hp = cli.model.engine, cli.model.hparams
     assert type(engine).__name__ == "VLLMEngine" and engine.sleep_between_rollouts
     assert engine.placement == ("trainer_ranks" if name == "qwen32b_fsdp.yaml" else "processes")
     sequences = cli.datamodule.batch_size // 8 * hp.sampling.num_generations  # per GPU: its share of the prompts

@@ -92,7 +92,7 @@ def test_staleness_is_measured_over_the_sampled_tokens():
     module = module_for(rollouts={"max_staleness": 1})
     with_env, without = rollouts(2)
     staleness = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    a, b = (module.rollouts.staleness_metrics(staleness, r) for r in (with_env, without))
+    a, b = (module.samples.staleness_metrics(staleness, r) for r in (with_env, without))
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], msg=key)

@@ -1,12 +1,14 @@
 """Where a run's samples come from, and how the engine that draws them stays equal to the trainer.
 
-`Rollouts` holds the rollout engine (the policy itself, or vLLM with weights of its own), the weight sync that keeps
-such an engine in step (`lightning_logra.rollout.WeightSync`, the RolloutWeightSync callback), and, with
+`SampleSource` holds the rollout engine (the policy itself, or vLLM with weights of its own), the weight sync that
+keeps such an engine in step (`lightning_logra.rollout.WeightSync`, the RolloutWeightSync callback), and, with
 `model.rollouts.max_staleness` > 0, the overlapped rollouts that generate the next steps while the trainer computes this
-one (`rollout.pipeline.RolloutPipeline`). The module asks it for a step's samples (`draw`, `draw_round`, `generate`),
-hands it every applied update (`sync`), and saves and restores its part of a checkpoint (`state`, `restore`);
-`close` ends a run's use of it. Its life follows the module's hooks: `start_engine` in configure_model, `find_sync`
-at the start of fit, `attach` before generation, `start` when training begins.
+one (`rollout.pipeline.RolloutPipeline`). It is given values, not the module: the engine and its settings, the prompt
+codec, the collectives and where this process stands among the ranks (`bind`). The module asks it for a step's samples
+(`draw`, `draw_now`, `generate`), hands it every applied update (`sync`), and saves and restores its part of a
+checkpoint (`state`, `restore`); `close` ends a run's use of it. Its life follows the module's hooks: `bind` and
+`start_engine` in configure_model, `use_sync` at the start of fit, `attach` before generation, `start` when training
+begins.
 """
 
 from __future__ import annotations
@@ -14,107 +16,127 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.hashing import prompt_seeds
 from lightning_logra.base.stop import StopRequested
 from lightning_logra.episodes import EpisodeRunner
-from lightning_logra.episodes.settings import episode_runner
+from lightning_logra.episodes.settings import EpisodeSettings, episode_runner
 from lightning_logra.paths import model_path
-from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync, find_sync
+from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
-from lightning_logra.train.dynamic_sampling import Drawn
-from lightning_logra.train.policy import pad_token_id
-
-if TYPE_CHECKING:
-    from lightning_logra.train.module import RLVRModule
+from lightning_logra.train.policy import PromptCodec
+from lightning_logra.train.settings import RolloutSettings, SamplingSettings
+from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
 
 
-class Rollouts:
+@dataclass(frozen=True)
+class Placement:
+    """Where this process stands: its rank among `world_size`, the device its tensors go to, and the folder a
+    launched engine keeps its logs in (None: none)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    log_dir: str | None = None
+
+
+class SampleSource:
     """A run's rollout engine, its weight sync and its overlapped rollouts (see the module's doc).
 
     Args:
-        module: the RLVRModule it draws for (its settings, tokenizer, policy, Trainer and collectives).
         engine: `model.rollouts.engine` (None: the in-process engine, the policy itself, made by `start_engine`).
+        settings: `model.rollouts`.
+        sampling: `model.sampling` (the group size, the seed, the sampling parameters).
+        episodes: `model.episodes` (None: one completion per prompt).
     """
 
-    def __init__(self, module: RLVRModule, engine: RolloutEngine | None) -> None:
-        self.module = module
+    def __init__(self, engine: RolloutEngine | None, settings: RolloutSettings, sampling: SamplingSettings,
+                 episodes: EpisodeSettings | None) -> None:
         self.engine = engine
+        self.settings, self.episode_settings = settings, episodes
+        self.n = sampling.num_generations
+        self.seed, self.max_new_tokens = sampling.seed, sampling.max_new_tokens
+        self.sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens)
+        self.codec: PromptCodec | None = None
+        self.collectives = Collectives()
+        self.placement = Placement()
         self.weight_sync: WeightSync | None = None  # None: the engine is the policy itself, nothing to sync
         # Generation overlapped with the update, during a fit; and what a checkpoint had in flight, until it starts.
         self.pipeline: RolloutPipeline | None = None
         self._in_flight: list[dict[str, Any]] = []
-        # Multi-turn episodes (model.episodes.tools / model.episodes.environment_factory), drawn over the engine; None:
-        # one turn
+        # Multi-turn episodes (model.episodes), drawn over the engine; None: one turn
         self.episodes: EpisodeRunner | None = None
 
     # ---- the engine's life ------------------------------------------------------------------------------------------
 
-    def start_engine(self) -> None:
-        """The in-process engine when none is configured; an engine with weights of its own is started from the
-        model's files (one per rank, beside that rank's trainer)."""
-        module = self.module
+    def bind(self, codec: PromptCodec, collectives: Collectives, placement: Placement) -> None:
+        """What the run knows once it is set up: the prompt codec, the collectives and this process's place."""
+        self.codec, self.collectives, self.placement = codec, collectives, placement
+
+    def start_engine(self, policy: nn.Module, model: str) -> None:
+        """The in-process engine (over `policy`) when none is configured; an engine with weights of its own is started
+        from the files of `model` (one per rank, beside that rank's trainer)."""
+        codec, place = self.codec, self.placement
         if self.episodes is None:
-            hp = module.hparams
-            self.episodes = episode_runner(hp.episodes, hp.sampling.max_new_tokens, module.tokenizer,
-                                           module.stop_token_ids(), pad_token_id(module.tokenizer))
-        if self.episodes is not None and self.engine is None and module.collectives.shards_weights:
+            self.episodes = episode_runner(self.episode_settings, self.max_new_tokens, codec.tokenizer,
+                                           codec.stop_token_ids, codec.pad_token_id)
+        if self.episodes is not None and self.engine is None and self.collectives.shards_weights:
             raise ValueError(
                 "model.episodes under SketchFSDPStrategy with the in-process engine: each generation step of a sharded "
-                "policy is a collective, and the ranks' episodes take different numbers "
-                "of turns; set model.rollouts.engine (a VLLMEngine per rank, or engine servers) to draw episodes")
+                "policy is a collective, and the ranks' episodes take different numbers of turns; set "
+                "model.rollouts.engine (a VLLMEngine per rank, or engine servers) to draw episodes")
         if self.engine is None:
-            self.engine = HFEngine(module.policy, module.stop_token_ids(), pad_token_id(module.tokenizer),
-                                   all_finished=module.collectives.all_finished)
-        if self.engine.samples_from(module.policy):
+            self.engine = HFEngine(policy, codec.stop_token_ids, codec.pad_token_id,
+                                   all_finished=self.collectives.all_finished)
+        if self.engine.samples_from(policy):
             return
-        if module._trainer is not None and module.trainer.world_size > 1:
+        if place.world_size > 1:
             # Every rank applies the same update (under FSDP to its shards; the engine gets whole factors), so each
             # rank's weight sync keeps its own engine in step (docs/vllm.md).
-            self.engine.place(module.global_rank, module.trainer.world_size, module.trainer.strategy.root_device)
-        if module._trainer is not None and module.trainer.log_dir is not None:
-            self.engine.keep_logs_in(module.trainer.log_dir)
-        self.engine.start(model_path(module.hparams.model), pad_token_id(module.tokenizer), module.stop_token_ids())
+            self.engine.place(place.rank, place.world_size, place.device)
+        if place.log_dir is not None:
+            self.engine.keep_logs_in(place.log_dir)
+        self.engine.start(model_path(model), codec.pad_token_id, codec.stop_token_ids)
 
-    def find_sync(self) -> None:
-        """The run's weight sync; refused where it would sync nothing, required where the engine has weights of its
-        own (it would sample from the model's initial files forever, silently)."""
-        self.weight_sync = find_sync(self.module.trainer.callbacks)
-        own_weights = not self.engine.samples_from(self.module.policy)
-        if self.weight_sync is not None and not own_weights:
+    def use_sync(self, weight_sync: WeightSync | None, policy: nn.Module) -> None:
+        """The run's weight sync (the callbacks'); refused where it would sync nothing, required where the engine has
+        weights of its own (it would sample from the model's initial files forever, silently)."""
+        self.weight_sync = weight_sync
+        own_weights = not self.engine.samples_from(policy)
+        if weight_sync is not None and not own_weights:
             raise ValueError(
                 "RolloutWeightSync: the in-process engine generates with the policy's own weights, so there is nothing "
                 "to sync; set model.rollouts.engine (e.g. class_path: lightning_logra.rollout.VLLMEngine) or remove "
                 "the callback")
-        if self.weight_sync is None and own_weights:
+        if weight_sync is None and own_weights:
             raise ValueError(
                 f"model.rollouts.engine: {type(self.engine).__name__} holds weights of its own, and nothing keeps them "
                 "equal to the trainer's: add lightning_logra.callbacks.RolloutWeightSync to trainer.callbacks (the "
                 "command line adds one unless its config lists one), or set model.rollouts.engine: null to generate "
                 "with the policy")
 
-    def attach(self) -> None:
-        """Hand the engine to the weight sync, which loads what differs: before the first generation of a stage,
-        once the weights are the ones it runs with (a resumed checkpoint's)."""
+    def attach(self, engine_tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Hand the engine to the weight sync, which loads what differs (`engine_tensors`: what a full load sends):
+        before the first generation of a stage, once the weights are the ones it runs with (a resumed checkpoint's)."""
         if self.weight_sync is not None:
-            module = self.module
-            self.weight_sync.attach(self.engine, lambda: module.mode.engine_tensors(module.policy),
-                                    module.max_over_ranks)
+            self.weight_sync.attach(self.engine, engine_tensors, self.collectives.max_over_ranks)
 
-    def start(self) -> None:
+    def start(self, loader: Iterator[dict[str, list[Any]]], first_step: int, last_step: int | None) -> None:
         """With model.rollouts.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now
-        on; with the in-process engine, which is the policy itself, the steps stay serial."""
-        module = self.module
-        k = module.hparams.rollouts.max_staleness
+        on, the prompts of `loader` (the training loader, its batch for `first_step` next); with the in-process
+        engine, which is the policy itself, the steps stay serial."""
+        k = self.settings.max_staleness
         if k == 0:
             if self.engine.updates_in_flight():
                 raise ValueError("model.rollouts.engine: in_flight updates reach the engine while it generates the "
@@ -135,13 +157,9 @@ class Rollouts:
             return reload()
 
         reload = self.engine.reload_after_restart(reload_here)  # the sync's full load (or its refusal, sharded)
-        trainer = module.trainer
         self.pipeline = RolloutPipeline(
-            k, lambda batch, step: self.engine_call(batch, module.hparams.sampling.num_generations, module.sampling,
-                                                    step),
-            self.weight_sync.send, reload, iter(trainer.train_dataloader),
-            start=module.global_step, last_step=trainer.max_steps - 1 if trainer.max_steps > 0 else None,
-            in_flight=self.engine.updates_in_flight())
+            k, lambda batch, step: self.engine_call(batch, self.n, self.sampling, step), self.weight_sync.send, reload,
+            loader, start=first_step, last_step=last_step, in_flight=self.engine.updates_in_flight())
         self.pipeline.restore(self._in_flight)
         self._in_flight = []
 
@@ -150,13 +168,13 @@ class Rollouts:
         if self.pipeline is not None:
             self.pipeline.drain()
 
-    def close(self) -> None:
+    def close(self, policy: nn.Module | None) -> None:
         """What is queued is dropped (a call under way is waited for); an engine with its own processes is stopped
         between runs (the next run's configure_model starts it again)."""
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
-        if self.engine is not None and not self.engine.samples_from(self.module.policy):
+        if self.engine is not None and not self.engine.samples_from(policy):
             self.engine.close()
         if self.episodes is not None:
             self.episodes.close()  # the environment processes; started again by the next use
@@ -167,29 +185,23 @@ class Rollouts:
         """The step's samples, `num_generations` completions of each prompt of `batch`: generated now (the serial
         loop), or taken from what the engine generated ahead. Returns them with the step whose weights drew them and
         the seconds the trainer waited for them."""
-        module = self.module
         start = time.perf_counter()
         if self.pipeline is None:
-            rollout = self.generate(batch, module.hparams.sampling.num_generations, module.sampling, step)
+            rollout = self.generate(batch, self.n, self.sampling, step)
             return rollout, step, time.perf_counter() - start
         rollout, version, wait_s = self.pipeline.take(batch, step)
-        return rollout.to(module.device), version, wait_s
+        return rollout.to(self.placement.device), version, wait_s
 
-    def draw_round(self, step: int, round: int) -> Drawn:
-        """Round `round` ≥ 1 of the step's dynamic sampling: the data module's extra prompts (`extra_batch`),
-        generated now with the trainer's weights (with overlapped rollouts, on the engine's worker after what it was
-        given: every update so far has reached it), and scored."""
-        module = self.module
-        n = module.hparams.sampling.num_generations
-        batch = module.trainer.datamodule.extra_batch(step, round)
-        call = self.engine_call(batch, n, module.sampling, step, round)
-        rollout = (call() if self.pipeline is None else self.pipeline.call_now(call, step)).to(module.device)
-        rewards, per_reward = module.score(batch, rollout, n)
-        return Drawn(batch, rollout, rewards, per_reward, torch.zeros_like(rewards))
+    def draw_now(self, batch: dict[str, list[Any]], step: int, round: int) -> Rollout:
+        """Round `round` ≥ 1 of the step's dynamic sampling, `batch` the data's extra prompts: generated now with the
+        trainer's weights (with overlapped rollouts, on the engine's worker after what it was given: every update so
+        far has reached it)."""
+        call = self.engine_call(batch, self.n, self.sampling, step, round)
+        return (call() if self.pipeline is None else self.pipeline.call_now(call, step)).to(self.placement.device)
 
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
-        """n completions of each prompt of `batch`, on the module's device (`engine_call`)."""
-        return self.engine_call(batch, n, sampling, step)().to(self.module.device)
+        """n completions of each prompt of `batch`, on this process's device (`engine_call`)."""
+        return self.engine_call(batch, n, sampling, step)().to(self.placement.device)
 
     def engine_call(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int, round: int = 0
                     ) -> Callable[[], Rollout]:
@@ -197,15 +209,13 @@ class Rollouts:
         call made by whoever calls it: the overlapped rollouts' worker). Each prompt's sampling depends only on
         (seed, step, its index in the global batch, counting dynamic sampling's earlier rounds): a resumed run, or
         one sharded over several processes, draws what the uninterrupted single-process run would have."""
-        module = self.module
-        count, rank = len(batch["prompt"]), module.global_rank
-        # (a module without a Trainer, evaluating by hand, draws round 0 only)
-        first = (round * module.trainer.world_size + rank) * count if round else rank * count
-        seeds = prompt_seeds(module.hparams.sampling.seed, step, first, count)
+        count, place = len(batch["prompt"]), self.placement
+        first = (round * place.world_size + place.rank) * count
+        seeds = prompt_seeds(self.seed, step, first, count)
         if self.episodes is not None:  # each episode's first prompt is rendered with the tools it may call
             return partial(self.episodes.run, self.engine, batch, n, sampling, seeds)
         # Token ids come with the batch when the data module tokenized the prompts.
-        prompt_ids = batch.get("prompt_ids") or module.encode_prompts(batch["prompt"])
+        prompt_ids = batch.get("prompt_ids") or self.codec.encode(batch["prompt"])
         return partial(self.engine.generate, prompt_ids, n, sampling, seeds)
 
     # ---- keeping the engine in step ---------------------------------------------------------------------------------
@@ -236,19 +246,19 @@ class Rollouts:
         over every rank's samples (a rank whose engine was restarted draws fresher ones). With in-flight updates,
         those drawn after an update landed are fresher, and `rollout/in_flight_tokens` is the share of tokens drawn
         after one."""
-        module = self.module
-        if module.hparams.rollouts.max_staleness == 0:
+        if self.settings.max_staleness == 0:
             return {}
+        device = self.placement.device
         tokens = rollout.loss_mask.bool()  # (N, C) the sampled tokens
-        rows = staleness.to(module.device)[:, None].expand_as(tokens)[tokens]
+        rows = staleness.to(device)[:, None].expand_as(tokens)[tokens]
         if rollout.in_flight_updates is None:
             ages, newer = rows, torch.zeros_like(rows)
         else:
             landed = rollout.in_flight_updates[tokens].float()
             ages, newer = (rows - landed).clamp(min=0), (landed > 0).float()
-        mine = torch.stack([ages.sum(), newer.sum(), torch.tensor(float(ages.numel()), device=module.device)])
-        total, fresher, count = module.sum_over_ranks(mine).unbind()
-        worst = module.max_over_ranks(ages.amax().view(1) if ages.numel() else ages.new_zeros(1))[0]
+        mine = torch.stack([ages.sum(), newer.sum(), torch.tensor(float(ages.numel()), device=device)])
+        total, fresher, count = self.collectives.sum_over_ranks(mine).unbind()
+        worst = self.collectives.max_over_ranks(ages.amax().view(1) if ages.numel() else ages.new_zeros(1))[0]
         metrics = {"rollout/staleness/mean": total / count, "rollout/staleness/max": worst}
         if rollout.in_flight_updates is not None:
             metrics["rollout/in_flight_tokens"] = fresher / count
@@ -270,7 +280,7 @@ class Rollouts:
             # The batches in flight, finished (tokens, the sampler's log-probs, the step that drew them): every
             # rank's, which differ (each rank generates its slice of the batch); a resumed run trains on them.
             mine = self.pipeline.state()
-            world = self.module.trainer.world_size
+            world = self.placement.world_size
             if world > 1:
                 everyone: list = [None] * world
                 torch.distributed.all_gather_object(everyone, mine)
@@ -283,9 +293,9 @@ class Rollouts:
         """A checkpoint's part (`state`): the engine's state, and when fitting, this rank's batches in flight (a
         resumed run trains on them first; generated again when the checkpoint had another number of ranks)."""
         if fitting:
-            in_flight, world = saved.get("in_flight", []), self.module.trainer.world_size
+            in_flight, world = saved.get("in_flight", []), self.placement.world_size
             if len(in_flight) == world:
-                self._in_flight = in_flight[self.module.global_rank]
+                self._in_flight = in_flight[self.placement.rank]
             elif in_flight:
                 log.warning("the checkpoint's batches in flight were generated by %d processes, this run has %d: "
                             "they are generated again", len(in_flight), world)

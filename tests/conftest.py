@@ -422,8 +422,9 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.bench)
 
 
-# What starts a training run or an engine in another process: the command line, a launcher, the benchmarks.
-_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "bench/")
+# What starts a training run or an engine in another process: the command line, a launcher, the benchmarks (`python -m
+# bench.<name>`).
+_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "bench/", "-m bench.")
 
 
 def _refuse(what: str):

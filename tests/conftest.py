@@ -423,8 +423,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # What starts a training run or an engine in another process: the command line, a launcher, the benchmarks (`python -m
-# bench.<name>`).
-_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "bench/", "-m bench.")
+# bench.<name>`; a path with "bench/" in it is no benchmark, e.g. a checkout in a folder named so).
+_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "-m bench.")
 
 
 def _refuse(what: str):

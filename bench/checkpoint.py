@@ -1,7 +1,7 @@
 """What the sha256 digests add to saving and loading a checkpoint, at a real shape.
 
-    python bench/checkpoint.py                      # the Qwen2.5-1.5B shape, bf16 weights, sketch Adam at rank 256
-    python bench/checkpoint.py --shape 0.5b --rank 64
+    python -m bench.checkpoint                      # the Qwen2.5-1.5B shape, bf16 weights, sketch Adam at rank 256
+    python -m bench.checkpoint --shape 0.5b --rank 64
 
 One checkpoint as a LoGRA run of `configs/qwen1_5b.yaml` writes it (the policy's bf16 state dict and the sketch Adam
 state: two fp32 d×r tensors per target matrix), saved and loaded through `AtomicCheckpointIO` (digests recorded,
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.shapes import SHAPES, qwen2_model
 from lightning_logra.sketch.config import DEFAULT_TARGETS
 from lightning_logra.train.checkpoint import AtomicCheckpointIO
 from lightning_logra.train.digests import HASH_THREADS, content_digests, tensor_leaves
-from memory import SHAPES, qwen2_model  # bench/memory.py, beside this script: the Qwen2.5 shapes
-from plotting import pyplot, save_figure  # bench/plotting.py
 
 
 def checkpoint_of(shape: str, rank: int) -> dict:

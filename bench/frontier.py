@@ -1,19 +1,19 @@
 """The reward–KL frontier on add3: what each method reaches for the distance it moves the policy from its start.
 
-    python bench/frontier.py            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
+    python -m bench.frontier            # every row, 400 steps, 3 paired seeds (5 for dense and the best controlled
                                         # LoGRA row), 46 runs: about 1 h 46 min alone on 2 cores; and the 7 peers
                                         # at one learning rate, 21 runs more (--peers "" leaves them out)
-    python bench/frontier.py --quick    # every kind of row at 4 steps, 1 seed, 64 held-out items, the reward
+    python -m bench.frontier --quick    # every kind of row at 4 steps, 1 seed, 64 held-out items, the reward
                                         # scored in the trainer's process: checks the script (CI); of the rows
                                         # that differ only by a number, dense at 1e-4, LoGRA uncontrolled at 1e-3,
                                         # δ 0.1× and 1×, and one peer (GaLore): 12 runs, not 22
 
-`bench/quality.py` compares methods at equal steps, each at its best learning rate. RL methods are compared on the
+`bench.quality` compares methods at equal steps, each at its best learning rate. RL methods are compared on the
 frontier instead: greedy pass@1 and sampled reward against KL(π_t ‖ π_0), measured every `--every` steps by
 `lightning_logra.callbacks.KLFromStart` (the mean per-token exact KL from a frozen copy of the starting policy on
 completions the current policy samples for 256 held-out prompts × 4; measured, not the sum of per-step KLs, since
 steps that point the same way compound). A method whose curve lies above another's reaches more for the same
-distance. Every run is `python cli.py fit` of a config built from configs/add3.yaml by bench/quality.py's
+distance. Every run is `python cli.py fit` of a config built from configs/add3.yaml by bench/lib/add3.py's
 `run_config`, with its `--reward-in-trainer` (paired seeds: seed s gives every row the same prompts, sampling noise,
 projections and adapters).
 
@@ -30,7 +30,7 @@ Rows (learning rates: bench/quality.py's best per method on the same task):
   hand-tuned one;
 - the paper's pair, done fairly: LoRA at a constant 2e-4 against LoGRA under a total budget equal to LoRA's measured
   Σ `kl/realized` (mean over seeds), both placed on the frontier by their measured KL(π_t ‖ π_0);
-- the optimizers a user would pick instead (`--peers`, bench/peers.py: GaLore, Fira, APOLLO, APOLLO-Mini, Flora,
+- the optimizers a user would pick instead (`--peers`, bench/lib/peers.py: GaLore, Fira, APOLLO, APOLLO-Mini, Flora,
   Adafactor, 8-bit AdamW at their papers' settings, rank --rank where they have one), each through
   `trainer.strategy.init_args.dense.optimizer` on the target matrices at `--peer-lrs` (default dense's 1e-4),
   uncontrolled as dense is; a peer whose package does not import here is left out, saying so.
@@ -44,7 +44,7 @@ point and marked. With peer rows, also the paired difference from the peers' fro
 any of the other peer rows reached there, found the same way): "within 0.02 of the best of them" is a statement about
 it. JSON and plot under bench/out/.
 
-    python bench/frontier.py --rows 'logra_total,peer_*' --total-budget 2.2 --more-seeds 3
+    python -m bench.frontier --rows 'logra_total,peer_*' --total-budget 2.2 --more-seeds 3
                                         # a subset: the peers against dense's rows (which always run) and LoGRA's
                                         # total budget at the Σ docs/results/frontier.md's constant-δ rows set, 33 runs
 """
@@ -57,14 +57,11 @@ import json
 import math
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
-import peers  # bench/peers.py: the optimizers users would pick instead  # noqa: E402
-import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, add_reward_option  # noqa: E402
+from bench.lib import add3, grid, peers
+from bench.lib.configs import optimizer_dict, set_model
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.runs import ROOT, add_reward_option
 
 DENSE_LR, LORA_LR, LOGRA_LR = 1e-4, 1e-3, 1e-3  # bench/quality.py's best on add3 (docs/results/task-performance.md)
 FAST_DENSE_LR = 3e-4  # dense at the next rate of quality.py's grid: its curve carries dense's frontier further out
@@ -119,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     grid.positive(args, "steps", "every", "seeds", "more_seeds", "rank", "prompts", "samples", "parallel")
     if args.steps % args.every:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
-    args.evals = args.steps // args.every  # what quality.run_config reads
+    args.evals = args.steps // args.every  # what add3.run_config reads
     return args
 
 
@@ -141,22 +138,21 @@ def budget_callback(run: dict) -> dict:
 
 
 def run_config(run: dict, args: argparse.Namespace) -> dict:
-    config = quality.run_config(run, args)
+    config = add3.run_config(run, args)
     config["trainer"]["callbacks"] = [
         {"class_path": "lightning_logra.callbacks.KLFromStart",
          "init_args": {"prompts": args.prompts, "samples": args.samples}},
         budget_callback(run)]
     if run.get("beta"):
-        config["model"]["beta"] = run["beta"]
-    if run.get("peer"):
-        peer = peers.spec(run["peer"], run["rank"])
-        config["model"]["optimizer"] = {"class_path": peer.class_path, "init_args": {**peer.init_args,
-                                                                                      "lr": run["lr"]}}
+        set_model(config, "loss.beta", run["beta"])
+    if run.get("peer"):  # a dense_targets run: the peer optimizes what dense AdamW would
+        dense = config["trainer"]["strategy"]["init_args"]["dense"]
+        dense["optimizer"] = optimizer_dict(peers.spec(run["peer"], run["rank"]), run["lr"])
     return config
 
 
 def spec(row: str, method: str, seeds: int, **settings) -> list[dict]:
-    """A row's runs, one per seed; `settings` are what quality.run_config and run_config read."""
+    """A row's runs, one per seed; `settings` are what add3.run_config and run_config read."""
     base = dict(row=row, method=method, rank=settings.pop("rank", 16), distribution="rademacher", refresh_every=None)
     return [dict(base, **settings, seed=seed, name=f"{row}_seed{seed}") for seed in range(seeds)]
 
@@ -166,7 +162,7 @@ def first_rows(args: argparse.Namespace) -> list[dict]:
     --quick leaves out the rows that differ from one it keeps only by a number: dense at FAST_DENSE_LR, the LoGRA
     grid but LOGRA_LR, and the δ fractions but QUICK_FRACTIONS (every kind of row still runs)."""
     more, seeds = args.more_seeds, args.seeds
-    runs = spec("pair_lora", "lora", seeds, lr=quality.PAPER_LORA_LR, rank=args.rank)
+    runs = spec("pair_lora", "lora", seeds, lr=add3.PAPER_LORA_LR, rank=args.rank)
     runs += spec("dense", "dense_targets", more, lr=DENSE_LR)
     if not args.quick:
         runs += spec(f"dense_lr{FAST_DENSE_LR:g}", "dense_targets", seeds, lr=FAST_DENSE_LR)
@@ -302,18 +298,18 @@ def sketch_cosines(ranks: list[int], seeds: int = 3) -> dict[int, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import rank_sweep  # bench/rank_sweep.py: cos(G, S·A), a sketch's reconstruction against the dense gradient
+    from bench.lib.cosines import dense_gradients, reconstruction_cosines
+    from bench.lib.policy_step import fixed_batch
     from lightning_logra.paths import model_path
-    from memory import fixed_batch
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path("lightning_logra/data/add3"), dtype=torch.float32)
     batch = fixed_batch(argparse.Namespace(seed=0, batch=8, group=4, prompt_len=8, completion_len=5),
                         model.config.vocab_size)
-    gradients = rank_sweep.dense_gradients(model, batch)
+    gradients = dense_gradients(model, batch)
     cosines = {}
     for rank in ranks:
-        per_seed = [rank_sweep.reconstruction_cosines(model, batch, gradients, rank, "rademacher", seed)
+        per_seed = [reconstruction_cosines(model, batch, gradients, rank, "rademacher", seed)
                     for seed in range(seeds)]
         cosines[rank] = statistics.fmean(statistics.fmean(c.values()) for c in per_seed)
     return cosines
@@ -378,13 +374,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     first = first_rows(args)
-    quality.train([quality.start_run(args), *first], args, run_config, START)
+    add3.train([add3.start_run(args), *first], args, run_config, START)
     start = grid.read(args.runs_dir, "start")["val/pass@1"][-1]
     measured: dict[str, list[dict]] = {}
     for run in first:
         measured.setdefault(run["row"], []).append(measure(run, args, start))
     second = second_rows(args, measured)
-    quality.train(second, args, run_config, START)
+    add3.train(second, args, run_config, START)
     for run in second:
         measured.setdefault(run["row"], []).append(measure(run, args, start))
     summary = summarize(measured)

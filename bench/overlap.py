@@ -1,9 +1,9 @@
 """Overlapped rollouts on add3: generation beside the update (`model.rollouts.max_staleness` 1 and 2) against the serial
 loop.
 
-    python bench/overlap.py --seeds 3 --more-seeds 5   # 400 steps; serial and overlap1 at 5 paired seeds, the
+    python -m bench.overlap --seeds 3 --more-seeds 5   # 400 steps; serial and overlap1 at 5 paired seeds, the
                                                        # others at 3: 16 runs, one at a time
-    python bench/overlap.py --quick    # every row at 6 steps, 1 seed, 64 held-out items, the reward scored in the
+    python -m bench.overlap --quick    # every row at 6 steps, 1 seed, 64 held-out items, the reward scored in the
                                        # trainer's process: checks the script (CI)
 
 The vLLM engine (CPU backend) runs in its own processes, every thread of theirs bound to core 1 (its compute threads
@@ -35,19 +35,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import yaml
-from lightning.pytorch import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, add_reward_option  # noqa: E402
+from bench.lib import grid
+from bench.lib.configs import set_model
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.runs import ROOT, add_reward_option
 
 BASE_CONFIG = ROOT / "configs" / "add3.yaml"
 # max_staleness (None: the in-process engine); the rows named server_* generate on a launched engine server
@@ -55,59 +51,12 @@ ROWS = {"serial": 0, "overlap1": 1, "overlap2": 2, "inprocess": None, "server_ov
 DEFAULT_ROWS = ["serial", "overlap1", "overlap2", "inprocess"]
 TRAINER_CORE, ENGINE_CORE = 0, 1
 WARMUP = 10  # steps left out of the median step time (the engine's and the reward process's first calls)
+# ProcessTimes and PinEngine, which the runs' CLI loads (`python cli.py` puts the repository on its sys.path)
+CALLBACKS = "bench.lib.engine_callbacks"
 ENGINE = {"class_path": "lightning_logra.rollout.VLLMEngine",
           "init_args": {"dtype": "float32", "gpu_memory_utilization": 0.1, "separate_process": True}}
 SERVER = {"class_path": "lightning_logra.rollout.RemoteEngine",
           "init_args": {"launch": 1, "serve_args": ["--dtype", "float32", "--gpu-memory-utilization", "0.1"]}}
-
-
-def engine_processes(engine) -> list:
-    """The processes an engine computes in: a colocated vLLM engine's, or the process trees of the servers a
-    RemoteEngine launched."""
-    import psutil
-
-    if hasattr(engine, "_engine_processes"):
-        return engine._engine_processes()
-    roots = [psutil.Process(s.process.pid) for s in getattr(engine, "servers", []) if s.process is not None]
-    return [p for root in roots for p in [root, *root.children(recursive=True)]]
-
-
-class ProcessTimes(Callback):
-    """Writes, at the end of training, the wall time and the CPU seconds (user + system) the trainer's process and
-    the engine's processes spent between the first step's start and the last step's end, to `path` (JSON)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def _times(self, pl_module) -> dict[str, float]:
-        import psutil
-
-        processes = engine_processes(pl_module.engine)
-        own = psutil.Process().cpu_times()
-        return {"wall": time.perf_counter(), "trainer": own.user + own.system,
-                "engine": sum(sum(p.cpu_times()[:2]) for p in processes)}
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self.start = self._times(pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == trainer.max_steps:  # before the last validation
-            end = self._times(pl_module)
-            Path(self.path).write_text(json.dumps({key: end[key] - self.start[key] for key in end}))
-
-
-class PinEngine(Callback):
-    """Binds every thread of the engine's processes to `core` once it has started. Its worker's compute threads are
-    bound there already (VLLM_CPU_OMP_THREADS_BIND); its engine core, the scheduler process that polls the worker,
-    inherits the trainer's core from `taskset`, where it would take the trainer's time."""
-
-    def __init__(self, core: int) -> None:
-        self.core = core
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        for process in engine_processes(pl_module.engine):
-            for thread in process.threads():
-                os.sched_setaffinity(thread.id, {self.core})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,23 +82,24 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     """add3.yaml for `args.steps` steps at the run's seed, with the vLLM engine and its weight sync (but for
     `inprocess`), and ProcessTimes."""
     config = yaml.safe_load(BASE_CONFIG.read_text())
-    trainer, model = config["trainer"], config["model"]
+    trainer = config["trainer"]
     budget = [c for c in trainer["callbacks"] if c["class_path"].endswith("PredictedKLBudget")]
     for callback in budget:  # the config's total over its own steps: the same per step over these
         callback["init_args"]["total_budget"] *= args.steps / trainer["max_steps"]
-    trainer["callbacks"] = budget + [{"class_path": "overlap.ProcessTimes",
+    trainer["callbacks"] = budget + [{"class_path": f"{CALLBACKS}.ProcessTimes",
                                       "init_args": {"path": str(times_path(run, args))}}]
     grid.as_run(config, run, args)
     if args.reward_in_trainer:
-        model["reward_timeout_s"] = None
+        set_model(config, "scoring.timeout_s", None)
     trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
     if run["max_staleness"] is not None:
         engine = ENGINE
         if run["row"].startswith("server"):
             engine = {**SERVER, "init_args": {**SERVER["init_args"], "in_flight": "in_flight" in run["row"]}}
-        model.update(engine=engine, max_staleness=run["max_staleness"])
+        set_model(config, "rollouts.engine", engine)
+        set_model(config, "rollouts.max_staleness", run["max_staleness"])
         trainer["callbacks"] += [{"class_path": "lightning_logra.callbacks.RolloutWeightSync"},
-                                 {"class_path": "overlap.PinEngine", "init_args": {"core": ENGINE_CORE}}]
+                                 {"class_path": f"{CALLBACKS}.PinEngine", "init_args": {"core": ENGINE_CORE}}]
     return config
 
 
@@ -250,7 +200,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     (args.runs_dir / "times").mkdir(exist_ok=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
     seeds = {row: args.more_seeds if row in ("serial", "overlap1") and args.more_seeds else args.seeds
              for row in args.rows}
     runs = [{"row": row, "max_staleness": ROWS[row], "seed": seed, "name": f"{row}_seed{seed}"}

@@ -1,9 +1,9 @@
 """bf16 weights at an RL learning rate: fp32, bf16 rounded to nearest, bf16 rounded stochastically, side by side.
 
-    python bench/precision.py               # 1,200 steps × 3 variants × 2 seeds of configs/tiny_arith_bf16.yaml
-    python bench/precision.py --quick       # 6 steps each, one seed, one thread a run, the reward scored in the
+    python -m bench.precision               # 1,200 steps × 3 variants × 2 seeds of configs/tiny_arith_bf16.yaml
+    python -m bench.precision --quick       # 6 steps each, one seed, one thread a run, the reward scored in the
                                             # trainer's process: checks that it runs (CI)
-    python bench/precision.py --merge-only  # the merge's cost per step at the Qwen2.5-1.5B shape, nothing else
+    python -m bench.precision --merge-only  # the merge's cost per step at the Qwen2.5-1.5B shape, nothing else
 
 Every run is `configs/tiny_arith_bf16.yaml` through the CLI (sketch Adam at lr 1e-5, predicted-KL control), with
 paired seeds: for each seed the three variants see the same prompts and, while their weights agree, the same
@@ -31,12 +31,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_logra.sketch import apply_low_rank_update_, make_projection  # noqa: E402
-from lightning_logra.sketch.rounding import rounding_key  # noqa: E402
-from memory import SHAPES  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, add_reward_option, cli_command, latest_run, run_all, scalars  # noqa: E402
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.runs import ROOT, add_reward_option, cli_command, latest_run, run_all, scalars
+from bench.lib.shapes import SHAPES
+from lightning_logra.sketch import apply_low_rank_update_, make_projection
+from lightning_logra.sketch.rounding import rounding_key
 
 VARIANTS = {
     "fp32": ["--trainer.precision", "32-true", "--model.dtype", "float32"],

@@ -1,7 +1,7 @@
 """Does LoGRA give up task performance? Methods side by side on the harder embedded task, paired seeds.
 
-    python bench/quality.py            # the full comparison (see --steps, --seeds; 55 runs of 400 steps, ~65 min)
-    python bench/quality.py --quick    # every row at 4 steps, 1 seed, 64 held-out items, the reward scored in the
+    python -m bench.quality            # the full comparison (see --steps, --seeds; 55 runs of 400 steps, ~65 min)
+    python -m bench.quality --quick    # every row at 4 steps, 1 seed, 64 held-out items, the reward scored in the
                                        # trainer's process: checks the script (CI)
 
 The task is `configs/add3.yaml`'s (3-digit addition written least significant digit first, the shipped partially
@@ -43,26 +43,18 @@ import argparse
 import math
 import statistics
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
-import yaml
+from bench.lib import grid
+from bench.lib.add3 import PAPER_LORA_LR, start_run, train
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.runs import ROOT, add_reward_option
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grid  # bench/grid.py: a grid of CLI runs, resumed, read back and summarized over seeds  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT, add_reward_option  # noqa: E402
-
-BASE_CONFIG = ROOT / "configs" / "add3.yaml"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GRIDS = {  # learning rates swept per method (the default run); --quick takes the middle one
     "dense_all": [3e-5, 1e-4, 3e-4],
     "dense_targets": [3e-5, 1e-4, 3e-4],
     "lora": [2e-4, 1e-3, 3e-3],  # 2e-4: the paper's constant LoRA rate, also the pair's row
     "logra": [3e-4, 1e-3, 3e-3],  # add3.yaml's 1e-3 in the middle
 }
-PAPER_LORA_LR = 2e-4
-START = {"method": "dense_all", "lr": 1e-4}  # the config the start's validation takes (it takes no step)
 LABELS = {
     "dense_all": "dense AdamW, all parameters",
     "dense_targets": "dense AdamW, target matrices only",
@@ -110,65 +102,7 @@ def grids(args: argparse.Namespace) -> dict[str, list[float]]:
     return {method: [PAPER_LORA_LR] if method == "lora" else [lrs[1]] for method, lrs in GRIDS.items()}
 
 
-# ---- one run: a config built from add3.yaml -------------------------------------------------------------------------
-
-def kl_callback(budget: float | None, steps: int) -> dict:
-    """PredictedKLBudget: a budget that binds (δ₀ → δ₀/10, linear), or None: one that never does (α = 1 at every step,
-    since α = min(α_max = 1, √(δ/q)) with δ = 1e6), so that the run is uncontrolled and still logs `kl/realized`."""
-    if budget is None:
-        return {"class_path": "lightning_logra.callbacks.PredictedKLBudget",
-                "init_args": {"budget": 1e6, "alpha_max": 1.0, "subset": 16}}
-    return {"class_path": "lightning_logra.callbacks.PredictedKLBudget",
-            "init_args": {"budget": budget, "final_budget": budget / 10, "schedule": "linear",
-                          "anneal_steps": steps, "alpha_max": 4.0, "subset": 16}}
-
-
-def run_config(run: dict, args: argparse.Namespace) -> dict:
-    """The whole config of one run: add3.yaml with the run's method, learning rate and seed."""
-    config = grid.as_run(yaml.safe_load(BASE_CONFIG.read_text()), run, args, args.evals)
-    seed, trainer, model = run["seed"], config["trainer"], config["model"]
-    trainer["callbacks"] = [kl_callback(run.get("kl_budget"), args.steps)]
-    if getattr(args, "reward_in_trainer", False):  # runs.add_reward_option's; recipe.py's arguments lack it
-        model["reward_timeout_s"] = None
-    method = run["method"]
-    if method.startswith("dense"):
-        del trainer["strategy"]
-        model["lr"] = run["lr"]
-        if method == "dense_targets":
-            model["target_modules"] = TARGETS
-    elif method == "lora":
-        trainer["strategy"] = {"class_path": "lightning_logra.train.strategies.LoRAStrategy", "init_args": {"lora": {
-            "target_modules": TARGETS, "rank": run["rank"], "alpha": 2.0 * run["rank"], "lr": run["lr"],
-            "seed": seed}}}
-    else:
-        sketch = trainer["strategy"]["init_args"]["sketch"]
-        sketch.update(target_modules=TARGETS, rank=run["rank"], seed=seed, distribution=run["distribution"])
-        sketch["optimizer"]["init_args"] = {"lr": run["lr"], "refresh_every": run["refresh_every"]}
-        if run.get("rest_lr") is not None:
-            sketch.update(train_rest=True, train_bias=True, rest_lr=run["rest_lr"])
-    return config
-
-
-def start_run(args: argparse.Namespace) -> dict:
-    """The run that measures the shipped model's greedy pass@1 before any step (`start_config`), once per grid."""
-    return dict(name="start", row="start", method="start", lr=0.0, seed=0, rank=args.rank, distribution="rademacher",
-                refresh_every=None)
-
-
-def start_config(run: dict, args: argparse.Namespace) -> dict:
-    """The shipped model's greedy pass@1, measured once by `validate` (which runs no training step) of a dense run's
-    config, `run`'s method and learning rate, without its callbacks."""
-    config = run_config(run, args)
-    config["trainer"]["callbacks"] = []
-    return config
-
-
-def command(run: dict, args: argparse.Namespace, build: Callable = run_config, start: dict = START) -> list[str]:
-    """`fit` of the run's config from `build`, or the start's `validate` of its config at `start` (method, lr)."""
-    if run["method"] == "start":
-        return grid.cli(start_config({**run, **start}, args), args.runs_dir, run["name"], "validate")
-    return grid.cli(build(run, args), args.runs_dir, run["name"])
-
+# ---- what a run measured -------------------------------------------------------------------------------------------
 
 def measure(run: dict, args: argparse.Namespace) -> dict:
     """The run's curves and summaries from its TensorBoard scalars."""
@@ -182,21 +116,6 @@ def measure(run: dict, args: argparse.Namespace) -> dict:
             "kl": kl, "reward_first": first, "reward_last": last,
             "kl_per_step": total_kl / len(finite_kl) if finite_kl else math.nan,
             "reward_per_kl": (last - first) / total_kl if total_kl > 0 else math.nan}
-
-
-def finished(run: dict, args: argparse.Namespace, build: Callable = run_config) -> bool:
-    """With --reuse: the run's config in --runs-dir is the one `build` gives it now (the start's: any), and its log
-    holds every evaluation (`start` only validates: one)."""
-    if run["method"] == "start":
-        return args.reuse and grid.finished(args.runs_dir, run["name"], None, 1)
-    return args.reuse and grid.finished(args.runs_dir, run["name"], build(run, args), args.evals)
-
-
-def train(runs: list[dict], args: argparse.Namespace, build: Callable = run_config, start: dict = START) -> list[dict]:
-    """Every run (those `finished` only measured), in order; stops naming the runs that failed. `build` and `start`:
-    another script's configs on the same grid (frontier.py's)."""
-    return grid.train(runs, lambda run: command(run, args, build, start), args.parallel,
-                      keep=lambda run: finished(run, args, build))
 
 
 # ---- the comparison -----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Rank and projection design study: how well a rank-r sketch reconstructs the gradient, and what it does to reward.
 
-    python bench/rank_sweep.py                       # cosines on the Qwen2.5-0.5B shape + reward runs on the tiny task
-    python bench/rank_sweep.py --skip-training       # the cosines only (seconds)
+    python -m bench.rank_sweep                       # cosines on the Qwen2.5-0.5B shape + reward runs on the tiny task
+    python -m bench.rank_sweep --skip-training       # the cosines only (seconds)
 
 Part 1, gradient reconstruction. On a random-weight Qwen2 of the chosen Qwen2.5 shape (`--cos-layers` decoder
 layers: the cosine depends on each matrix's shape, not on the depth), one policy-gradient micro-batch gives the
@@ -25,7 +25,6 @@ needs fewer runs than ranks), `--reward-in-trainer` scores the reward without a 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -33,14 +32,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_logra.sketch import install_sketches  # noqa: E402
-from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
-from memory import SHAPES, fixed_batch, policy_loss, qwen2_model  # bench/memory.py: shapes, RL batch, loss  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import add_reward_option, cli_command, latest_run, run_all, scalars  # bench/runs.py: CLI runs  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.lib.cosines import dense_gradients, reconstruction_cosines
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.policy_step import fixed_batch
+from bench.lib.runs import ROOT, add_reward_option, cli_command, latest_run, run_all, scalars
+from bench.lib.shapes import SHAPES, qwen2_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,34 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def cosine_model(shape: str, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return qwen2_model(shape, torch.float32, 128, num_hidden_layers=layers)
-
-
-def dense_gradients(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{module name: G (d, k) float64} of every target matrix."""
-    model.zero_grad()
-    policy_loss(model, batch).backward()
-    return {
-        name: module.weight.grad.double().clone()
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS
-    }
-
-
-def reconstruction_cosines(model, batch, gradients, rank: int, distribution: str, seed: int,
-                           share_projection: bool = False) -> dict[str, float]:
-    """{module name: cos(G, S·A)} for every target matrix that a rank-`rank` sketch fits."""
-    fits = sorted({name.rsplit(".", 1)[-1] for name, g in gradients.items() if rank < g.shape[1]})
-    if not fits:
-        return {}
-    sketched = copy.deepcopy(model)
-    handles = install_sketches(sketched, fits, rank, seed, distribution, share_projection=share_projection)
-    policy_loss(sketched, batch).backward()
-    cosines = {}
-    for name, handle in handles.items():
-        g = gradients[name]
-        reconstruction = handle.sketch.double() @ handle.projection().double()  # S·A (d, k)
-        cosines[name] = float((g * reconstruction).sum() / (g.norm() * reconstruction.norm()))
-    return cosines
 
 
 def cosine_rows(args: argparse.Namespace) -> list[dict]:

@@ -1,11 +1,11 @@
 """DAPO's dynamic sampling on add3, and what RL does to pass@k: dense AdamW and LoGRA under its total budget, each with
 and without `model.rollouts.dynamic_sampling`, paired seeds, evaluated by pass@k at the end.
 
-    python bench/recipe.py                       # 4 rows × 5 seeds × 400 steps, pass@k of 16 samples on 512 items
-    python bench/recipe.py --steps 100 --seeds 2 # a shorter look
-    python bench/recipe.py --quick               # 4 steps, 1 seed, 32 items, 4 samples: checks the script
+    python -m bench.recipe                       # 4 rows × 5 seeds × 400 steps, pass@k of 16 samples on 512 items
+    python -m bench.recipe --steps 100 --seeds 2 # a shorter look
+    python -m bench.recipe --quick               # 4 steps, 1 seed, 32 items, 4 samples: checks the script
 
-Every run is `python cli.py fit` of a config from bench/quality.py's `run_config` (configs/add3.yaml) with
+Every run is `python cli.py fit` of a config from bench/lib/add3.py's `run_config` (configs/add3.yaml) with
 `model.evaluation.num_samples` completions per held-out prompt at temperature 1.0 (`--eval-samples`; so pass@1 here is
 the sampled one, not greedy); the shipped model's pass@k is measured once by `validate`. Rows: dense AdamW on the target
 matrices at 1e-4, and LoGRA rank 16 at 1e-3 under `PredictedKLBudget(total_budget=2.2 × steps/400)`
@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grid  # bench/grid.py  # noqa: E402
-import quality  # bench/quality.py: the add3 configs of each method  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT  # noqa: E402
+from bench.lib import add3, grid
+from bench.lib.configs import set_model
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.runs import ROOT
 
 ROWS = {"dense": ("dense_targets", 1e-4, False), "dense_ds": ("dense_targets", 1e-4, True),
         "logra_total": ("logra", 1e-3, False), "logra_total_ds": ("logra", 1e-3, True)}
@@ -70,11 +67,12 @@ def runs(args: argparse.Namespace) -> list[dict]:
 
 
 def run_config(run: dict, args: argparse.Namespace) -> dict:
-    config = quality.run_config(run, args)
-    model = config["model"]
-    model.update(eval_num_samples=args.eval_samples, eval_temperature=1.0)
+    config = add3.run_config(run, args)
+    set_model(config, "evaluation.num_samples", args.eval_samples)
+    set_model(config, "evaluation.temperature", 1.0)
     if run.get("dynamic"):
-        model.update(dynamic_sampling=True, max_generation_rounds=args.rounds)
+        set_model(config, "rollouts.dynamic_sampling", True)
+        set_model(config, "rollouts.max_generation_rounds", args.rounds)
     if run["method"] == "logra":
         config["trainer"]["callbacks"] = [{"class_path": "lightning_logra.callbacks.PredictedKLBudget", "init_args": {
             "total_budget": TOTAL_PER_400 * args.steps / 400, "alpha_max": 4.0, "subset": 16}}]

@@ -2,8 +2,8 @@
 load and against the sparse bf16 delta other frameworks send, and a server that fell behind caught up by replaying
 the update journal against a full load.
 
-    python bench/remote.py                      # Qwen2.5-0.5B shape (full depth, random weights), bf16 and fp32
-    python bench/remote.py --quick              # the shipped tiny model, fp32, served eager: about 40 s
+    python -m bench.remote                      # Qwen2.5-0.5B shape (full depth, random weights), bf16 and fp32
+    python -m bench.remote --quick              # the shipped tiny model, fp32, served eager: about 40 s
 
 One invocation starts one `lightning-logra serve` per dtype on 127.0.0.1 (vLLM's CPU backend here) and keeps it in
 step with `RemoteEngine`, the trainer's side, over loopback TCP:
@@ -50,12 +50,11 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.lib.payloads import make_payload, read_tensors, target_names  # noqa: E402
+from bench.lib.plotting import pyplot, save_figure  # noqa: E402
+from bench.lib.shapes import TINY_MODEL, qwen2_model  # noqa: E402
 from lightning_logra.sketch.update import LowRankDelta  # noqa: E402
-from memory import qwen2_model  # noqa: E402 (bench/memory.py: the Qwen2.5 shapes)
-from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py)
-from sync import make_payload, read_tensors, target_names  # noqa: E402 (bench/sync.py)
 
-TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
 LR, ALPHA = 1e-6, 1.0  # the GPU configs' SketchAdam lr and α_max
 # Published configurations (hidden, intermediate, layers, attention heads, kv heads, vocab, tied embeddings).
 PUBLISHED = {

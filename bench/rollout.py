@@ -1,7 +1,7 @@
 """Rollout throughput: the in-process engine on an FSDP-sharded policy against vLLM CPU engines, and the weight sync.
 
-    python bench/rollout.py            # Qwen2.5-0.5B shape, fp32, 8 prompts × 4 samples × 128 new tokens, 2 ranks
-    python bench/rollout.py --tiny     # the same code on lightning_logra/data/tiny_arith, a few tokens (a test)
+    python -m bench.rollout            # Qwen2.5-0.5B shape, fp32, 8 prompts × 4 samples × 128 new tokens, 2 ranks
+    python -m bench.rollout --tiny     # the same code on lightning_logra/data/tiny_arith, a few tokens (a test)
 
 One fixed batch of prompts, split over 2 ranks (gloo on the CPU), each rank generating its half, by each side:
 
@@ -58,10 +58,11 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from memory import qwen2_model  # noqa: E402 (bench/memory.py: the Qwen2.5 shapes)
-from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py)
+from bench.lib.payloads import make_payload, target_names  # noqa: E402
+from bench.lib.plotting import pyplot, save_figure  # noqa: E402
+from bench.lib.runs import ROOT  # noqa: E402
+from bench.lib.shapes import TINY_MODEL, qwen2_model  # noqa: E402
 
-TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
 SIDES = ("hf_fsdp", "vllm_processes", "vllm_trainer_ranks")
 WORLD = 2  # ranks: this machine has 2 cores, one per rank
 PROMPT_VOCAB = range(3, 15)  # the tiny tokenizer's ordinary tokens (0-2: pad, eos, unk)
@@ -143,8 +144,6 @@ def save_model(directory: Path, tiny: bool, max_positions: int, seed: int) -> No
 def sketch_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
     """(d, k) of every sketched matrix (bench/sync.py's targets), from the config on the meta device (no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from sync import target_names  # bench/sync.py
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
@@ -237,7 +236,6 @@ def hf_fsdp(args, job, rank, prompts, seeds) -> dict:
 
 def vllm_side(args, job, rank, prompts, seeds) -> dict:
     from lightning_logra.rollout import VLLMEngine
-    from sync import make_payload  # bench/sync.py: one LowRankDelta per matrix, F ~ N(0, σ²) and A's seed
 
     tensor_parallel = args.worker == "vllm_trainer_ranks"
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=args.memory, max_model_len=job["max_model_len"],
@@ -274,7 +272,8 @@ def free_port() -> int:
 
 
 def run_side(side: str, job_path: Path, args: argparse.Namespace, results: Path) -> list[dict]:
-    """The side's 2 ranks as 2 processes of this script (gloo over localhost); their reports, by rank."""
+    """The side's 2 ranks as 2 processes of this tool (`python -m bench.rollout --worker`, gloo over localhost); their
+    reports, by rank."""
     port = free_port()
     procs = []
     for rank in range(WORLD):
@@ -282,8 +281,8 @@ def run_side(side: str, job_path: Path, args: argparse.Namespace, results: Path)
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
                    # each rank's vLLM worker on its own core (VLLMEngine picks the rank's list)
                    VLLM_CPU_OMP_THREADS_BIND="0|1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", side, "--job", str(job_path),
-                                       "--seed", str(args.seed), "--memory", str(args.memory)], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.rollout", "--worker", side, "--job", str(job_path),
+                                       "--seed", str(args.seed), "--memory", str(args.memory)], cwd=ROOT, env=env))
     codes = [p.wait() for p in procs]
     if any(codes):
         raise RuntimeError(f"{side}: ranks exited with {codes}")
@@ -296,13 +295,13 @@ def update_step(args: argparse.Namespace, tmp: Path) -> dict:
     bench/memory.py in one process with both cores (no FSDP; its first step, which allocates the optimizer's
     state, since only one is run). A failure is recorded, not raised: the rollout numbers stand without it."""
     out = tmp / "step.json"
-    command = [sys.executable, str(Path(__file__).with_name("memory.py")), "--shape", "tiny" if args.tiny else "0.5b",
+    command = [sys.executable, "-m", "bench.memory", "--shape", "tiny" if args.tiny else "0.5b",
                "--methods", "logra", "--rank", str(args.rank), "--batch", str(args.prompts * args.samples),
                "--group", str(args.samples), "--micro-batch", "4", "--prompt-len", str(args.prompt_len),
                "--completion-len", str(args.new_tokens), "--steps", "1", "--seed", str(args.seed), "--no-plot",
                "--out", str(out)]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode or not out.exists():
         return dict(step_error=(done.stderr or done.stdout)[-2000:])
     row = json.loads(out.read_text())["rows"][0]

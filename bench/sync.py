@@ -1,7 +1,7 @@
 """Bytes and seconds of one weight sync into a vLLM engine: the seed-based sync against a full-weight load.
 
-    python bench/sync.py                                     # the shipped tiny model (fp32), rank 16
-    python bench/sync.py --shape 1.5b --out bench/out/sync_1_5b.json --plot bench/out/sync_1_5b.png
+    python -m bench.sync                                     # the shipped tiny model (fp32), rank 16
+    python -m bench.sync --shape 1.5b --out bench/out/sync_1_5b.json --plot bench/out/sync_1_5b.png
 
 Both methods update the same matrices of the same engine: the q, k, v, o, gate, up and down projections of every
 layer. The seed sync (`VLLMEngine.apply_update`) sends, per matrix, a factor F (d×r) and the seed of A (r×k); the
@@ -52,16 +52,12 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
-from lightning_logra.sketch.config import DEFAULT_TARGETS  # noqa: E402
+from bench.lib.payloads import make_payload, read_tensors, target_names  # noqa: E402
+from bench.lib.plotting import pyplot, save_figure  # noqa: E402
+from bench.lib.shapes import TINY_MODEL, qwen2_model  # noqa: E402
 from lightning_logra.sketch.optim import FACTOR_DTYPES  # noqa: E402 (the dtypes a factor F may travel in)
-from lightning_logra.sketch.shared import SHARED_INPUTS  # noqa: E402
-from lightning_logra.sketch.update import LowRankDelta  # noqa: E402
-from memory import qwen2_model  # noqa: E402 (bench/memory.py, beside this script: the Qwen2.5 shapes)
-from plotting import pyplot, save_figure  # noqa: E402 (bench/plotting.py, beside this script)
 
-TINY_MODEL = Path(__file__).resolve().parents[1] / "lightning_logra" / "data" / "tiny_arith"
 # Per shape: the engine's dtype, its share of (host) memory, its longest sequence, the default rank.
 SHAPES = {
     "tiny": dict(dtype="float32", memory=0.1, max_model_len=32, rank=16),
@@ -107,55 +103,7 @@ def save_random_1_5b(directory: Path, seed: int) -> None:
         shutil.copy(TINY_MODEL / name, directory / name)
 
 
-def target_names(model_dir: Path) -> list[str]:
-    config = json.loads((model_dir / "config.json").read_text())
-    parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-    return [f"model.layers.{i}.{parents[t]}.{t}.weight"
-            for i in range(config["num_hidden_layers"]) for t in DEFAULT_TARGETS]
-
-
-def read_tensors(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors from the checkpoint's safetensors files (one file or shards), in the order of `names`."""
-    found = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in set(f.keys()) & set(names):
-                found[key] = f.get_tensor(key)
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise KeyError(f"{model_dir}: no tensors for {missing[:3]}{'…' if len(missing) > 3 else ''}")
-    return {n: found[n] for n in names}
-
-
 # ---------------------------------------------------------------- payloads, checks, timing
-
-
-def make_payload(shapes: dict[str, torch.Size], rank: int, scale: float, seed: int, dtype: torch.dtype,
-                 share_projection: bool = False):
-    """One LowRankDelta per matrix: F (d, r) ~ N(0, scale²) (each entry of F·A, A = ±1/√r, then has std `scale`),
-    rounded to `dtype`, and A's seed: one per matrix, or with `share_projection` one per input (q/k/v, gate/up)."""
-    from lightning_logra.algo.update import Update
-
-    gen = torch.Generator().manual_seed(seed)
-    payload = Update()
-    seeds: dict[str, int] = {}  # per projection: the matrix's name, or its group's
-    for name, (d, k) in shapes.items():
-        factor = torch.randn(d, rank, generator=gen) * scale
-        projection = _input_group(name) if share_projection else name
-        projection_seed = seeds.setdefault(projection, seed * 1_000_003 + len(seeds))
-        payload.low_rank[name] = LowRankDelta(factor.to(dtype), projection_seed, "rademacher", k)
-    return payload
-
-
-def _input_group(name: str) -> str:
-    """The group of matrices that read the same input as `name` ("<layer>.self_attn.q_proj+k_proj+v_proj"), or
-    `name` itself."""
-    parent, _, child = name.removesuffix(".weight").rpartition(".")
-    for children in SHARED_INPUTS:
-        if child in children:
-            return f"{parent}.{'+'.join(children)}"
-    return name
 
 
 def bound(expected: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """A real pretrained model on several reasoning tasks: LoGRA against dense AdamW, LoRA and a low-memory peer.
 
-    python bench/tasks.py --survey     # the base model's pass@8 on 14 candidate tasks (one `validate`, ~10 min)
-    python bench/tasks.py              # the comparison on configs/smollm2_reasoning.yaml's tasks (60 steps a row,
+    python -m bench.tasks --survey     # the base model's pass@8 on 14 candidate tasks (one `validate`, ~10 min)
+    python -m bench.tasks              # the comparison on configs/smollm2_reasoning.yaml's tasks (60 steps a row,
                                        # one seed)
-    python bench/tasks.py --quick      # 2 candidate tasks, and every row for 1 step (groups of 4) on 2 held-out
+    python -m bench.tasks --quick      # 2 candidate tasks, and every row for 1 step (groups of 4) on 2 held-out
                                        # items per task, the policy generating (no vLLM engine): checks the script
                                        # (CI)
 
@@ -49,15 +49,13 @@ import argparse
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grid  # bench/grid.py: CLI runs, resumed, read back, summarized  # noqa: E402
-import peers  # bench/peers.py: the optimizers users would pick instead  # noqa: E402
-from plotting import pyplot, save_figure  # noqa: E402
-from runs import ROOT  # noqa: E402
+from bench.lib import grid, peers
+from bench.lib.configs import dense_strategy, lora_strategy, optimizer_dict, set_model
+from bench.lib.plotting import pyplot, save_figure
+from bench.lib.runs import ROOT, run_all
 
 BASE_CONFIG = ROOT / "configs" / "smollm2_reasoning.yaml"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -133,10 +131,11 @@ def kl_logger() -> dict:
 def run_config(run: dict, args: argparse.Namespace) -> dict:
     """The whole config of one run: the shipped config with the run's method, seed, steps and tasks."""
     config = yaml.safe_load(BASE_CONFIG.read_text())
-    trainer, model, data = config["trainer"], config["model"], config["data"]["init_args"]
+    trainer, data = config["trainer"], config["data"]["init_args"]
     # A seed varies sampling and the sketches' projections; the items stay the config's (data.seed), so that every
     # row and seed is validated on the same held-out items as the base model's `start`.
-    config["seed_everything"] = model["seed"] = run["seed"]
+    config["seed_everything"] = run["seed"]
+    set_model(config, "sampling.seed", run["seed"])
     data["seed"] = data.get("seed", 0)
     trainer.update(max_steps=args.steps, val_check_interval=args.steps, enable_checkpointing=False,
                    enable_progress_bar=False)
@@ -149,20 +148,18 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
                   "init_args": {"prompts": args.kl_prompts, "samples": 4}},
                  kinds["PredictedKLBudget"] if run["method"] == "logra" else kl_logger(), kinds["MemoryProfiler"]]
     if args.quick:  # the policy generates: no engine to start, and no reward process; groups of 4 (a CI check)
-        model["engine"], model["reward_timeout_s"], model["num_generations"] = None, None, 4
+        set_model(config, "rollouts.engine", None)
+        set_model(config, "scoring.timeout_s", None)
+        set_model(config, "sampling.num_generations", 4)
     else:
         callbacks.append(kinds["RolloutWeightSync"])
     trainer["callbacks"] = callbacks
     method = run["method"]
     if method in ("dense", "apollo_mini"):
-        del trainer["strategy"]
-        model.update(lr=run["lr"], target_modules=TARGETS)
-        if method == "apollo_mini":
-            peer = peers.spec("apollo_mini", RANK)
-            model["optimizer"] = {"class_path": peer.class_path, "init_args": {**peer.init_args, "lr": run["lr"]}}
+        peer = optimizer_dict(peers.spec("apollo_mini", RANK), run["lr"]) if method == "apollo_mini" else None
+        trainer["strategy"] = dense_strategy(run["lr"], TARGETS, peer)
     elif method == "lora":
-        trainer["strategy"] = {"class_path": "lightning_logra.train.strategies.LoRAStrategy", "init_args": {"lora": {
-            "target_modules": TARGETS, "rank": RANK, "alpha": 2.0 * RANK, "lr": run["lr"], "seed": run["seed"]}}}
+        trainer["strategy"] = lora_strategy(TARGETS, RANK, run["lr"], run["seed"])
     elif method == "logra":
         trainer["strategy"]["init_args"]["sketch"]["seed"] = run["seed"]
         kinds["PredictedKLBudget"]["init_args"]["total_budget"] = args.logra_kl * args.steps
@@ -191,8 +188,6 @@ def kept(run: dict, args: argparse.Namespace) -> bool:
 
 def train(runs: list[dict], args: argparse.Namespace) -> list[dict]:
     """Every run not kept, one at a time with both cores (their seconds per step compare)."""
-    from runs import run_all
-
     todo = [run for run in runs if not kept(run, args)]
     done = {row["name"]: row for row in run_all(todo, lambda run: command(run, args), parallel=1, threads=2)}
     failed = [row for row in done.values() if "error" in row]
@@ -264,9 +259,9 @@ def survey(args: argparse.Namespace) -> None:
     order = sorted(names, key=lambda name: -result[name]["pass@8"])
     rows = [[name + (" (chosen)" if name in chosen else ""), f"{CANDIDATES[name]}", f"{result[name]['pass@1']:.3f}",
              f"{result[name]['pass@8']:.3f}"] for name in order]
-    model = yaml.safe_load(BASE_CONFIG.read_text())["model"]
+    evaluation = yaml.safe_load(BASE_CONFIG.read_text())["model"]["evaluation"]
     table = "\n".join([f"SmolLM2-135M-Instruct before training: {args.survey_size} held-out items per task, "
-                       f"{model['eval_num_samples']} samples at temperature {model['eval_temperature']}, the answer "
+                       f"{evaluation['num_samples']} samples at temperature {evaluation['temperature']}, the answer "
                        "stated after 'The answer is' (0/1, the task's scorer)", "",
                        *grid.markdown(["task", "settings", "pass@1", "pass@8"], rows, left=2)])
     print(table)
@@ -279,8 +274,8 @@ def survey(args: argparse.Namespace) -> None:
     axis.set_xticks(range(len(order)), order, rotation=40, ha="right", fontsize=8)
     axis.set(ylabel="held-out, before training", ylim=(0, 1))
     axis.legend()
-    save_figure(fig, f"SmolLM2-135M-Instruct on reasoning-gym candidates ({model['eval_num_samples']} samples, "
-                     f"T = {model['eval_temperature']})", args.plot)
+    save_figure(fig, f"SmolLM2-135M-Instruct on reasoning-gym candidates ({evaluation['num_samples']} samples, "
+                     f"T = {evaluation['temperature']})", args.plot)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 
 
@@ -314,7 +309,7 @@ def summarize(results: list[dict], tasks: list[str]) -> dict[str, dict]:
 
 
 def tables(summary: dict[str, dict], tasks: list[str], args: argparse.Namespace) -> str:
-    start, model = summary["start"], yaml.safe_load(BASE_CONFIG.read_text())["model"]
+    start, evaluation = summary["start"], yaml.safe_load(BASE_CONFIG.read_text())["model"]["evaluation"]
     header = ["row", "lr"] + [f"{task} pass@1 / pass@8" for task in ["all", *tasks]]
     rows = []
     for row, e in summary.items():
@@ -333,7 +328,7 @@ def tables(summary: dict[str, dict], tasks: list[str], args: argparse.Namespace)
              f"{e['sync_mib'][0]:.1f}"] for row, e in summary.items() if row != "start"]
     return "\n".join([
         f"SmolLM2-135M-Instruct, {args.steps} steps, {args.seeds} seed(s); validation on {args.eval_size} held-out "
-        f"items per task, {model['eval_num_samples']} samples at temperature {model['eval_temperature']} (change from "
+        f"items per task, {evaluation['num_samples']} samples at temperature {evaluation['temperature']} (change from "
         "the base model in brackets)", "",
         *grid.markdown(header, rows, left=2), "",
         *grid.markdown(["row", "reward, first tenth", "reward, last tenth", "KL(π‖π₀) at the end", "KL per step",

@@ -423,8 +423,9 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.bench)
 
 
-# What starts a training run or an engine in another process: the command line, a launcher, the benchmarks.
-_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "bench/")
+# What starts a training run or an engine in another process: the command line, a launcher, the benchmarks (`python -m
+# bench.<name>`; a path with "bench/" in it is no benchmark, e.g. a checkout in a folder named so).
+_RUNS = ("cli.py", "lightning-logra", "torch.distributed.run", "-m bench.")
 
 
 def _refuse(what: str):

@@ -184,7 +184,7 @@ def _inside(tree: ast.AST, target: ast.AST, function: str) -> bool:
 
 def _dotted_paths() -> set[str]:
     """Every `lightning_logra.<...>.<Name>` written in configs/, the README, docs/ and bench/."""
-    texts = [*ROOT.glob("configs/*.yaml"), ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/*.py"),
+    texts = [*ROOT.glob("configs/*.yaml"), ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/**/*.py"),
              *ROOT.glob("bench/*.md")]
     found = set()
     for path in texts:

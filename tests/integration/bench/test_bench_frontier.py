@@ -12,15 +12,15 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "frontier.py"
+TOOL = [sys.executable, "-m", "bench.frontier"]  # run from the repository's root (cwd=ROOT)
 ROWS = ["pair_lora", "dense", "lora", "lora_rank1", "logra_delta0.1", "logra_delta1", "logra_lr0.001",
         "peer_galore_lr0.0001", "logra_total", "pair_logra_total", "dense_beta"]
 
 
 def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
     out, plot, runs_dir = tmp_path / "frontier.json", tmp_path / "frontier.png", tmp_path / "runs"
-    args = [sys.executable, str(SCRIPT), "--quick", "--plot", str(plot), "--runs-dir", str(runs_dir)]
-    result = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=900)
+    args = [*TOOL, "--quick", "--plot", str(plot), "--runs-dir", str(runs_dir)]
+    result = subprocess.run([*args, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["summary"]) == ROWS
@@ -39,7 +39,8 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
     assert runs["logra_total"]["total"] == pytest.approx(report["summary"][best]["kl_sum"][0])
     assert runs["dense_beta"]["beta"] == 0.04
     config = (runs_dir / "configs" / "peer_galore_lr0.0001_seed0.yaml").read_text()
-    assert "class_path: galore_torch.GaLoreAdamW" in config  # a peer through trainer.strategy.init_args.dense.optimizer, on the frontier too
+    # a peer through trainer.strategy.init_args.dense.optimizer, on the frontier too
+    assert "class_path: galore_torch.GaLoreAdamW" in config and "DenseStrategy" in config
     # how much of the gradient a sketch sees: about √(r/(r+k)) (docs/results/rank-and-projection.md), so more at rank
     # 64 than at 16
     cosines = report["sketch_cosines"]
@@ -47,8 +48,8 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
     assert "| LoGRA r16, total budget |" in result.stdout and plot.stat().st_size > 0
 
     # --reuse: nothing changed, nothing trained, the same report (the cosines read back from beside the runs)
-    again = subprocess.run([*args, "--reuse", "--out", str(tmp_path / "again.json")], capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run([*args, "--reuse", "--out", str(tmp_path / "again.json")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "training" not in again.stderr
     second = json.loads((tmp_path / "again.json").read_text())
@@ -56,8 +57,7 @@ def test_quick_mode_places_every_row_on_the_frontier(tmp_path):
 
 
 def test_dense_frontier_is_the_best_reached_within_a_distance():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from frontier import frontier_at
+    from bench.frontier import frontier_at
 
     # one run whose KL overshoots early (0.3 at pass 0.4) before settling, and one that creeps out steadily
     overshoot = ([0.0, 0.3, 0.2, 0.25], [0.2, 0.4, 0.5, 0.7])
@@ -70,8 +70,7 @@ def test_dense_frontier_is_the_best_reached_within_a_distance():
 
 
 def test_a_subset_of_rows_runs_against_dense_and_the_peers_frontier():
-    sys.path.insert(0, str(SCRIPT.parent))
-    import frontier
+    from bench import frontier
 
     # --rows picks rows by pattern; dense's rows always run (every row is placed against them), and the total
     # budget's Σ comes from --total-budget when the constant-δ rows it is otherwise set from do not run

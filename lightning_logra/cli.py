@@ -110,8 +110,8 @@ class RLVRCLI(LightningCLI):
         check_device_count(config["trainer"])
 
     def after_instantiate_classes(self) -> None:
-        # The config's classes are built, nothing is loaded yet: settings that would fail or be ignored once data,
-        # weights and an engine are loaded fail now (`validate` / `test` install no sketches).
+        # The config's classes are built, nothing is loaded yet: settings that would fail once data, weights and an
+        # engine are loaded fail now (`validate` / `test` install no sketches).
         if self.subcommand in (None, "fit"):
             check_before_loading(self.model, self.trainer)
 

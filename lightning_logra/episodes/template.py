@@ -26,7 +26,7 @@ class TurnTemplate:
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, stop_token_ids: list[int]) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("model.episodes.max_turns > 1: episodes are rendered with the model's chat template, and "
+            raise ValueError("model.episodes: episodes are rendered with the model's chat template, and "
                              "its tokenizer has none; use an instruct model's tokenizer (one with a chat template)")
         self.tokenizer, self.tools = tokenizer, tools or None
         self.stop_texts = [tokenizer.decode([token]) for token in stop_token_ids]
@@ -57,7 +57,7 @@ class TurnTemplate:
         for stop in self.stop_texts:
             if text.startswith(stop, end):
                 return conversation, end + len(stop)
-        raise ValueError("model.episodes.max_turns > 1: the chat template does not end an assistant turn with a stop "
+        raise ValueError("model.episodes: the chat template does not end an assistant turn with a stop "
                          f"token (it renders {text[end:end + 40]!r} after the turn's text; the stop tokens are "
                          f"{self.stop_texts}), so a sampled turn cannot be continued token for token")
 
@@ -73,7 +73,7 @@ def check_template(template: TurnTemplate, later_role: str) -> None:
         turn = template.render(conversation, generation_prompt=False)
         if not turn.startswith(prompt):
             raise ValueError(
-                "model.episodes.max_turns > 1: the chat template renders an assistant turn differently from how its "
+                "model.episodes: the chat template renders an assistant turn differently from how its "
                 f"generation prompt begins it (the prompt ends {prompt[-40:]!r}, the turn reads "
                 f"{turn[len(prompt) - 40:][:80]!r}), so the sampled ids would not be the conversation's; use a "
                 "template whose generation prompt is the start of the assistant turn")
@@ -82,7 +82,7 @@ def check_template(template: TurnTemplate, later_role: str) -> None:
         if not later.startswith(turn[:cut]):
             what = "drops the earlier turn's reasoning" if content != _STANDIN else "re-renders the earlier turn"
             raise ValueError(
-                f"model.episodes.max_turns > 1: the chat template {what} once a later turn follows (the turn read "
+                f"model.episodes: the chat template {what} once a later turn follows (the turn read "
                 f"{turn[len(prompt):cut]!r}, and with a later turn {later[len(prompt):cut]!r}), so the next turn would "
                 "not see what was sampled; use a template that keeps every turn as it was (for Qwen3, one that keeps "
                 "earlier <think> blocks), or model.episodes.max_turns: 1")

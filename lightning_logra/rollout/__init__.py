@@ -9,9 +9,8 @@
                     the WeightSync contract the module calls after every step
 - tensor_bytes.py   named tensors as safetensors bytes (the sender's copies queued into one pinned buffer; the
                     receiver's tensors views of the bytes, their header checked first)
-- pipeline.py       overlapped rollouts (`model.rollouts.max_staleness`): one worker thread makes the engine's calls in
-order,
-                    batches in flight and what a checkpoint saves of them
+- pipeline.py       overlapped rollouts (`model.rollouts.max_staleness`): one worker thread makes the engine's calls
+                    in order, batches in flight and what a checkpoint saves of them
 - protocol.py       the wire protocol of engine servers (the token, the checksum header, what each `/logra/` route is
                     asked and answers), the one module both sides import
 - journal.py        the update journal (memory and disk), from which a server that fell behind is caught up

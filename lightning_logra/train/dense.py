@@ -4,7 +4,7 @@ Lightning's own strategies trains densely with the defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_logra.base.schedule import LRSchedule
@@ -47,3 +47,8 @@ class DenseConfig:
 
     def optimizer_spec(self) -> OptimizerSpec | None:
         return OptimizerSpec.parse(self.optimizer, f"{CONFIG_KEY}.optimizer")
+
+    def hparams(self) -> dict[str, Any]:
+        """The settings as flat hyperparameters for the loggers: `dense/<field>` (the optimizer apart)."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "optimizer"}
+        return {f"dense/{k}": v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in settings.items()}

@@ -7,7 +7,7 @@ Which groups a step keeps does not depend on how many processes share it: the le
 process would hold them (round by round, in each round rank by rank, each rank's in batch order) and the first
 `data.batch_size` are kept, each by the rank that drew it. So the ranks may keep different numbers of groups; a rank
 that keeps none trains one group whose tokens all count zero, so that every rank still runs the step's passes (the
-micro-batch loop evens the number of passes out: `RLVRModule.accumulate_gradients`). A step none of whose groups is
+micro-batch loop evens the number of passes out: `PolicyGradient.accumulate`). A step none of whose groups is
 learnable on any rank trains on its first round as drawn (advantages of zero: `model.scoring.max_unlearnable_steps`
 counts it). Each kept row carries its place in one process's order (`Drawn.positions`): the KL controller draws its
 subset by it, so that one and several processes measure q on the same responses.

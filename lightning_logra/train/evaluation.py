@@ -146,9 +146,12 @@ class EvaluationSteps:
 
     def on_validation_start(self) -> None:
         self.samples.finish_queued()  # the engine is used here: it first finishes what it was given
-        self.on_test_start()
+        self._prepare_evaluation()
 
     def on_test_start(self) -> None:
+        self._prepare_evaluation()
+
+    def _prepare_evaluation(self) -> None:
         self.samples.use_sync(find_sync(self.trainer.callbacks), self.policy)
         self.samples.attach(self.engine_tensors)
         names = self.task_names()  # an evaluation's metrics per task, when the data names tasks

@@ -225,6 +225,7 @@ class DenseMode(_DenseSteps):
 
     def __init__(self, collectives: Collectives, config: DenseConfig) -> None:
         super().__init__(collectives, config.optimizer_spec())
+        self.config = config
         self.lr, self.weight_decay, self.target_modules = config.lr, config.weight_decay, config.target_modules
         self.lr_schedule = config.lr_schedule
 
@@ -234,13 +235,16 @@ class DenseMode(_DenseSteps):
             return
         # Only the weights of these nn.Linear layers train, the rest (embeddings, norms, biases) is frozen, as a
         # sketch run leaves them. (rank 0: every nn.Linear qualifies; the rank rule is the sketches'.)
-        try:
-            targets = select_targets(policy, self.target_modules, rank=0)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"{DENSE_KEY}.{err}") from None
-        trained = {id(linear.weight) for linear in targets.values()}
+        trained = {id(linear.weight) for linear in self._select(policy).values()}
         for param in policy.parameters():
             param.requires_grad_(id(param) in trained)
+
+    def _select(self, policy: nn.Module) -> dict[str, nn.Linear]:
+        """The target matrices' layers (rank 0: every nn.Linear qualifies; the rank rule is the sketches')."""
+        try:
+            return select_targets(policy, self.target_modules, rank=0)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{DENSE_KEY}.{err}") from None
 
     def build_optimizers(self, policy: nn.Module) -> Optimizers:
         params = [p for p in policy.parameters() if p.requires_grad]
@@ -249,6 +253,13 @@ class DenseMode(_DenseSteps):
 
     def config_key(self, index: int, key: str) -> str:
         return self._optimizer_key(key, f"{DENSE_KEY}.{key}")
+
+    def hparams(self) -> dict[str, Any]:
+        return {**self.config.hparams(), **super().hparams()}
+
+    def check_settings(self, skeleton: nn.Module | None) -> None:
+        if skeleton is not None and self.target_modules is not None:
+            self._select(skeleton)
 
 
 class LoRAMode(_DenseSteps):

@@ -126,7 +126,6 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         check_model_path(model)
         self.automatic_optimization = False
         sampling, evaluation = groups["sampling"], groups["evaluation"]
-        self.sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens)
         self.eval_sampling = SamplingParams(evaluation.temperature, 1.0,
                                             evaluation.max_new_tokens or sampling.max_new_tokens)
         self.policy: torch.nn.Module | None = None
@@ -142,6 +141,8 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.collectives: Collectives = Collectives()
         self.controller: StepSizeController | None = None
         self.samples = SampleSource(groups["rollouts"].engine, groups["rollouts"], sampling, episodes)
+        self.sampling = self.samples.sampling  # the training rollouts' sampling parameters
+        self.codec: PromptCodec | None = None  # the tokenizer's part in generation, once the policy is loaded
 
     # ---- set-up -------------------------------------------------------------------------------------------------
 
@@ -169,8 +170,10 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.mode.install(self.policy, fitting=fitting)
         self.mode.bind(self.optimizers)
         self.codec = PromptCodec.of(self.tokenizer, self.policy, hp.chat_template)
-        placement = Placement() if trainer is None else Placement(
-            self.global_rank, trainer.world_size, trainer.strategy.root_device, trainer.log_dir)
+        # (the log folder is asked for only where an engine may launch processes that log: a collective under DDP)
+        log_dir = trainer.log_dir if trainer is not None and self.samples.engine is not None else None
+        placement = Placement(device=self.device) if trainer is None else Placement(
+            self.global_rank, trainer.world_size, trainer.strategy.root_device, log_dir)
         self.samples.bind(self.codec, self.collectives, placement)
         self.samples.start_engine(self.policy, hp.model)
 
@@ -212,7 +215,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         hp = self.hparams
         new_tokens = (self.sampling if stage == "fit" else self.eval_sampling).max_new_tokens
         return prompt_token_limit(stage, self.engine, self.policy, new_tokens, hp.evaluation.max_new_tokens,
-                                  hp.episodes and self.completion_tokens())
+                                  self.completion_tokens() if hp.episodes is not None else None)
 
     # ---- one RL iteration ---------------------------------------------------------------------------------------
 
@@ -365,7 +368,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self._trained = True
         self.samples.attach(self.engine_tensors)
         max_steps = self.trainer.max_steps
-        self.samples.start(iter(self.trainer.train_dataloader), self.global_step,
+        self.samples.start(lambda: iter(self.trainer.train_dataloader), self.global_step,
                            last_step=max_steps - 1 if max_steps > 0 else None)
         # After a resume, the optimizers hold the checkpoint's settings: this run's config wins, and says so.
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]

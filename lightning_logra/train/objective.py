@@ -1,8 +1,8 @@
 """The policy-gradient objective of one step: the gradient of the batch's loss (`model.loss`), micro-batch by
 micro-batch (`model.training`), into the parameters' .grad (a sketched layer's: its d×r sketch).
 
-`PolicyGradient.accumulate` is what a training step calls between the advantages and the update; `bench/memory.py`
-calls the same to measure a step's memory without a Trainer.
+`PolicyGradient.accumulate` is what a training step calls between the advantages and the update; the benchmarks
+(`bench/lib/policy_step.py`) call the same to measure a step without a Trainer.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 """Any torch optimizer for the dense and LoRA modes, by class path: `trainer.strategy.init_args.dense.optimizer`, as
 LightningCLI users write one.
 
-    model:
-      optimizer:
-        class_path: galore_torch.GaLoreAdamW
-        init_args: {lr: 1.0e-5, rank: 128, update_proj_gap: 200, scale: 0.25}
+    trainer:
+      strategy:
+        class_path: lightning_logra.train.strategies.DenseStrategy
+        init_args:
+          dense:
+            optimizer:
+              class_path: galore_torch.GaLoreAdamW
+              init_args: {lr: 1.0e-5, rank: 128, update_proj_gap: 200, scale: 0.25}
 
 `init_args` are the constructor's; `lr` and `weight_decay`, when left out, are the mode's own
 (`trainer.strategy.init_args.dense.lr`, or `...lora.lr` under the LoRA strategy). Most optimizers take the trainable

@@ -132,10 +132,11 @@ class SampleSource:
         if self.weight_sync is not None:
             self.weight_sync.attach(self.engine, engine_tensors, self.collectives.max_over_ranks)
 
-    def start(self, loader: Iterator[dict[str, list[Any]]], first_step: int, last_step: int | None) -> None:
+    def start(self, loader: Callable[[], Iterator[dict[str, list[Any]]]], first_step: int, last_step: int | None
+              ) -> None:
         """With model.rollouts.max_staleness > 0 and an engine that runs beside the trainer, generate ahead from now
-        on, the prompts of `loader` (the training loader, its batch for `first_step` next); with the in-process
-        engine, which is the policy itself, the steps stay serial."""
+        on, the prompts of `loader()` (an iterator over the training loader, its batch for `first_step` next, made
+        only then); with the in-process engine, which is the policy itself, the steps stay serial."""
         k = self.settings.max_staleness
         if k == 0:
             if self.engine.updates_in_flight():
@@ -159,7 +160,7 @@ class SampleSource:
         reload = self.engine.reload_after_restart(reload_here)  # the sync's full load (or its refusal, sharded)
         self.pipeline = RolloutPipeline(
             k, lambda batch, step: self.engine_call(batch, self.n, self.sampling, step), self.weight_sync.send, reload,
-            loader, start=first_step, last_step=last_step, in_flight=self.engine.updates_in_flight())
+            loader(), start=first_step, last_step=last_step, in_flight=self.engine.updates_in_flight())
         self.pipeline.restore(self._in_flight)
         self._in_flight = []
 

@@ -10,7 +10,7 @@ line's error on an old config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_logra.algo.advantages import ScaleRewards, estimator
@@ -267,8 +267,6 @@ def as_group(kind: type, value: Any, key: str) -> Any:
         return replace(value)
     if isinstance(value, dict):
         return kind(**value)
-    if is_dataclass(value):  # the same fields under another class (e.g. reloaded from a checkpoint)
-        return kind(**{f.name: getattr(value, f.name) for f in fields(value)})
     raise TypeError(f"model.{key} must be a {kind.__name__} or a dict of its fields, got {type(value).__name__}")
 
 

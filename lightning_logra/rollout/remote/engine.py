@@ -83,9 +83,8 @@ class RemoteEngine(RolloutEngine):
         no_server_wait_s: how long a call waits for a server to come back when none is up, before the run stops.
         start_timeout_s: the longest wait for launched servers (and given ones) to answer at the start.
         in_flight: with `model.rollouts.max_staleness` ≥ 1, send each update while the servers generate, to be merged
-        between
-            decoding steps with the completions under way kept (their later tokens drawn by the newer weights); False:
-            an update waits until the generations before it are done.
+            between decoding steps with the completions under way kept (their later tokens drawn by the newer
+            weights); False: an update waits until the generations before it are done.
     """
 
     def __init__(

@@ -118,10 +118,11 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         # Before save_hyperparameters, which deep-copies the reward: one that cannot be sent to its process is
         # refused here, naming the key.
         self.rewards: list[Reward] = resolve_rewards(reward, scoring.weights, scoring.timeout_s, scoring.memory_gib)
-        # The groups as built (a dict given by hand made into its dataclass); a reward function by name (checkpoints
-        # hold none); the engine is a live object, kept apart.
-        self.save_hyperparameters({"model": model, "reward": reward_setting(reward), "dtype": dtype,
-                                   "chat_template": chat_template, **groups,
+        # The arguments as given (the command line's: a reward component as its class_path and init_args), then the
+        # groups as built (a dict given by hand made into its dataclass), a reward function by name (checkpoints hold
+        # none), and the rollout settings without the engine, a live object.
+        self.save_hyperparameters(ignore=["rollouts"])
+        self.save_hyperparameters({**self.hparams, "reward": reward_setting(self.hparams["reward"]), **groups,
                                    "rollouts": without_engine(groups["rollouts"]), "episodes": episodes})
         check_model_path(model)
         self.automatic_optimization = False

@@ -40,6 +40,11 @@ class RolloutEngine(ABC):
         """Where the run keeps its files (the trainer's log_dir), called before `start`: an engine that launches
         processes of its own writes their logs there. A no-op for the others."""
 
+    def expect(self, sequences: int) -> None:
+        """Called before `start`: the most sequences one generation call of the run asks for on this rank (a training
+        step's prompts times their completions each). An engine that reserves memory per sequence (vLLM's KV cache)
+        sizes itself by it; a no-op for the others."""
+
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         """Load `model` (a local directory) if the engine keeps its own copy; a no-op when already running."""
 

@@ -176,7 +176,20 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         placement = Placement(device=self.device) if trainer is None else Placement(
             self.global_rank, trainer.world_size, trainer.strategy.root_device, log_dir)
         self.samples.bind(self.codec, self.collectives, placement)
-        self.samples.start_engine(self.policy, hp.model)
+        self.samples.start_engine(self.policy, hp.model, self.sequences_per_call(trainer, fitting))
+
+    def sequences_per_call(self, trainer, fitting: bool) -> int | None:
+        """The most sequences one generation call asks of the engine on this rank, which sizes vLLM's KV cache: a
+        training step's prompts × model.sampling.num_generations when fitting, an evaluation batch's ×
+        model.evaluation.num_samples otherwise (an evaluation during fit waits for room in the cache instead). None
+        when the data module does not say its batch."""
+        data = getattr(trainer, "datamodule", None) if trainer is not None else None
+        hp = self.hparams
+        prompts, n = ((getattr(data, "batch_size", None), hp.sampling.num_generations) if fitting
+                      else (getattr(data, "eval_batch_size", None), hp.evaluation.num_samples))
+        if not isinstance(prompts, int) or prompts < 1:
+            return None
+        return -(-prompts // trainer.world_size) * n
 
     def configure_callbacks(self) -> list[Callback]:
         export = self.hparams.export

@@ -84,9 +84,10 @@ class SampleSource:
         """What the run knows once it is set up: the prompt codec, the collectives and this process's place."""
         self.codec, self.collectives, self.placement = codec, collectives, placement
 
-    def start_engine(self, policy: nn.Module, model: str) -> None:
+    def start_engine(self, policy: nn.Module, model: str, sequences: int | None = None) -> None:
         """The in-process engine (over `policy`) when none is configured; an engine with weights of its own is started
-        from the files of `model` (one per rank, beside that rank's trainer)."""
+        from the files of `model` (one per rank, beside that rank's trainer), told the most `sequences` one generation
+        call will ask for (None: not known)."""
         codec, place = self.codec, self.placement
         if self.episodes is None:
             self.episodes = episode_runner(self.episode_settings, self.max_new_tokens, codec.tokenizer,
@@ -107,6 +108,8 @@ class SampleSource:
             self.engine.place(place.rank, place.world_size, place.device)
         if place.log_dir is not None:
             self.engine.keep_logs_in(place.log_dir)
+        if sequences is not None:
+            self.engine.expect(sequences)
         self.engine.start(model_path(model), codec.pad_token_id, codec.stop_token_ids)
 
     def use_sync(self, weight_sync: WeightSync | None, policy: nn.Module) -> None:

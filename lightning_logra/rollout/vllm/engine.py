@@ -55,6 +55,10 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         max_model_len: the longest prompt + completion; None takes the model's own limit.
         gpu_memory_utilization: the share of device memory vLLM may take (of host memory on the CPU backend,
             where it must stay ≤ 0.3 here). Colocated with training on one GPU, leave room for the trainer.
+        kv_cache_gib: the KV cache, in GiB. None (the default): sized for the run (`kv_cache.py`): one training
+            step's sequences on this rank (data.batch_size / ranks × model.sampling.num_generations) at
+            max_model_len tokens each, or the share above when that is smaller; an engine not told the run's batch
+            takes the share.
         tensor_parallel_size: GPUs the engine is sharded over.
         enforce_eager: no CUDA graphs / compilation. None (the default): eager on the CPU backend (which has no
             CUDA graphs), CUDA graphs on a GPU, where decoding small batches is several times faster with them; their
@@ -95,6 +99,7 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         dtype: str = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
+        kv_cache_gib: float | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool | None = None,
         seed: int = 0,
@@ -109,6 +114,7 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
     ) -> None:
         if not (is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        check_positive("engine.kv_cache_gib", kv_cache_gib, "number of GiB", null="sized for the run")
         check_positive("engine.tensor_parallel_size", tensor_parallel_size, integer=True)
         check_at_least("engine.max_restarts", max_restarts, 0, integer=True)
         check_positive("engine.load_chunk_mib", load_chunk_mib, "number of MiB", integer=True)
@@ -120,6 +126,7 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
             enforce_eager=enforce_eager,
             seed=seed,
             enable_sleep_mode=sleep_between_rollouts,
+            **({} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}),
             **(engine_kwargs or {}),
         )
         if full_load not in FULL_LOADS:
@@ -147,6 +154,8 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         self.device: torch.device | None = None  # the trainer's device, when `place` set it
         self.group = None  # placement trainer_ranks: the ranks of this rank's engine (None: this rank alone)
         self.group_ranks = [0]
+        self.sequences: int | None = None  # the most sequences one generation call asks for (`expect`)
+        self.kv_cache_bytes: int | None = None  # what the started engine was given for its KV cache (None: the share)
 
     # ---- life cycle ---------------------------------------------------------------------------------------------
 
@@ -187,6 +196,9 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
     def runs_alongside(self) -> bool:
         # In the trainer's ranks (external launcher) or its process, the engine computes on the trainer's thread
         return self.separate_process and not self.in_trainer_ranks
+
+    def expect(self, sequences: int) -> None:
+        self.sequences = sequences
 
     def start(self, model: str, pad_token_id: int, stop_token_ids: list[int]) -> None:
         if self.llm is not None:

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.vllm.compat import VLLMIncompatible, check_vllm, incompatibility
+from lightning_logra.rollout.vllm.kv_cache import device_memory_bytes, kv_bytes_per_token, run_cache_bytes
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ _PORTS_PER_RANK = 100  # a user's VLLM_PORT is where vLLM starts looking for fre
 class EngineLaunch:
     """The start of `VLLMEngine`'s engine (a base class of it): it reads the engine's settings (`options`,
     `separate_process`, `model_path`, its place: `rank`, `world_size`, `device`, `in_trainer_ranks`) and sets what a
-    started engine has (`llm`, `_asleep`, `_watched`, `worker_devices`)."""
+    started engine has (`llm`, `_asleep`, `_watched`, `worker_devices`, `kv_cache_bytes`); `sequences` and
+    `group_ranks` size the KV cache."""
 
     def _launch(self) -> None:
         # vLLM logs every prefix-cache reset (one per sync) at INFO; the trainer's own logs are enough by default.
@@ -46,6 +48,8 @@ class EngineLaunch:
         options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
         if current_platform.is_cpu():
             options.update(whole_prefills(options, self.model_path))
+        options.update(self._cache_for_run(options, current_platform.is_cpu()))
+        self.kv_cache_bytes = options.get("kv_cache_memory_bytes")
         if self.in_trainer_ranks:
             # The trainer's ranks are the workers: vLLM joins the trainer's torch.distributed world (RANK,
             # LOCAL_RANK and WORLD_SIZE as the launcher set them) and builds its tensor-parallel groups from it.
@@ -74,6 +78,28 @@ class EngineLaunch:
             self.close()
             raise VLLMIncompatible(incompatibility(vllm.__version__, missing))
         self.worker_devices = self._rpc("logra_device")
+
+    def _cache_for_run(self, options: dict, cpu_backend: bool) -> dict:
+        """vLLM's `kv_cache_memory_bytes` for the sequences the run generates at once (`kv_cache.py`), unless the
+        options or VLLM_CPU_KVCACHE_SPACE give a size, the engine was not told the run's batch (`expect`), or the
+        share would be smaller."""
+        if "kv_cache_memory_bytes" in options or self.sequences is None or (
+                cpu_backend and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # vLLM's own setting of a size, in GiB
+            return {}
+        length = options.get("max_model_len") or model_context(self.model_path)
+        config = model_config(self.model_path)
+        if not length or config is None:
+            return {}
+        tp = options["tensor_parallel_size"]
+        # A tensor-parallel group generates its ranks' prompts together; each worker holds 1/tp of the heads.
+        sequences = self.sequences * len(self.group_ranks)
+        wanted = run_cache_bytes(sequences, length, kv_bytes_per_token(config, options["dtype"])) // tp
+        share = options["gpu_memory_utilization"] * device_memory_bytes(cpu_backend, self.device)
+        if wanted >= share:
+            return {}
+        log.info("vLLM's KV cache: %.2f GiB, for %d sequences of up to %d tokens (engine.kv_cache_gib sets a size)",
+                 wanted / 2**30, sequences, length)
+        return {"kv_cache_memory_bytes": wanted}
 
     @contextmanager
     def _environment(self) -> Iterator[None]:
@@ -142,17 +168,23 @@ def whole_prefills(options: dict, model: str) -> dict:
             "max_num_batched_tokens": max(options.get("max_num_batched_tokens") or CPU_BATCHED_TOKENS, context)}
 
 
-def model_context(model: str) -> int:
-    """The model's context length (max_position_embeddings of its config, or of its text model's), read as vLLM
-    reads it, from a folder or a hub id's files in the cache (never the network: a start need not wait on the hub).
-    0 when its config states none or is not here (vLLM then refuses a max_model_len beyond the budget, naming both)."""
+def model_config(model: str):
+    """The model's transformers config, read from a folder or a hub id's files in the cache (never the network: a
+    start need not wait on the hub); None when it is not here or transformers does not know its architecture."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True).get_text_config()
-    except (OSError, ValueError):  # no such folder, no hub here, an architecture transformers does not know
-        return 0
-    return int(getattr(config, "max_position_embeddings", 0) or 0)
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+def model_context(model: str) -> int:
+    """The model's context length (max_position_embeddings of its config, or of its text model's), read as vLLM
+    reads it. 0 when its config states none or is not here (vLLM then refuses a max_model_len beyond the budget,
+    naming both)."""
+    config = model_config(model)
+    return 0 if config is None else int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
 
 
 def eager_by_default(enforce_eager: bool | None, cpu_backend: bool) -> bool:

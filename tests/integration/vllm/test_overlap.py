@@ -59,6 +59,9 @@ class Record(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.weights = {n: p.detach().clone() for n, p in pl_module.policy.state_dict().items()}
+        self.kv_cache_bytes = pl_module.engine.kv_cache_bytes
+        self.kv_cache_blocks = pl_module.engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks  # vLLM's own
+        self.sequences = trainer.datamodule.batch_size * pl_module.hparams.sampling.num_generations
 
 
 def _run(run_cli, root, stop=None, ckpt_path=None):
@@ -74,7 +77,9 @@ def _run(run_cli, root, stop=None, ckpt_path=None):
 @pytest.fixture(scope="module")
 def uninterrupted(run_cli, tmp_path_factory):
     root = tmp_path_factory.mktemp("overlap")
-    return _run(run_cli, root), root
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # conftest sizes every engine: this one sizes its own
+        return _run(run_cli, root), root
 
 
 def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_model):
@@ -90,6 +95,11 @@ def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_m
     for key in ("train/wait_s", "train/score_s", "train/update_s", "train/rollout_s"):
         assert len(scalars[key]) == STEPS and min(scalars[key]) >= 0, key
     assert sum(1 for b in scalars["sync/bytes"] if not math.isnan(b)) >= STEPS - K  # every update reached the engine
+    # vLLM's KV cache sized for the run, not the 10% of host memory the config allows: a step's prompts × their
+    # completions, each one block of 128 tokens (the model's 32 positions) of keys and values over the test model's 2
+    # layers × 2 heads × 64 fp32 numbers
+    assert record.kv_cache_bytes == record.sequences * 128 * (2 * 2 * 2 * 64 * 4)
+    assert record.kv_cache_blocks == record.sequences  # what the engine allocated: a block of 128 tokens each
 
 
 @pytest.mark.long  # two more engine starts, about 80 s

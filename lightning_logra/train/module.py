@@ -44,7 +44,7 @@ from lightning_logra.train.policy import (
     load_policy,
     load_reference,
 )
-from lightning_logra.train.sample_source import Placement, SampleSource
+from lightning_logra.train.sample_source import Placement, SampleSource, sequences_per_call
 from lightning_logra.train.scoring import score_rollout
 from lightning_logra.train.settings import (
     GROUPS,
@@ -61,6 +61,7 @@ from lightning_logra.train.settings import (
 from lightning_logra.train.step_metrics import reward_mean, rollout_metrics, step_tokens, task_rewards
 from lightning_logra.train.step_times import StepTimes
 from lightning_logra.train.strategies.base import Collectives, collectives_of
+from lightning_logra.train.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.mode: TrainingMode | None = None
         self.collectives: Collectives = Collectives()
         self.controller: StepSizeController | None = None
+        self.throughput: Throughput | None = None  # perf/* (made at fit start, on the policy's device)
         self.samples = SampleSource(groups["rollouts"].engine, groups["rollouts"], sampling, episodes)
         self.sampling = self.samples.sampling  # the training rollouts' sampling parameters
         self.codec: PromptCodec | None = None  # the tokenizer's part in generation, once the policy is loaded
@@ -176,20 +178,8 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         placement = Placement(device=self.device) if trainer is None else Placement(
             self.global_rank, trainer.world_size, trainer.strategy.root_device, log_dir)
         self.samples.bind(self.codec, self.collectives, placement)
-        self.samples.start_engine(self.policy, hp.model, self.sequences_per_call(trainer, fitting))
-
-    def sequences_per_call(self, trainer, fitting: bool) -> int | None:
-        """The most sequences one generation call asks of the engine on this rank, which sizes vLLM's KV cache: a
-        training step's prompts × model.sampling.num_generations when fitting, an evaluation batch's ×
-        model.evaluation.num_samples otherwise (an evaluation during fit waits for room in the cache instead). None
-        when the data module does not say its batch."""
-        data = getattr(trainer, "datamodule", None) if trainer is not None else None
-        hp = self.hparams
-        prompts, n = ((getattr(data, "batch_size", None), hp.sampling.num_generations) if fitting
-                      else (getattr(data, "eval_batch_size", None), hp.evaluation.num_samples))
-        if not isinstance(prompts, int) or prompts < 1:
-            return None
-        return -(-prompts // trainer.world_size) * n
+        sequences = sequences_per_call(trainer, hp.sampling, hp.evaluation, fitting)  # sizes vLLM's KV cache
+        self.samples.start_engine(self.policy, hp.model, sequences)
 
     def configure_callbacks(self) -> list[Callback]:
         export = self.hparams.export
@@ -265,6 +255,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.log_dict(self.mode.learning_rates())  # train/lr (the sketch optimizer's or the dense one's), rest_lr
         self.mode.advance_schedules(self.lr_schedulers(), applied=update is not None)
         synced = self.samples.sync(update, float(mismatch["rollout/logprob_abs_diff"]), stale=version < step)
+        times.lap("sync")
         controlled = self.controller.applied(update) if self.controller is not None else {}
         self.log_step(rollout, rewards, per_reward, step, times.elapsed(), {
             "train/loss": loss, "train/grad_norm": grad_norm, **metrics,
@@ -340,6 +331,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.num_tokens += step_tokens(rollout, self.sum_over_ranks)
         metrics = {**rollout_metrics(rollout, rewards, hp.sampling.num_generations, self.stop_token_ids(), step_s),
                    "train/num_tokens": float(self.num_tokens),
+                   **self.throughput.metrics(rollout, self.sum_over_ranks, step_s, metrics),
                    **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
                    **metrics}
         self.log("train/reward_mean", reward_mean(rollout, rewards, self.sum_over_ranks), prog_bar=True,
@@ -366,6 +358,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
                              "reward/<name>/mean would log both: rename the reward function or class")
         # Asked for α between each step's proposal and its application (lightning_logra.algo.step_size).
         self.controller = find_controller(self.trainer.callbacks)
+        self.throughput = Throughput(self.policy, self.device)
         self.samples.use_sync(find_sync(self.trainer.callbacks), self.policy)
         # What the optimizers were built with, before a checkpoint's state replaces it (on_train_start puts it back).
         self._configured = resume.configured(self.trainer.optimizers)

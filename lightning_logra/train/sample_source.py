@@ -34,7 +34,7 @@ from lightning_logra.paths import model_path
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
 from lightning_logra.train.policy import PromptCodec
-from lightning_logra.train.settings import RolloutSettings, SamplingSettings
+from lightning_logra.train.settings import EvalSettings, RolloutSettings, SamplingSettings
 from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
@@ -305,3 +305,16 @@ class SampleSource:
                             "they are generated again", len(in_flight), world)
         if self.engine is not None and "engine" in saved:
             self.engine.load_state_dict(saved["engine"])
+
+
+def sequences_per_call(trainer, sampling: SamplingSettings, evaluation: EvalSettings, fitting: bool) -> int | None:
+    """The most sequences one generation call asks of the engine on this rank, which sizes vLLM's KV cache: a
+    training step's prompts × model.sampling.num_generations when fitting, an evaluation batch's ×
+    model.evaluation.num_samples otherwise (an evaluation during fit waits for room in the cache instead). None when
+    there is no data module, or it does not say its batch."""
+    data = getattr(trainer, "datamodule", None)
+    prompts, n = ((getattr(data, "batch_size", None), sampling.num_generations) if fitting
+                  else (getattr(data, "eval_batch_size", None), evaluation.num_samples))
+    if isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
+        return None
+    return -(-prompts // trainer.world_size) * n

@@ -10,6 +10,7 @@ PARTS = {
             "dynamic sampling's later rounds",
     "score": "the rewards of the step's first round",
     "update": "advantages, forward and backward passes, the reduction, the step size and the applied update",
+    "sync": "the trainer's time in the weight sync (the whole send when serial, handing it over when overlapped)",
 }
 
 

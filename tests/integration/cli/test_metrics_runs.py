@@ -1,5 +1,6 @@
 """The metrics a TRL user looks for, each checked against what it must equal: token entropy, completion lengths and
-how they ended, tokens seen, the step actually taken (α·η), and completions logged as text."""
+how they ended, tokens seen, the step actually taken (α·η), throughput (`perf/*`), and completions logged as
+text."""
 
 import glob
 import math
@@ -35,6 +36,13 @@ def test_a_run_logs_trl_metrics_that_mean_what_they_say(run_cli, tmp_path, monke
     assert metrics["train/lr"] == pytest.approx(cli.trainer.optimizers[0].param_groups[0]["lr"]) == 1e-3
     assert metrics["train/effective_lr"] == pytest.approx(metrics["kl/alpha"] * metrics["train/lr"])
     assert 0 < metrics["train/entropy"] <= math.log(cli.model.policy.config.vocab_size)
+    # throughput: the last step's tokens over its seconds, and its parts' shares (the KL check's too) adding up to one
+    step_s = metrics["train/step_s"]
+    assert metrics["perf/generated_tokens_per_s"] * step_s == pytest.approx(float(lengths.sum()))
+    last_tokens = float(last.prompt_mask.sum() + last.completion_mask.sum())
+    assert metrics["perf/trained_tokens_per_s"] * step_s == pytest.approx(last_tokens)
+    assert metrics["perf/share/kl"] * step_s == pytest.approx(metrics["kl/seconds"])
+    assert sum(v for k, v in metrics.items() if k.startswith("perf/share/")) == pytest.approx(1.0)
     # completions as text in TensorBoard, one table per step
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

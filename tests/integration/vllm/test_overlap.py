@@ -95,6 +95,10 @@ def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_m
     for key in ("train/wait_s", "train/score_s", "train/update_s", "train/rollout_s"):
         assert len(scalars[key]) == STEPS and min(scalars[key]) >= 0, key
     assert sum(1 for b in scalars["sync/bytes"] if not math.isnan(b)) >= STEPS - K  # every update reached the engine
+    # throughput: tokens per second, and the parts' shares of each step adding up to the step
+    shares = [sum(values) for values in zip(*(v for k, v in scalars.items() if k.startswith("perf/share/")))]
+    assert len(shares) == STEPS and shares == pytest.approx([1.0] * STEPS)
+    assert min(scalars["perf/trained_tokens_per_s"]) > min(scalars["perf/generated_tokens_per_s"]) > 0
     # vLLM's KV cache sized for the run, not the 10% of host memory the config allows: a step's prompts × their
     # completions, each one block of 128 tokens (the model's 32 positions) of keys and values over the test model's 2
     # layers × 2 heads × 64 fp32 numbers

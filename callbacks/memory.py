@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,33 +12,12 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_logra.base.resident import process_rss_reader
 from lightning_logra.base.settings import check_positive
 from lightning_logra.rollout.engine import RolloutEngine
 from lightning_logra.sketch.memory import MemoryBreakdown, memory_breakdown
 
 GIB = 2**30
-_STATM = "/proc/self/statm"
-
-
-def process_rss_reader() -> Callable[[], int]:
-    """A function returning this process's resident set size in bytes: from /proc on Linux, else from psutil."""
-    if os.path.exists(_STATM):
-        page = os.sysconf("SC_PAGE_SIZE")
-
-        def read() -> int:
-            with open(_STATM) as statm:  # "size resident shared ...", counted in pages
-                return int(statm.read().split()[1]) * page
-
-        return read
-    try:
-        import psutil
-    except ImportError:
-        raise RuntimeError(
-            f"MemoryProfiler: CPU memory is read from {_STATM} (Linux) or with psutil; this system has neither. "
-            "Install psutil or remove lightning_logra.callbacks.MemoryProfiler from trainer.callbacks"
-        ) from None
-    process = psutil.Process()
-    return lambda: process.memory_info().rss
 
 
 def cuda_allocated_reader(device: torch.device) -> Callable[[], int]:
@@ -64,22 +44,39 @@ class StepSampler:
 
     def start(self) -> None:
         # One sample at each end, so that a step shorter than the interval is still measured.
-        self._samples = [self.read()]
+        self._samples = [self._now()]
         self._done.clear()
         self._thread = threading.Thread(target=self._sample, name="memory-sampler", daemon=True)
         self._thread.start()
 
+    def _now(self) -> tuple[float, int]:
+        return time.perf_counter(), self.read()
+
     def _sample(self) -> None:
         while not self._done.wait(self.interval_s):
-            self._samples.append(self.read())
+            self._samples.append(self._now())
 
     def stop(self) -> tuple[float, int]:
         """(average, peak) bytes since `start()`."""
         self._done.set()
         self._thread.join()
         self._thread = None
-        self._samples.append(self.read())
-        return sum(self._samples) / len(self._samples), max(self._samples)
+        self._samples.append(self._now())
+        sizes = [size for _, size in self._samples]
+        return sum(sizes) / len(sizes), max(sizes)
+
+    def peaks(self, laps: list[tuple[str, float]]) -> dict[str, int]:
+        """The highest sample of each part of the last window, `laps` giving each part's end in order (a part's
+        samples are those after the previous part's end, up to its own; several laps of one part count as one, and
+        what follows the last lap is "other")."""
+        peaks: dict[str, int] = {}
+        ends = iter([*laps, ("other", float("inf"))])
+        part, end = next(ends)
+        for when, size in self._samples:
+            while when > end:
+                part, end = next(ends)
+            peaks[part] = max(peaks.get(part, 0), size)
+        return peaks
 
 
 class MemoryProfiler(Callback):
@@ -95,6 +92,14 @@ class MemoryProfiler(Callback):
     After the first step: `memory/<category>_gib` for each category of `memory_breakdown`. At the end of fit, rank
     zero prints a table of both. Observation only: the run is the same without this callback.
 
+    Where the peak comes from, for an RLVRModule: every step, `memory/step/<part>_gib`, the highest memory during
+    each part of the step (`train/step_times.py`: wait, i.e. generation, score, update, sync, and other) above what
+    the process held when training started; on the CPU, after the first step, what it held then, by what loaded it:
+    `memory/setup/libraries_gib` (before the model loads: torch, vLLM, the data), `memory/weights_gib` (the
+    policy's tensors), `memory/setup/engine_gib` (what starting an engine in this process added: its weights and
+    KV cache) and `memory/setup/rest_gib` (the rest). So a step's peak is libraries + weights + engine + rest + the
+    highest part.
+
     Args:
         interval_s: seconds between two samples of the step's memory.
     """
@@ -106,9 +111,18 @@ class MemoryProfiler(Callback):
         self.breakdown: MemoryBreakdown | None = None
         self._sampler: StepSampler | None = None
         self._cuda: torch.device | None = None  # the device to ask the CUDA allocator about; None on the CPU
+        self._at_setup: int | None = None  # this process's RSS before the model loaded (fit on the CPU)
+        self._at_start = 0  # the memory read when training started
+        self.setup_account: dict[str, float] = {}  # memory/setup/* GiB (the CPU)
+        self.part_peaks: dict[str, float] = {}  # the highest memory/step/<part>_gib over the steps
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Before configure_model loads the policy and starts the engine
+        cpu = trainer.strategy.root_device.type == "cpu"
+        self._at_setup = process_rss_reader()() if stage == "fit" and cpu else None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.steps, self.breakdown = [], None
+        self.steps, self.breakdown, self.setup_account, self.part_peaks = [], None, {}, {}
         device = pl_module.device
         if device.type == "cuda" and torch.cuda.is_available():
             self._cuda = device
@@ -117,6 +131,9 @@ class MemoryProfiler(Callback):
             self._cuda = None
             read = process_rss_reader()
         self._sampler = StepSampler(read, self.interval_s)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._at_start = self._sampler.read()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._cuda is not None:
@@ -143,7 +160,24 @@ class MemoryProfiler(Callback):
             # in their first step. From then on it is static, so it is logged once.
             self.breakdown = memory_breakdown(pl_module.policy, trainer.optimizers)
             metrics.update({f"memory/{name}_gib": size / GIB for name, size in self.breakdown.as_dict().items()})
+            if self._at_setup is not None:
+                self.setup_account = self._setup_account(pl_module)
+                metrics.update({f"memory/setup/{name}_gib": size for name, size in self.setup_account.items()})
+        times = getattr(pl_module, "step_times", None)  # an RLVRModule's parts of the step
+        if times is not None:
+            peaks = self._sampler.peaks(times.laps)
+            for part in dict.fromkeys([*(part for part, _ in times.laps), "other"]):
+                rise = (peaks[part] - self._at_start) / GIB if part in peaks else math.nan  # no sample fell in it
+                metrics[f"memory/step/{part}_gib"] = rise
+                self.part_peaks[part] = max(self.part_peaks.get(part, -math.inf), rise)
         pl_module.log_dict(metrics)
+
+    def _setup_account(self, pl_module: LightningModule) -> dict[str, float]:
+        """What the process held when training started (GiB), by what loaded it."""
+        engine = getattr(getattr(pl_module, "samples", None), "engine_start_bytes", 0) / GIB
+        libraries, weights = self._at_setup / GIB, self.breakdown.weights / GIB
+        return {"libraries": libraries, "engine": engine,
+                "rest": self._at_start / GIB - libraries - weights - engine}
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # A step that raised never reaches on_train_batch_end: stop its sampling thread here.
@@ -158,6 +192,12 @@ class MemoryProfiler(Callback):
             ("step peak (max over steps)", max(peak for _, peak in self.steps)),
             *((name, size / GIB) for name, size in self.breakdown.as_dict().items()),
         ]
+        if self.setup_account:
+            rows += [("at the start: before the model (libraries, data)", self.setup_account["libraries"]),
+                     ("at the start: the policy's weights", self.breakdown.weights / GIB),
+                     ("at the start: the engine in this process", self.setup_account["engine"]),
+                     ("at the start: the rest of set-up", self.setup_account["rest"])]
+        rows += [(f"step, {part}: highest above the start", rise) for part, rise in self.part_peaks.items()]
         lines = [f"| memory of this device, GiB ({len(self.steps)} steps) | |", "|---|---:|"]
         lines += [f"| {name} | {value:.4f} |" for name, value in rows]
         rank_zero_info("\n".join(lines))

@@ -9,6 +9,7 @@
 - settings.py   checks of numeric settings: each refusal names the setting's key, what it must be and what it got
 - stop.py       a stop that a signal asked for, which the waits on a rollout engine heed
 - waits.py      log lines around long waits: what is waited for, and how long it took
+- resident.py   this process's resident memory (RSS), cheap enough to sample every few milliseconds
 - http.py       request_within: an HTTP request bounded as a whole (a server trickling its answer cannot hold the caller
                 past its deadline)
 """

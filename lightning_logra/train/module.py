@@ -143,6 +143,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.collectives: Collectives = Collectives()
         self.controller: StepSizeController | None = None
         self.throughput: Throughput | None = None  # perf/* (made at fit start, on the policy's device)
+        self.step_times: StepTimes | None = None  # the last training step's
         self.samples = SampleSource(groups["rollouts"].engine, groups["rollouts"], sampling, episodes)
         self.sampling = self.samples.sampling  # the training rollouts' sampling parameters
         self.codec: PromptCodec | None = None  # the tokenizer's part in generation, once the policy is loaded
@@ -229,6 +230,7 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         applied (what a rollout engine with weights of its own receives), or None when the step was skipped (the
         weights unchanged)."""
         hp, step, times = self.hparams, self.global_step, StepTimes()
+        self.step_times = times  # read by MemoryProfiler for the memory of each part
         n = hp.sampling.num_generations
         rollout, version, waited = self.samples.draw(batch, step)  # the step's samples, drawn with `version`'s weights
         times.took("wait", waited)

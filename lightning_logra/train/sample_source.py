@@ -27,6 +27,7 @@ from torch import nn
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.hashing import prompt_seeds
+from lightning_logra.base.resident import process_rss_reader
 from lightning_logra.base.stop import StopRequested
 from lightning_logra.episodes import EpisodeRunner
 from lightning_logra.episodes.settings import EpisodeSettings, episode_runner
@@ -77,6 +78,7 @@ class SampleSource:
         self._in_flight: list[dict[str, Any]] = []
         # Multi-turn episodes (model.episodes), drawn over the engine; None: one turn
         self.episodes: EpisodeRunner | None = None
+        self.engine_start_bytes = 0  # what starting an engine with weights of its own added to this process's RSS
 
     # ---- the engine's life ------------------------------------------------------------------------------------------
 
@@ -110,7 +112,11 @@ class SampleSource:
             self.engine.keep_logs_in(place.log_dir)
         if sequences is not None:
             self.engine.expect(sequences)
+        resident = process_rss_reader()
+        before = resident()
         self.engine.start(model_path(model), codec.pad_token_id, codec.stop_token_ids)
+        # What the start added to this process (an engine in it: its weights and KV cache): MemoryProfiler's account
+        self.engine_start_bytes = resident() - before
 
     def use_sync(self, weight_sync: WeightSync | None, policy: nn.Module) -> None:
         """The run's weight sync (the callbacks'); refused where it would sync nothing, required where the engine has

@@ -21,15 +21,18 @@ class StepTimes:
     def __init__(self) -> None:
         self.start = self.mark = time.perf_counter()
         self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.laps: list[tuple[str, float]] = []  # (part, when it ended) in order: MemoryProfiler's phases
 
     def lap(self, part: str) -> None:
         now = time.perf_counter()
         self.seconds[part] += now - self.mark
         self.mark = now
+        self.laps.append((part, now))
 
     def took(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
         self.mark = time.perf_counter()
+        self.laps.append((part, self.mark))
 
     def elapsed(self) -> float:
         """Seconds since the step began (`train/step_s`: the parts, the weight sync and the rest)."""

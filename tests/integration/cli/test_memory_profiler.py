@@ -46,6 +46,27 @@ def test_every_step_logs_average_and_peak_of_the_process_rss(run_cli):
     # a CPU run has no device counter, and the in-process engine reports no memory of its own
     assert "memory/device_used_gib" not in cli.trainer.callback_metrics
     assert "memory/engine_gib" not in cli.trainer.callback_metrics
+    # where the peak comes from: each part of the step's highest memory above the start, the highest of them the
+    # step's peak (the parts cover the step); what the process held at the start, by what loaded it
+    profiler = _profiler(cli.trainer)
+    parts = {name: [event.value for event in events.Scalars(name)] for name in events.Tags()["scalars"]
+             if name.startswith("memory/step/")}
+    assert sorted(parts) == [f"memory/step/{part}_gib" for part in ("other", "score", "sync", "update", "wait")]
+    start = profiler._at_start / GIB
+    for index, (_, peak) in enumerate(steps):
+        assert start + max(values[index] for values in parts.values()) == pytest.approx(peak, rel=1e-6)
+    account = profiler.setup_account
+    assert account["engine"] == 0  # the in-process engine is the policy: nothing started
+    assert 0 < account["libraries"] < start
+    assert account["libraries"] + profiler.breakdown.weights / GIB + account["rest"] == pytest.approx(start)
+
+
+def test_the_samples_of_each_part_of_a_step():
+    sampler = StepSampler(lambda: 0)
+    sampler._samples = [(0.0, 5), (1.0, 7), (2.0, 3), (3.0, 9), (3.5, 1), (4.0, 2), (5.0, 4)]
+    # wait until 1, score until 2, wait again until 3, update until 4; then the rest
+    assert sampler.peaks([("wait", 1.0), ("score", 2.0), ("wait", 3.0), ("update", 4.0)]) == {
+        "wait": 9, "score": 3, "update": 2, "other": 4}
 
 
 def _window(spike_bytes: int) -> tuple[float, int]:

@@ -143,6 +143,8 @@ def run_config(run: dict, args: argparse.Namespace) -> dict:
     data["eval_size"] = args.eval_size
     if run.get("tasks") is not None:
         data["tasks"] = run["tasks"]
+        # the config's context fits its own mix's prompts (84 tokens); other tasks' can be longer
+        config["model"]["rollouts"]["engine"]["init_args"]["max_model_len"] = 512
     kinds = {callback["class_path"].rsplit(".", 1)[1]: callback for callback in trainer["callbacks"]}
     callbacks = [{"class_path": "lightning_logra.callbacks.KLFromStart",
                   "init_args": {"prompts": args.kl_prompts, "samples": 4}},

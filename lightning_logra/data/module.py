@@ -194,13 +194,27 @@ class RLVRDataModule(LightningDataModule):
                 raise ValueError("data.max_prompt_length counts tokens with the model's encode_prompts: run the data "
                                  "module in a Trainer with an RLVRModule, or set data.max_prompt_length: null")
             # Without a limit of its own, a prompt past the model's context would still reach generation, whose
-            # memory then grows without bound (a 6k-token prompt took a 32-position model's run to 19 GB).
+            # memory then grows without bound (a 6k-token prompt took a 32-position model's run to 19 GB); a limit
+            # set past it would let the same prompts through.
             limit, origin = self.max_prompt_length, None
             if limit is None:
                 limit, origin = module.prompt_token_limit(stage) or (None, None)
+            else:
+                # Fitting checks the evaluation's room too: its longer completions would fail the first validation.
+                for checked in (stage, *self.eval_sets) if stage == "fit" else (stage,):
+                    self._check_max_prompt_length(module.prompt_token_limit(checked))
             self._within_length[stage] = limit_prompt_length(dataset, module.encode_prompts, limit,
                                                              self.overlong_prompts, STAGE_KEYS[stage], origin)
         return self._within_length[stage]
+
+    def _check_max_prompt_length(self, context: tuple[int, str] | None) -> None:
+        """Refuse a data.max_prompt_length longer than `context`, the room the model's context leaves for a prompt
+        beside a stage's completions, and where it comes from (None: a model without a fixed context)."""
+        if context is not None and self.max_prompt_length > context[0]:
+            room, origin = context
+            raise ValueError(f"data.max_prompt_length={self.max_prompt_length} is longer than the {room} tokens the "
+                             f"model's context leaves for a prompt ({origin}): set data.max_prompt_length to {room} or "
+                             "less, or leave it unset for that limit")
 
     def train_dataloader(self) -> DataLoader:
         # One batch is one optimizer step, so the global step is the index of the next batch.

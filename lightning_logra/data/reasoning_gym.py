@@ -29,7 +29,7 @@ import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, Union
 
 from torch.utils.data import Dataset
@@ -44,9 +44,9 @@ log = logging.getLogger(__name__)
 DEFAULT_INSTRUCTION = "Give only the final answer, inside <answer></answer> tags."
 DEFAULT_PREFIX = "<answer>"
 _MADE_BY_US = ("seed", "size")  # a generator's settings the data module sets itself
-# How long the first item of a task may take at set-up. Every generator makes one at its default settings in well
-# under a second; settings that take longer (5000-digit operands: a divisor search that never ends) would take far
-# longer for data.size items.
+# How long one item may take. Every generator makes one at its default settings in under a second (futoshiki, the
+# slowest, about 0.8 s); settings that take longer (5000-digit operands: a divisor search that never ends) would take
+# far longer for data.size items.
 DRAW_TIMEOUT_S = 60.0
 _CULPRIT_TIMEOUT_S = 5.0  # each retry without one setting, looking for the one that makes no item
 _FIRST_ITEMS = 8  # made of each task when the data module is built: enough to meet most of a generator's branches
@@ -138,13 +138,21 @@ def _described(hint: Any) -> str:
 
 
 def _setting_types(config_class: type) -> dict[str, Any]:
-    """The annotations of a generator's settings; those with a default of None also take None."""
+    """The annotations of a generator's settings that its own defaults fit (some do not: `diff_ub: int = 0.2`,
+    `variables: tuple[str] = ("x", "y", "z")`; those are left to the generator's checks). A default of None
+    takes None."""
     try:
         hints = typing.get_type_hints(config_class)
     except Exception:  # an annotation that does not resolve: the generator's own checks are all there is
         return {}
-    return {f.name: hints[f.name] | None if f.default is None else hints[f.name]
-            for f in fields(config_class) if f.name in hints}
+    kinds = {}
+    for f in fields(config_class):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if f.name not in hints or default is MISSING:
+            continue
+        if default is None or _fits(default, hints[f.name]):
+            kinds[f.name] = hints[f.name] | None if default is None else hints[f.name]
+    return kinds
 
 
 def check_tasks(tasks: list[ReasoningTask]) -> None:
@@ -196,14 +204,13 @@ def check_tasks(tasks: list[ReasoningTask]) -> None:
 
 
 class _TooSlow(Exception):
-    """The first item of a task took longer than it was given."""
+    """An item took longer than it was given."""
 
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
     """Raise _TooSlow in the code inside if it runs past `seconds` (a timer signal; in the main thread only, where
-    signals are delivered: elsewhere, no limit). A timer set before (pytest-timeout's) is put back, less the time
-    taken here."""
+    signals are delivered: elsewhere, no limit). A timer set before is put back, less the time taken here."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return

@@ -128,6 +128,14 @@ def test_a_setting_of_the_wrong_type_is_refused_naming_the_key(settings, message
         ReasoningGymDataModule([{"name": "basic_arithmetic", "settings": settings}])
 
 
+def test_settings_of_the_annotated_types_pass_and_a_wrong_annotation_is_not_held_against_them():
+    settings = {"max_digits": 2, "operators": ["+"], "format_style": "natural", "allow_negation": False}
+    assert ReasoningGymDataModule([{"name": "basic_arithmetic", "settings": settings}], size=4).size == 4
+    # `variables: tuple[str] = ("x", "y", "z")`: a tuple of one by the letter; its own default does not fit it
+    task = {"name": "polynomial_multiplication", "settings": {"variables": ["x", "y"]}}
+    assert ReasoningGymDataModule([task], size=4).tasks[0].settings == {"variables": ["x", "y"]}
+
+
 def test_settings_that_make_no_item_are_refused_when_the_module_is_built_naming_the_key(monkeypatch):
     # Words of 60 to 70 letters pass the generator's own check; the first item then failed deep inside it
     # ("IndexError: Cannot choose from an empty sequence"), without naming a key.

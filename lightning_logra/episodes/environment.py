@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,49 @@ def import_path(path: str, key: str) -> Any:
     except (ImportError, AttributeError, ValueError) as err:
         raise ValueError(f"{key}: cannot import {path!r} ({err}); give a dotted path to a top-level definition "
                          f"(package.module.name) of an installed module") from err
+
+
+def environment_class(path: str, args: dict[str, Any], key: str) -> type:
+    """The class a dotted path names, checked to make an environment from `args` (its init_args); or an error naming
+    `key` and what is wrong. Checked at set-up: in the environment processes, an object that is not a class, or a
+    class that cannot be made from `args`, would fail every episode's start, and each would run without tools."""
+    cls = import_path(path, key)
+    if not isinstance(cls, type):
+        raise ValueError(f"{key}: {path!r} is not a class (it is {type(cls).__name__} {cls!r}); give a class, one "
+                         f"instance of which each episode talks to")
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a class written in C may state no signature: it is made as it is
+        return cls
+    try:
+        signature.bind(**args)
+    except TypeError as err:
+        raise ValueError(f"{key}: {path} cannot be made with init_args {args} ({err}); give the arguments its "
+                         f"__init__ needs as init_args ({{class_path: {path}, init_args: {{...}}}})") from None
+    return cls
+
+
+def function_tools(paths: list[str] | tuple[str, ...], key: str) -> dict[str, Callable]:
+    """Plain functions as tools, by the name the model calls them by (the last part of each dotted path); two with
+    one name are refused naming both (one would silently answer for the other)."""
+    tools: dict[str, Callable] = {}
+    where: dict[str, str] = {}
+    for path in paths:
+        name = path.rpartition(".")[2]
+        if name in tools:
+            raise ValueError(f"{key}: {where[name]!r} and {path!r} are both named {name!r}, and the model calls a tool "
+                             f"by its name; give one of them a name of its own (wrap it in a function)")
+        tools[name], where[name] = import_path(path, key), path
+    return tools
+
+
+def real_number(value: Any, what: str) -> float:
+    """An environment's reward as a float: a real number (int or float, numpy's too; not a bool), finite; anything
+    else is refused, the message beginning with `what` ("pkg.Env.reward() returned"): a "0.5" is text, not a score."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{what} {value!r} (a {type(value).__name__}): it must return a real number (an int or a "
+                         f"float, finite) or None")
+    return float(value)
 
 
 def tool_methods(environment_class: type) -> dict[str, Callable]:
@@ -99,7 +144,7 @@ class GymAdapter:
 
     def act(self, action: str) -> tuple[str, bool]:
         observation, reward, done, _info = self.env.step(action)
-        self.total += float(reward or 0.0)
+        self.total += 0.0 if reward is None else real_number(reward, f"{self.env_path}.step() returned the reward")
         return answer_text(observation), bool(done)
 
     def reward(self) -> float:

@@ -26,7 +26,16 @@ from typing import Any
 
 from lightning_logra.base.child import ChildProcess, limit_address_space
 from lightning_logra.episodes.calls import ParsedTurn, parse_tool_calls
-from lightning_logra.episodes.environment import FunctionTools, GymAdapter, answer_text, import_path, tool_methods
+from lightning_logra.episodes.environment import (
+    FunctionTools,
+    GymAdapter,
+    answer_text,
+    environment_class,
+    function_tools,
+    import_path,
+    real_number,
+    tool_methods,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +56,7 @@ class EnvironmentSpec:
     args: tuple[tuple[str, Any], ...] = ()
     paths: tuple[str, ...] = ()
     invalid_tool_call: str = "answer"  # "answer": the model reads why; "end": the episode ends
-    max_answer_chars: int = 1 << 16
+    max_answer_chars: int = 1 << 16  # of a turn's answers together, and of a reset's text
 
 
 @dataclass
@@ -71,22 +80,20 @@ class _Episode:
             self.env = import_path(spec.path, "model.episodes.environment_factory")(**dict(spec.args))
             self.tools = {name: getattr(self.env, name) for name in tool_methods(type(self.env))}
         elif spec.kind == "functions":
-            self.tools = {path.rpartition(".")[2]: import_path(path, "model.episodes.tools") for path in spec.paths}
+            self.tools = function_tools(spec.paths, "model.episodes.tools")
             self.env = FunctionTools(self.tools)
         else:
             self.env, self.tools = GymAdapter(spec.path, dict(spec.args)), {}
 
     def start(self, seed: int, row: dict[str, Any]) -> str | None:
-        if isinstance(self.env, GymAdapter):
-            return self.env.start(seed, row)
-        text = self.env.reset(**row)
-        return None if text is None else answer_text(text)
+        text = self.env.start(seed, row) if isinstance(self.env, GymAdapter) else self.env.reset(**row)
+        return None if text is None else self._cut([{"role": "user", "content": answer_text(text)}])[0]["content"]
 
     def respond(self, text: str, timeout_s: float) -> tuple[Reply, bool]:
         """The environment's reply to a turn's text, and whether a call was left running past its deadline."""
         if isinstance(self.env, GymAdapter):
             observation, done = self.env.act(text)
-            return Reply([{"role": "user", "content": self._cut(observation)}], done), False
+            return Reply(self._cut([{"role": "user", "content": observation}]), done), False
         turn: ParsedTurn = parse_tool_calls(text)
         if turn.answered:
             return Reply([], done=True), False
@@ -105,9 +112,9 @@ class _Episode:
                 else:
                     answer, failed, stuck = f"error: the call timed out after {timeout_s:g} s", True, True
                 errors += failed
-                messages.append({"role": "tool", "name": call.name, "content": self._cut(answer)})
+                messages.append({"role": "tool", "name": call.name, "content": answer})
         messages += [{"role": "tool", "name": "invalid_call", "content": f"error: {why}"} for why in turn.invalid]
-        return Reply(messages, False, len(turn.calls), errors, len(turn.invalid)), stuck
+        return Reply(self._cut(messages), False, len(turn.calls), errors, len(turn.invalid)), stuck
 
     def _call(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         tool = self.tools.get(name)
@@ -118,17 +125,25 @@ class _Episode:
         except Exception as err:  # the model reads what went wrong, as a tool's answer
             return f"error: {type(err).__name__}: {err}", True
 
-    def _cut(self, text: str) -> str:
-        """At most max_answer_chars of an answer: a tool that returns megabytes must not fill the trainer's memory
-        (the episode's token budget cuts what is left)."""
-        return text[: self.spec.max_answer_chars]
+    def _cut(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """A turn's messages with at most max_answer_chars of content among them, in order (the first answers whole,
+        then what is left, then nothing): a tool that returns megabytes, or a turn of many calls, must not fill the
+        trainer's memory; the episode's token budget cuts what is left."""
+        left, cut = self.spec.max_answer_chars, []
+        for message in messages:
+            content = message["content"][:left]
+            left -= len(content)
+            cut.append({**message, "content": content})
+        return cut
 
     def reward(self) -> float | None:
         reward = getattr(self.env, "reward", None)
         if not callable(reward):
             return None
         value = reward()
-        return None if value is None else float(value)
+        where = "GymAdapter" if isinstance(self.env, GymAdapter) else self.spec.path
+        return None if value is None else real_number(value, f"model.episodes.environment_factory: {where}.reward() "
+                                                             f"returned")
 
 
 def _serve(conn: Connection, spec: EnvironmentSpec, memory_gib: float | None) -> None:
@@ -177,8 +192,10 @@ def _answer(spec: EnvironmentSpec, episodes: dict[int, _Episode], request: tuple
         else:  # "finish"
             answers[key] = ("ok", episodes.pop(key).reward())
     except MemoryError:
+        episodes.pop(key, None)  # a failed environment's episode ends: nothing asks for it again
         answers[key] = ("error", "out of memory (model.episodes.memory_gib)")
     except Exception:
+        episodes.pop(key, None)
         answers[key] = ("error", traceback.format_exc(limit=-3))
 
 
@@ -258,7 +275,9 @@ class EnvironmentPool:
 def spec_from_settings(environment_factory: str | dict | None, tools: list[str] | None, invalid_tool_call: str,
                        max_answer_chars: int) -> EnvironmentSpec:
     """The spec of `model.episodes.environment_factory` (a dotted path, or class_path and init_args) or
-    `model.episodes.tools`."""
+    `model.episodes.tools`; an environment class that cannot be made from its init_args is refused here, naming the
+    key (GymAdapter's `env` and `env_args` the same)."""
+    key = "model.episodes.environment_factory"
     common = {"invalid_tool_call": invalid_tool_call, "max_answer_chars": max_answer_chars}
     if environment_factory is None:
         return EnvironmentSpec("functions", paths=tuple(tools or ()), **common)
@@ -266,10 +285,16 @@ def spec_from_settings(environment_factory: str | dict | None, tools: list[str] 
         path, args = environment_factory, {}
     else:
         path, args = environment_factory["class_path"], dict(environment_factory.get("init_args") or {})
-    cls = import_path(path, "model.episodes.environment_factory")
-    if isinstance(cls, type) and issubclass(cls, GymAdapter):
-        return EnvironmentSpec("gym", path=args.pop("env", ""), args=tuple(sorted(args.pop("env_args", {}).items())),
-                               **common)
+    cls = import_path(path, key)
+    gym = isinstance(cls, type) and issubclass(cls, GymAdapter)
+    if gym and not isinstance(args.get("env"), str):
+        raise ValueError(f"{key}.init_args.env: GymAdapter needs the class of the gym-like environment, by dotted path "
+                         f"(init_args: {{env: package.module.Class, env_args: {{...}}}}); got {args.get('env')!r}")
+    environment_class(path, args, key)
+    if gym:
+        env, env_args = args["env"], dict(args.get("env_args") or {})
+        environment_class(env, env_args, f"{key}.init_args.env")
+        return EnvironmentSpec("gym", path=env, args=tuple(sorted(env_args.items())), **common)
     return EnvironmentSpec("class", path=path, args=tuple(sorted(args.items())), **common)
 
 
@@ -278,6 +303,5 @@ def spec_tools(spec: EnvironmentSpec) -> dict[str, Callable]:
     if spec.kind == "class":
         return tool_methods(import_path(spec.path, "model.episodes.environment_factory"))
     if spec.kind == "functions":
-        return {path.rpartition(".")[2]: import_path(path, "model.episodes.tools") for path in spec.paths}
+        return function_tools(spec.paths, "model.episodes.tools")
     return {}
-

@@ -72,8 +72,12 @@ class EpisodeRunner:
     of `memory_gib` GiB each; `close` stops them."""
 
     def __init__(self, settings: EpisodeLimits, spec: EnvironmentSpec, tokenizer: Any, stop_token_ids: list[int],
-                 pad_token_id: int, workers: int, memory_gib: float | None) -> None:
+                 pad_token_id: int, workers: int, memory_gib: float | None,
+                 prompt_limit: tuple[int, str] | None = None) -> None:
         self.settings, self.spec, self.tokenizer = settings, spec, tokenizer
+        # The longest first prompt, and where that limit comes from (`train.context.prompt_token_limit`: the model's
+        # context less the episode's tokens); None: no limit. Set by the run once its engine has started.
+        self.prompt_limit = prompt_limit
         self.stop_token_ids, self.pad_token_id = set(stop_token_ids), pad_token_id
         schemas = tool_schemas(spec_tools(spec),
                                "model.episodes.environment_factory" if spec.kind == "class" else "model.episodes.tools")
@@ -96,7 +100,9 @@ class EpisodeRunner:
         t0 = time.monotonic()
         starts = self.pool.call("start", {i: (stable_seed(seeds[i // n], i % n), rows[i // n]) for i in range(count)})
         env_s += time.monotonic() - t0
-        episodes = [self._first_prompt(rows[i // n]["prompt"], starts[i]) for i in range(count)]
+        firsts = [self._first_prompt(rows[i // n]["prompt"], starts[i]) for i in range(count)]
+        prompts = self._within_limit([pieces for pieces, _ in firsts])
+        episodes = [_Episode(prompt, has_environment=started) for prompt, (_, started) in zip(prompts, firsts)]
         for turn in range(self.settings.max_turns):
             live = [i for i, episode in enumerate(episodes) if episode.live]
             if not engine.another_turn(bool(live)):
@@ -118,21 +124,50 @@ class EpisodeRunner:
         for i, (status, value) in finals.items():
             if status == "ok" and value is not None:
                 episodes[i].stats["environment_reward"] = value
+            elif status == "error":  # reward() raised, or returned what is not a number: no reward of its own
+                log.warning("an episode's environment failed at its reward (%s): the episode has no environment "
+                            "reward", str(value).strip()[-400:])
+                episodes[i].stats["tool_errors"] += 1
         for episode in episodes:
             episode.stats["environment_s"] = env_s / count  # the batch's, shared out: its sum is the batch's
         return self._rollout(episodes)
 
-    def _first_prompt(self, prompt: str | list[dict[str, str]], started: tuple[str, Any]) -> _Episode:
+    def _first_prompt(self, prompt: str | list[dict[str, str]], started: tuple[str, Any]
+                      ) -> tuple[list[list[int]], bool]:
         """The episode's first prompt: the row's prompt (text: one user message), with what the environment's reset
-        returned added to its last user message, and the tools shown."""
+        returned added to its last user message (as text: `TurnTemplate.encode_text`), and the tools shown; as ids in
+        pieces (`TurnTemplate.prompt_pieces`), with whether the environment started."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         status, text = started
         if status != "ok":
             log.warning("an environment did not start (%s): its episode has one turn, without tools", text)
-        elif text:
-            last_user = max(k for k, message in enumerate(messages) if message["role"] == "user")
-            messages[last_user]["content"] += text
-        return _Episode(self.template.prompt_ids(messages), has_environment=status == "ok")
+        return self.template.prompt_pieces(messages, text if status == "ok" and text else None), status == "ok"
+
+    def _within_limit(self, prompts: list[list[list[int]]]) -> list[list[int]]:
+        """Each first prompt's pieces joined, held to `prompt_limit` as the data module holds a dataset's prompts with
+        data.overlong_prompts: truncate: the environment's reset text is cut to what fits (its start kept, as every
+        environment text is cut); a prompt longer than the limit without it (the prompt and the tools' schemas) keeps
+        its last tokens. Past the model's context, generation's memory would grow without bound; every later turn is
+        held by the episode's token budget, which the limit leaves room for."""
+        limit = None if self.prompt_limit is None else self.prompt_limit[0]
+        held, cut_text, cut_prompt = [], 0, 0
+        for pieces in prompts:
+            ids = [token for piece in pieces for token in piece]
+            if limit is not None and len(ids) > limit:
+                without = pieces[0] + pieces[-1] if len(pieces) == 3 else ids  # (before, reset text, after)
+                if len(without) <= limit:
+                    ids = pieces[0] + pieces[1][: limit - len(without)] + pieces[2]
+                    cut_text += 1
+                else:
+                    ids = without[-limit:]
+                    cut_prompt += 1
+            held.append(ids)
+        if cut_text or cut_prompt:
+            log.warning("%d of %d episodes' first prompts were longer than %d tokens (%s): %d had the environment's "
+                        "reset text cut to fit (its start kept), %d were longer without it (the prompt and the tools' "
+                        "schemas) and kept their last %d tokens", cut_text + cut_prompt, len(prompts), limit,
+                        self.prompt_limit[1], cut_text, cut_prompt, limit)
+        return held
 
     def _turn(self, engine: Any, episodes: list[_Episode], live: list[int], sampling: Any, seeds: list[int]
               ) -> dict[int, str]:

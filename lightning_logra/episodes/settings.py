@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from lightning_logra.base.child import DEFAULT_MEMORY_GIB, check_memory_gib
 from lightning_logra.base.settings import check_positive, yaml_as_mappings
+from lightning_logra.episodes.environment import tool_schemas
 from lightning_logra.episodes.processes import spec_from_settings, spec_tools
 from lightning_logra.episodes.runner import EpisodeLimits, EpisodeRunner
 
@@ -20,12 +21,15 @@ class EpisodeSettings:
     Args:
         max_turns: the most turns of an episode (1 samples one completion, whose tool calls nobody answers).
         tools: plain functions the model may call, by dotted path (`pkg.module.fn`; TRL's `tools`): their type hints
-            and docstrings give the schemas the chat template shows.
+            and docstrings give the schemas the chat template shows (one without is refused at set-up, as are two
+            with one name).
         environment_factory: a class, by dotted path (or class_path and init_args), one instance of which each
             episode talks to (TRL's `environment_factory`): `reset(**row)` gets the dataset row and may return text
-            added to the prompt, its public methods are the tools, and an optional `reward()` is the episode's own
-            reward (`model.reward: environment`). `lightning_logra.episodes.GymAdapter` (init_args env, env_args)
-            takes a gym-like text environment. Made and called in environment processes, never in the trainer's.
+            added to the prompt (held to the prompt limit), its public methods are the tools, and an optional
+            `reward()` is the episode's own reward, a real number or None (`model.reward: environment`). Refused at
+            set-up when it is not a class or cannot be made from its init_args.
+            `lightning_logra.episodes.GymAdapter` (init_args env, env_args) takes a gym-like text environment. Made
+            and called in environment processes, never in the trainer's.
         max_tokens: the most completion-side tokens of an episode, sampled and the environment's together (None:
             max_turns × model.sampling.max_new_tokens); an answer that would not leave room ends the episode.
         tool_timeout_s: the deadline of each tool call (and of an environment's reset, step and reward): past it the
@@ -68,7 +72,10 @@ class EpisodeSettings:
         if self.invalid_tool_call not in ("answer", "end"):
             raise ValueError(f"model.episodes.invalid_tool_call must be 'answer' (the model reads why) or 'end' (the "
                              f"episode ends), got {self.invalid_tool_call!r}")
-        spec_tools(spec_from_settings(self.environment_factory, self.tools, self.invalid_tool_call, 1))  # they import
+        # Before anything loads: the environment class can be made from its init_args, the tools import, have one
+        # name each and a schema each (the chat template shows the schemas)
+        spec = spec_from_settings(self.environment_factory, self.tools, self.invalid_tool_call, 1)
+        tool_schemas(spec_tools(spec), "model.episodes.tools" if self.tools else "model.episodes.environment_factory")
 
     def tokens(self, max_new_tokens: int) -> int:
         """The most completion-side tokens an episode holds, turns of at most `max_new_tokens` each."""
@@ -85,8 +92,9 @@ def episode_runner(episodes: EpisodeSettings | None, max_new_tokens: int, tokeni
     if episodes is None:
         return None
     tokens = episodes.tokens(max_new_tokens)
-    # A tool's answer is cut to this many characters before it is tokenized (no token is longer than 32 of them in
-    # the vocabularies of the models this trains): an answer of megabytes costs neither memory nor tokenizer time.
+    # A turn's answers together (and a reset's text) are cut to this many characters before they are tokenized (no
+    # token is longer than 32 of them in the vocabularies of the models this trains): answers of megabytes, or a
+    # turn of many calls, cost neither memory nor tokenizer time.
     spec = spec_from_settings(episodes.environment_factory, episodes.tools, episodes.invalid_tool_call, 32 * tokens)
     limits = EpisodeLimits(episodes.max_turns, tokens, episodes.tool_timeout_s, episodes.timeout_s)
     return EpisodeRunner(limits, spec, tokenizer, stop_token_ids, pad_token_id, episodes.workers, episodes.memory_gib)

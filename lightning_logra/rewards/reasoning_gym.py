@@ -10,7 +10,8 @@ mentions. Called in the reward's process, like every reward (`processes.TimedRew
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from lightning_logra.rewards.builtin import Completion, completion_text
@@ -44,6 +45,33 @@ def extract_stated_answer(text: str, phrase: str = "The answer is") -> str | Non
     return text[start + len(phrase) :].split("\n", 1)[0].strip()
 
 
+def read_entry(entry: Any, row: str) -> Mapping[str, Any]:
+    """The row's `entry` as the scorers read it: the item reasoning-gym made (a mapping with its question, answer and
+    metadata), or that item as JSON text (a set written to a file). Anything else is an error naming `row`: scored,
+    every answer to it would be 0.0, the right ones too."""
+    if isinstance(entry, str):
+        try:
+            entry = json.loads(entry)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"ReasoningGymScore: {row}: its entry column is text but not JSON ({error}): it must be "
+                             "the item as reasoning-gym made it, or that item as JSON text") from None
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"ReasoningGymScore: {row}: its entry column must be the item as reasoning-gym made it (a "
+                         f"mapping with its question, answer and metadata, or that as JSON text), got "
+                         f"{_shown(entry)}")
+    missing = [key for key in ("answer", "metadata") if key not in entry]
+    if missing:
+        raise ValueError(f"ReasoningGymScore: {row}: its entry column must be the item as reasoning-gym made it, "
+                         f"with its question, answer and metadata; got a mapping without {', '.join(missing)}: "
+                         f"{_shown(entry)}")
+    return entry
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 @functools.cache
 def _scorer(task: str) -> Callable[[str | None, dict[str, Any]], float]:
     import reasoning_gym
@@ -67,7 +95,9 @@ class ReasoningGymScore:
       the sentence's, so the answer is also read without it, and the better score counts. The form small instruct
       models follow best (`configs/smollm2_reasoning.yaml` begins the answer with the phrase).
 
-    A completion without an answer scores 0.0.
+    A completion without an answer scores 0.0; an answer the task's scorer cannot parse scores 0.0. A row whose
+    `entry` is not the item reasoning-gym made (or that item as JSON text, which is read), or one the task's scorer
+    cannot read (it fails on the entry's own answer), is an error naming the row: every answer to it would score 0.0.
 
     Args:
         answer_format: `tag` or `phrase`, as above.
@@ -102,20 +132,33 @@ class ReasoningGymScore:
             return []
         return [answer, answer[:-1].rstrip()] if answer.endswith(".") else [answer]
 
-    def __call__(self, prompts: list, completions: list[Completion], task: list[str], entry: list[dict[str, Any]],
-                 **_: object) -> list[float]:
+    def __call__(self, prompts: list, completions: list[Completion], task: list[str],
+                 entry: list[dict[str, Any] | str], **_: object) -> list[float]:
         scores = []
-        for prompt, completion, name, item in zip(prompts, completions, task, entry, strict=True):
-            score = max([self._score(name, answer, item) for answer in self.answers(prompt, completion)], default=0.0)
+        for index, (prompt, completion, name, item) in enumerate(zip(prompts, completions, task, entry, strict=True)):
+            row = f"the row of completion {index} ({name})"
+            item = read_entry(item, row)
+            answers = self.answers(prompt, completion)
+            score = max([self._score(name, answer, item, row) for answer in answers], default=0.0)
             scores.append(score if self.partial_credit else float(score >= 1.0))
         return scores
 
     @staticmethod
-    def _score(task: str, answer: str, item: dict[str, Any]) -> float:
+    def _score(task: str, answer: str, item: Mapping[str, Any], row: str) -> float:
         score = _scorer(task)  # outside the try: a missing reasoning-gym or an unknown task fails, not scores 0
         try:
             return float(score(answer, item))
-        except Exception:  # an answer the scorer cannot even read (a parse that raises) is not a right one
+        except Exception as error:
+            # An answer the scorer cannot even read (a parse that raises) is not a right one; but where it cannot
+            # read the entry either, every answer would score 0, the right ones too: that is the data's fault.
+            # (Every task's scorer reads its own items' answers without raising.)
+            try:
+                score(item["answer"], item)
+            except Exception:
+                raise ValueError(f"ReasoningGymScore: {row}: {task}'s scorer cannot read its entry "
+                                 f"(it fails on the entry's own answer too: {type(error).__name__}: {error}); the "
+                                 "entry column must hold the item as reasoning-gym made it, metadata included"
+                                 ) from error
             return 0.0
 
     def __repr__(self) -> str:

@@ -2,9 +2,11 @@
 the trainer skips a non-finite update itself).
 
 Every name must be one of the model's, every shape the whole tensor's (a factor with more rows was cut to the rows a
-worker holds; a (1,) tensor broadcast over a whole weight), every number finite, and a seeded projection one that
-`make_projection` draws at the model's own k (a k of 2⁴⁰ was allocated). Checked whole, on every worker, before the
-weights' label is touched: a payload with a problem changes nothing.
+worker holds; a (1,) tensor broadcast over a whole weight), every number finite and of a dtype the merge takes (fp16,
+bf16, fp32, fp64), a seeded projection one that `make_projection` draws at the model's own k (a k of 2⁴⁰ was
+allocated), and a rounding key one the merge can draw bits from. Checked whole, on every worker, before the weights'
+label is touched: a payload with a problem changes nothing. (Whether a merge's result stays finite depends on the
+weights: the worker checks that too, `sketch.update.merge_stays_finite`.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import torch
 
 from lightning_logra.algo.update import Update
 from lightning_logra.sketch.projection import DISTRIBUTIONS
+from lightning_logra.sketch.rounding import is_rounding_key
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a merge or a load takes
 
 WholeShape = Callable[[str], "tuple[int, ...] | None"]  # a trainer parameter's whole shape; None: no such parameter
 
@@ -24,6 +29,8 @@ def _tensor_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) ->
         return [f"{what} has shape {tuple(tensor.shape)}, the model's is {tuple(shape)}"]
     if not tensor.is_floating_point():
         return [f"{what} holds {tensor.dtype}, not floating-point numbers"]
+    if tensor.dtype not in FLOATS:  # fp8: torch cannot even tell whether it is finite
+        return [f"{what} holds {tensor.dtype}: a change is float16, bfloat16, float32 or float64"]
     if not bool(torch.isfinite(tensor).all()):
         return [f"{what} holds NaN or Inf"]
     return []
@@ -50,6 +57,9 @@ def update_problems(update: Update, whole_shape: WholeShape) -> list[str]:
                             f"(got {delta.seed!r}, {delta.distribution!r})")
         elif delta.matrix is not None:
             problems += _tensor_problems(f"{name!r}'s projection", delta.matrix, (rank, k))
+        if not (delta.rounding_key is None or is_rounding_key(delta.rounding_key)):
+            problems.append(f"{name!r}: rounding key {delta.rounding_key!r} is neither null nor a whole number in "
+                            "-2**63..2**63 - 1")
         problems += _tensor_problems(f"{name!r}'s factor", delta.factor, (d, rank))
     return problems + tensors_problems(update.dense, whole_shape)
 

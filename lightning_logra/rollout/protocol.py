@@ -3,8 +3,10 @@ serve`, `rollout/server/`): the shared token, the checksum header, the routes, a
 answers. Both sides import it; it imports neither (nor FastAPI, nor vLLM).
 
 Every route lives under `/logra/`, needs `Authorization: Bearer <token>`, and carries the sha256 of its body in
-`X-Logra-SHA256`. A server's weights are labelled with a run and a weight version (the number of updates merged since
-the run's start); a route that needs another version than the server holds answers 409 with the server's label.
+`X-Logra-SHA256` and the trainer process's identity in `X-Logra-Process`. A server's weights are labelled with a run
+and a weight version (the number of updates merged since the run's start), and held by the process that made them;
+a route that needs another version than the server holds answers 409 with the server's label (run, version and the
+holder's tag), and one of another process while a process holds the server 423 with the same and `quiet_s`.
 
 - GET  /logra/state                          → {"run", "version", "max_model_len", "model"} (`model_summary`), once
                                                a change under way has ended (503 if not soon: ask again)
@@ -13,6 +15,7 @@ the run's start); a route that needs another version than the server holds answe
                                                at the label
 - POST /logra/blocks                         a BlocksAsk → safetensors bytes keyed "name|row|col"
 - POST /logra/generate                       a GenerateAsk → a GenerateAnswer
+- POST /logra/release?run&version             the holding process has ended: the server is free
 """
 
 from __future__ import annotations
@@ -23,18 +26,42 @@ import logging
 import math
 import os
 import stat
+import uuid
 from dataclasses import dataclass, fields
 
 TOKEN_ENV = "LOGRA_SERVER_TOKEN"  # the shared token, on both sides (a server may read it from --token-file instead)
 PARENT_ENV = "LOGRA_SERVE_PARENT_PID"  # the trainer that launched a server (RemoteEngine's launch): it dies with it
 SHA_HEADER = "X-Logra-SHA256"
+PROCESS_HEADER = "X-Logra-Process"  # the trainer process's identity (`new_process`), on every request
 PREFIX = "/logra"
+MAX_VERSION = 2**62  # a weight version past this is no count of updates
+MAX_SAMPLES = 1024  # completions of one prompt one /generate may ask for (n)
 
 log = logging.getLogger(__name__)
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def new_process() -> str:
+    """A trainer process's identity: random, its own even when another process resumes the same run from the same
+    checkpoint (every rank of one trainer shares its rank 0's). Secret between the process and its servers: they
+    name it by `process_tag` alone, so that another holder of the token cannot act as the process."""
+    return uuid.uuid4().hex
+
+
+def process_tag(process: str | None) -> str | None:
+    """What a server says of a process: a digest of its identity, which tells processes apart but cannot act as one."""
+    return None if process is None else sha256(process.encode())[:12]
+
+
+def _whole(value, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -58,8 +85,13 @@ class Label:
 
     @classmethod
     def from_query(cls, query) -> Label:
-        """?run=<id>&version=<int>; KeyError or ValueError when either is missing or malformed."""
-        return cls(query["run"], int(query["version"]))
+        """?run=<id>&version=<int>; ValueError naming the field when either is missing or malformed."""
+        if not query.get("run"):
+            raise ValueError("run: give ?run=<the run's id>")
+        version = query.get("version", "")
+        if not (version.isascii() and version.isdigit() and int(version) <= MAX_VERSION):
+            raise ValueError(f"version: {version!r} is not a whole number in 0..2**62")
+        return cls(query["run"], int(version))
 
 
 def asks_in_flight(query) -> bool:
@@ -91,7 +123,29 @@ class BlocksAsk:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BlocksAsk:
-        return cls(**json.loads(data))
+        ask = cls(**json.loads(data))
+        ask.check()
+        return ask
+
+    def check(self) -> None:
+        """ValueError naming the field a server could not honour."""
+        if not (isinstance(self.names, list) and all(isinstance(name, str) for name in self.names)):
+            raise ValueError("names: a list of tensor names")
+        if not (self.seed is None or type(self.seed) is int):
+            raise ValueError(f"seed: {self.seed!r} is neither null nor a whole number")
+        _check_wait(self.run, self.min_version, self.wait_s)
+        if type(self.any_run) is not bool:
+            raise ValueError(f"any_run: {self.any_run!r} is not true or false")
+
+
+def _check_wait(run, min_version, wait_s) -> None:
+    """The fields of a request that waits for a version (/blocks, /generate)."""
+    if not (run is None or isinstance(run, str)):
+        raise ValueError(f"run: {run!r} is neither null nor a run's id")
+    if not _whole(min_version, 0, MAX_VERSION):
+        raise ValueError(f"min_version: {min_version!r} is not a whole number in 0..2**62")
+    if not (_number(wait_s) and wait_s >= 0):
+        raise ValueError(f"wait_s: {wait_s!r} is not a number of seconds, at least 0")
 
 
 @dataclass(frozen=True)
@@ -122,15 +176,25 @@ class GenerateAsk:
     def check(self) -> None:
         """ValueError naming the field a server could not honour: fewer seeds than prompts were answered with fewer
         outputs, and a seed of 2⁷⁰ failed inside vLLM with an empty message."""
+        if not (isinstance(self.prompts, list) and isinstance(self.seeds, list)):
+            raise ValueError("prompts and seeds: lists, one seed per prompt")
         if len(self.seeds) != len(self.prompts):
             raise ValueError(f"seeds: {len(self.seeds)} for {len(self.prompts)} prompts (one each)")
-        if not all(type(seed) is int and 0 <= seed < 2**62 for seed in self.seeds):
+        if not all(_whole(seed, 0, 2**62 - 1) for seed in self.seeds):
             raise ValueError("seeds: each must be a whole number in 0..2**62 - 1 (vLLM adds the sample's index)")
-        if not (type(self.n) is int and self.n >= 1 and type(self.max_tokens) is int and self.max_tokens >= 1):
-            raise ValueError(f"n and max_tokens must be positive whole numbers, got {self.n!r} and "
-                             f"{self.max_tokens!r}")
-        if not all(isinstance(p, list) and p and all(type(t) is int and t >= 0 for t in p) for p in self.prompts):
+        if not _whole(self.n, 1, MAX_SAMPLES):
+            raise ValueError(f"n: {self.n!r} is not a whole number in 1..{MAX_SAMPLES} (completions per prompt)")
+        if not _whole(self.max_tokens, 1, MAX_VERSION):
+            raise ValueError(f"max_tokens: {self.max_tokens!r} is not a positive whole number")
+        if not (_number(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature: {self.temperature!r} is not a number at least 0")
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p: {self.top_p!r} is not a number in (0, 1]")
+        if not all(isinstance(p, list) and p and all(_whole(t, 0, 2**63 - 1) for t in p) for p in self.prompts):
             raise ValueError("prompts: each must be a non-empty list of token ids")
+        if not (isinstance(self.stop_token_ids, list) and all(_whole(t, 0, 2**63 - 1) for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} is not a list of token ids")
+        _check_wait(self.run, self.min_version, self.wait_s)
 
 
 @dataclass(frozen=True)

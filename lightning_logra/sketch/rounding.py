@@ -33,6 +33,13 @@ def check_rounding(rounding: str, key: str = "rounding") -> None:
                          "merges unbiased (a no-op for fp32 weights), 'nearest' rounds each merge once")
 
 
+def is_rounding_key(key: object) -> bool:
+    """Whether `key` is one `rounding_bits` can draw from: a whole number in the int64 range (what `rounding_key`
+    makes). A key sent to an engine is checked with this before any merge: a string, 2⁸⁰ or 1.5 made the merge raise
+    part-way."""
+    return type(key) is int and -(2**63) <= key < 2**63
+
+
 def rounding_key(matrix_seed: int, update: int) -> int:
     """The key of one merge's rounding bits: (the matrix's own seed, the global update counter)."""
     seed = torch.tensor([as_int64(matrix_seed) ^ _ROUNDING_SALT], dtype=torch.int64)

@@ -86,6 +86,34 @@ def apply_stacked_update_(weight: torch.Tensor, blocks: list[RowBlock], projecti
                 stochastic_round_(target, value, rounding_bits(block.rounding_key, global_rows, cols, weight.device))
 
 
+@torch.no_grad()
+def merge_stays_finite(weight: torch.Tensor, factor: torch.Tensor, projection: torch.Tensor) -> bool:
+    """Whether W (d, k) − F (d, r) @ A (r, k), rounded into W's dtype as `apply_stacked_update_` rounds it, is finite
+    wherever W is: a finite factor of 3e38 left Inf in the weights. Nothing is written.
+
+    A bound first, which settles every sane update at the cost of one read of W: |W − F·A| ≤ max|W| + max over rows
+    of Σ_j |F_ij|·max|A_j|. Only past half the dtype's largest number is the merge worked out, a chunk of rows at a
+    time, in the merge's own arithmetic (entries of W already NaN or Inf, which a load repairs, are not counted)."""
+    if weight.numel() == 0:
+        return True
+    largest = torch.finfo(weight.dtype).max
+    low, high = torch.aminmax(weight)
+    spread = factor.double().abs() @ projection.double().abs().amax(dim=1).to(factor.device)  # (d,)
+    bound = max(-float(low), float(high)) + float(spread.max())
+    if bound <= largest / 2:  # (a NaN bound, from a NaN in W, is not)
+        return True
+    compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    factor = factor.to(device=weight.device, dtype=compute)
+    projection = projection.to(device=weight.device, dtype=compute)
+    rows = max(1, _CHUNK_ELEMENTS // weight.shape[1])
+    for start in range(0, weight.shape[0], rows):
+        chunk = weight[start : start + rows]  # (rows, k) view into W
+        merged = chunk.to(compute, copy=True).addmm_(factor[start : start + rows], projection, alpha=-1.0)  # (rows, k)
+        if bool((torch.isfinite(chunk) & ~(merged.abs() <= largest)).any()):
+            return False
+    return True
+
+
 @dataclass
 class LowRankDelta:
     """W ← W − F·A for one matrix, with A = make_projection(seed, rank, in_features, distribution) — or, for a change

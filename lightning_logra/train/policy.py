@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_logra.base.waits import waiting_for
-from lightning_logra.paths import PACKAGE_DIR, check_hub_model, model_path
+from lightning_logra.paths import PACKAGE_DIR, check_hub_model, checked_model_path, model_path
 from lightning_logra.train.checkpoint import follow_umask
-from lightning_logra.train.digests import verify_sums, write_sums
+from lightning_logra.train.digests import write_sums
 from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
@@ -23,13 +23,9 @@ log = logging.getLogger(__name__)
 def load_policy(model: str, dtype: str, gradient_checkpointing: bool) -> tuple[torch.nn.Module, Any]:
     """(policy in training mode, tokenizer) from a local folder (an export of this project's is checked against its
     SHA256SUMS first) or a hub name."""
-    path = model_path(model)
+    path = checked_model_path(model)  # an export's or a fetch's folder: its files as they were written
     if not Path(path).exists():
         check_hub_model(path)
-    elif not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
-    else:
-        verify_sums(Path(path))  # an export of this project's: its files as they were written
     with waiting_for(f"loading the model {model}", log):  # a hub model may download for minutes first
         tokenizer = AutoTokenizer.from_pretrained(path)
         policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).train()

@@ -34,6 +34,7 @@ from lightning_logra.episodes.settings import EpisodeSettings, episode_runner
 from lightning_logra.paths import model_path
 from lightning_logra.rollout import HFEngine, RolloutEngine, SamplingParams, WeightSync
 from lightning_logra.rollout.pipeline import EngineLost, RolloutPipeline
+from lightning_logra.train.context import prompt_token_limit
 from lightning_logra.train.policy import PromptCodec
 from lightning_logra.train.settings import EvalSettings, RolloutSettings, SamplingSettings
 from lightning_logra.train.strategies.base import Collectives
@@ -102,21 +103,26 @@ class SampleSource:
         if self.engine is None:
             self.engine = HFEngine(policy, codec.stop_token_ids, codec.pad_token_id,
                                    all_finished=self.collectives.all_finished)
-        if self.engine.samples_from(policy):
-            return
-        if place.world_size > 1:
-            # Every rank applies the same update (under FSDP to its shards; the engine gets whole factors), so each
-            # rank's weight sync keeps its own engine in step (docs/vllm.md).
-            self.engine.place(place.rank, place.world_size, place.device)
-        if place.log_dir is not None:
-            self.engine.keep_logs_in(place.log_dir)
-        if sequences is not None:
-            self.engine.expect(sequences)
-        resident = process_rss_reader()
-        before = resident()
-        self.engine.start(model_path(model), codec.pad_token_id, codec.stop_token_ids)
-        # What the start added to this process (an engine in it: its weights and KV cache): MemoryProfiler's account
-        self.engine_start_bytes = resident() - before
+        if not self.engine.samples_from(policy):
+            if place.world_size > 1:
+                # Every rank applies the same update (under FSDP to its shards; the engine gets whole factors), so each
+                # rank's weight sync keeps its own engine in step (docs/vllm.md).
+                self.engine.place(place.rank, place.world_size, place.device)
+            if place.log_dir is not None:
+                self.engine.keep_logs_in(place.log_dir)
+            if sequences is not None:
+                self.engine.expect(sequences)
+            resident = process_rss_reader()
+            before = resident()
+            self.engine.start(model_path(model), codec.pad_token_id, codec.stop_token_ids)
+            # What the start added to this process (an engine in it: its weights and KV cache), for MemoryProfiler
+            self.engine_start_bytes = resident() - before
+        if self.episodes is not None:
+            # An episode's first prompt is made here (the tools shown, the environment's reset text added): it is held
+            # to the room the context leaves beside the episode's tokens, as the data module holds the dataset's
+            # prompts (the engine's limit is known once it has started)
+            self.episodes.prompt_limit = prompt_token_limit("fit", self.engine, policy, self.max_new_tokens, None,
+                                                            self.episodes.settings.max_episode_tokens)
 
     def use_sync(self, weight_sync: WeightSync | None, policy: nn.Module) -> None:
         """The run's weight sync (the callbacks'); refused where it would sync nothing, required where the engine has

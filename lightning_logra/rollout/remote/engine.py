@@ -46,6 +46,7 @@ from lightning_logra.rollout.engine import RolloutEngine, SamplingParams
 from lightning_logra.rollout.journal import UpdateJournal
 from lightning_logra.rollout.pipeline import EngineLost
 from lightning_logra.rollout.protocol import (
+    MAX_SAMPLES,
     TOKEN_ENV,
     BlocksAsk,
     GenerateAsk,
@@ -154,10 +155,10 @@ class RemoteEngine(RolloutEngine):
                              f"with {world_size} processes start the servers with `lightning-logra serve` and give "
                              "their urls")
         self.rank, self.world_size = rank, world_size
-        if world_size > 1:  # one run id for every rank: the servers' weights are labelled with rank 0's
-            run = [self.journal.run]
-            dist.broadcast_object_list(run, src=0)
-            self.journal.run = run[0]
+        if world_size > 1:  # one run id and process for every rank: the servers' weights are labelled with rank 0's
+            ids = [self.journal.run, self.connection.process]
+            dist.broadcast_object_list(ids, src=0)
+            self.journal.run, self.connection.process = ids
 
     def runs_alongside(self) -> bool:
         return True  # the servers compute elsewhere: generation can overlap the trainer's step
@@ -217,9 +218,13 @@ class RemoteEngine(RolloutEngine):
     def load_state_dict(self, state: dict) -> None:
         """A resumed run's id and version: servers still at one of its versions are caught up from the journal."""
         self.journal.restore(state)
+        self.fleet.inherited = self.journal.version
         for server in self.servers:
             if server.up and self.sender and not self.fleet.current(server):
-                self.fleet.catch_up(server, full_load=False)
+                try:
+                    self.fleet.catch_up(server, full_load=False)
+                except ServerFailed as err:  # (another trainer holds it: 423) asked again before it is used
+                    self.fleet.down(server, err)
 
     def _full_load(self, server: Server, replaying: str) -> None:
         """A catch-up's full load into `server` alone: the weight sync's (`reload_after_restart`)."""
@@ -242,6 +247,9 @@ class RemoteEngine(RolloutEngine):
     # ---- generation ---------------------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]):
+        if n > MAX_SAMPLES:  # every server would refuse it (400), and each be given up on in turn
+            raise ValueError(f"model.sampling.num_generations (or model.evaluation.num_samples) {n}: an engine server "
+                             f"generates at most {MAX_SAMPLES} completions of one prompt")
         version = self.journal.version  # in flight, updates sent meanwhile make later tokens newer, not this older
         pending = list(range(len(prompt_ids)))
         outputs: dict[int, list[dict]] = {}
@@ -360,7 +368,10 @@ class RemoteEngine(RolloutEngine):
             elif isinstance(result, BaseException):
                 raise result
             else:
-                held.append(assemble_blocks(unpack_tensors(result), add_columns=seed is not None))
+                try:
+                    held.append(checked_blocks(result, names, fingerprints=seed is not None))
+                except ValueError as err:  # as a wrong /generate answer: the others' answers are used
+                    self.fleet.down(server, f"{server.url} answered /logra/blocks with {err}")
         return held
 
     def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
@@ -388,6 +399,43 @@ def updates_before(samples: list[dict], version: int, width: int) -> torch.Tenso
         for span_version, start, end in sample["versions"]:
             out[row, start:end] = span_version - version
     return out
+
+
+def checked_blocks(data: bytes, names: list[str], fingerprints: bool) -> dict[str, torch.Tensor]:
+    """A server's /logra/blocks answer put together (`assemble_blocks`: its workers' blocks keyed "name|row|col"), each
+    asked tensor from blocks that tile it; ValueError naming what is wrong otherwise. Garbage raised in the trainer,
+    a missing tensor too, and a block at row 10¹⁰ was allocated (40 GB): the blocks of a tensor must cover its rows
+    (and columns, for a whole weight) once each, so that what is allocated is what the server sent."""
+    try:
+        blocks = unpack_tensors(data)
+    except Exception as err:  # safetensors' own errors, whatever the bytes were
+        raise ValueError(f"not safetensors ({err})") from err
+    parts: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for key, block in blocks.items():
+        pieces = key.rsplit("|", 2)
+        if len(pieces) != 3 or not all(p.isascii() and p.isdigit() for p in pieces[1:]):
+            raise ValueError(f"a block keyed {key!r}, not 'name|row|col'")
+        name, row, col = pieces
+        if name not in names:
+            raise ValueError(f"a block of {name!r}, which was not asked for")
+        parts.setdefault(name, []).append((int(row), int(col), block))
+    for name in names:
+        if name not in parts:
+            raise ValueError(f"no block of {name!r}")
+        dims = {block.dim() for _, _, block in parts[name]}
+        if len(dims) != 1 or not dims <= ({1} if fingerprints else {1, 2}):
+            raise ValueError(f"blocks of {name!r} of {' and '.join(map(str, sorted(dims)))} dimensions")
+        rows = max(r + block.shape[0] for r, _, block in parts[name])
+        if dims == {1}:  # a fingerprint sums its column blocks, each over every row; a 1-D tensor has one
+            columns = len({c for _, c, _ in parts[name]}) if fingerprints else 1
+            area, what = rows * columns, f"{columns} column blocks of {rows} rows"
+        else:
+            columns = max(c + block.shape[1] for _, c, block in parts[name])
+            area, what = rows * columns, f"a ({rows}, {columns}) tensor"
+        if area != sum(block.numel() for _, _, block in parts[name]) or (dims == {1} and not fingerprints and any(
+                c for _, c, _ in parts[name])):
+            raise ValueError(f"blocks of {name!r} that do not tile {what}")
+    return assemble_blocks(blocks, add_columns=fingerprints)
 
 
 def agreed(held: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ A server that refuses connections, fails a request or does not answer within the
 down, and asked again every `probe_every_s`; with none up, a call waits `no_server_wait_s` for one, then raises
 `NoServerLeft` naming the URLs. A server found behind (restarted, stopped for a while, joining mid-run) is caught up by
 replaying the journal's updates since the version it holds, or by a full load when that moves fewer bytes (the choice
-is logged with both sizes).
+is logged with both sizes). Versions past the one this process resumed from that another process of the run made
+(two trainers resumed from one checkpoint) are not this process's: such a server is loaded in full.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Fleet:
         self.launch, self.serve_args = launch, serve_args
         self.journal = journal
         self.full_bytes = 0  # the bytes of a full load (the model's files until one was made)
+        self.inherited = 0  # the version this process resumed from: up to it, any process of the run made the same
         self.probe_every_s, self.no_server_wait_s, self.start_timeout_s = (probe_every_s, no_server_wait_s,
                                                                            start_timeout_s)
         self._full_load = full_load
@@ -216,14 +218,22 @@ class Fleet:
             return False
         journal = self.journal
         return server.run in (None, journal.run) and server.version == journal.version and (
-            server.run is not None or journal.version == 0)
+            server.run is not None or journal.version == 0) and self._of_this_process(server)
+
+    def _of_this_process(self, server: Server) -> bool:
+        """Whether a server's version is this process's version of that number: made by it (or by a trainer that
+        does not say which process it is), or one it resumed with (its checkpoint's history, the same whichever
+        process made it). Past that, another process of the run (resumed from the same checkpoint) made other
+        weights under the same numbers."""
+        return server.holder in (None, self.connection.tag) or (
+            server.version is not None and server.version <= self.inherited)
 
     def catch_up(self, server: Server, full_load: bool) -> None:
         """Bring a server to the trainer's version: replay the journal's updates since the version it holds, or (when
         that is impossible or moves more bytes, and `full_load`) load every tensor."""
         journal = self.journal
         same_run = server.run == journal.run or (server.run is None and server.version == 0)
-        known = same_run and server.version is not None and not server.suspect
+        known = same_run and server.version is not None and not server.suspect and self._of_this_process(server)
         updates = journal.since(server.version) if known else None
         replay = sum(len(u) for u in updates) if updates is not None else math.inf
         if replay <= self.full_bytes or (updates is not None and not full_load):

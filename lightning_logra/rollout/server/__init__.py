@@ -20,14 +20,16 @@ vLLM's (`build_app`, `init_app_state`, `serve_http`), with one router more.
 Safety: the server binds 127.0.0.1 unless `--host` says otherwise; every `/logra/` route needs the shared token
 (`Authorization: Bearer …`, read from $LOGRA_SERVER_TOKEN or `--token-file`, never from the command line) and
 refuses without it, changing nothing; payloads carry their sha256 and are parsed whole before any weight changes;
-bodies are bounded (`--max-body-mib`). vLLM's own routes are as vLLM guards them (`--api-key`): docs/vllm.md says
-what an exposed server allows.
+bodies are bounded (`--max-body-mib`), and so is every field of a request. The token is the trust boundary: a server
+is held by the trainer process that made its weights, and refuses (423) every other process's change, generation
+and release while that one is at work, but a holder of the token may change the weights of a server no process
+holds. vLLM's own routes are as vLLM guards them (`--api-key`): docs/vllm.md says what an exposed server allows.
 
 - command.py    the command line: our options and vLLM's, the token, vLLM's OpenAI app with the token-guarded
                 `/logra/` routes mounted
 - routes.py     the `/logra/` routes (update, load, blocks, generate at a weight version): handlers reading the app's
                 state
-- gate.py       VersionGate: the weights' run and version, who may touch them when, and which run holds the server
+- gate.py       VersionGate: the weights' run and version, who may touch them when, and which process holds the server
 - __main__.py   `python -m lightning_logra.rollout.server`, as RemoteEngine launches its servers
 """
 

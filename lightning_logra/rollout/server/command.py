@@ -130,15 +130,17 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_logra.paths import model_path
+    from lightning_logra.paths import checked_model_path
 
     if os.environ.get(PARENT_ENV, "").isdigit():
         die_with_parent(int(os.environ[PARENT_ENV]))
 
     ours = parser().parse_args(argv)
     try:
-        ours.model = model_path(ours.model)  # a fetched model's short name is its folder in the cache
-    except FileNotFoundError as error:
+        # A fetched model's short name is its folder in the cache; a folder is checked against its SHA256SUMS, as
+        # fit checks it, before vLLM loads it
+        ours.model = checked_model_path(ours.model)
+    except (OSError, ValueError) as error:  # not fetched, not a model folder, damaged (DamagedCheckpoint)
         raise SystemExit(f"lightning-logra serve --model: {error}") from None
     token = read_token(ours.token_file)
     if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):

@@ -5,6 +5,10 @@ so that two updates of one version make one change. A generation or a weight rea
 version it asks for and no change is under way, and holds changes back while it runs (a read holds back every change;
 a generation all but those in flight).
 
+The weights are held by the trainer process that made them (its identity, beside the run's: two trainers resumed
+from one checkpoint share the run's id): while it asks anything, and has not ended, another process may neither
+change them nor generate from them nor release them (`held_by_another`).
+
 Plain asyncio: the routes (`routes.py`) hold one per server, and tests drive it without a web framework.
 """
 
@@ -16,11 +20,11 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
-from lightning_logra.rollout.protocol import Label
+from lightning_logra.rollout.protocol import Label, process_tag
 
 _MAX_WAIT_S = 3600.0  # the longest a request may wait for the version it asks for
-HOLD_S = 120.0  # a run that asked anything this recently, and has not ended, holds the server: another run's loads
-# are refused
+HOLD_S = 120.0  # a process that asked anything this recently, and has not ended, holds the server: another
+# process's changes, generations and releases are refused
 
 
 class VersionGate:
@@ -29,33 +33,42 @@ class VersionGate:
     def __init__(self) -> None:
         self.run: str | None = None
         self.version: int | None = 0
+        self.holder: str | None = None  # the identity of the trainer process that made the weights (None: no header)
         self._changing = False  # an update or load is being merged: generation waits
         self._generating = 0  # generation requests under way: a change waits for them, unless it is in flight
         self._reading = 0  # weight reads (/blocks) under way: every change waits for them
         self._changed = asyncio.Condition()
-        self._heard = -math.inf  # when the run the weights are of last asked anything (time.monotonic)
+        self._heard = -math.inf  # when the process that holds the weights last asked anything (time.monotonic)
 
-    def heard_from(self, run: str | None) -> None:
-        """A request of `run` arrived: the run the weights are of keeps holding the server."""
-        if run is not None and run == self.run:
+    def _holds(self, run: str | None, process: str | None) -> bool:
+        return run is not None and run == self.run and process == self.holder
+
+    def heard_from(self, run: str | None, process: str | None) -> None:
+        """A request of `process` of `run` arrived: the process that made the weights keeps holding the server."""
+        if self._holds(run, process):
             self._heard = time.monotonic()
 
-    def held_by_another(self, run: str | None) -> float | None:
-        """Seconds since the run the weights are of last asked anything, when that is another run than `run` and it
-        did so within HOLD_S (None: the server is free for `run`). Two trainers on one server each replaced the
-        other's weights with a full load every step, and both went on as if nothing was wrong."""
-        if self.run is None or run == self.run:
+    def held_by_another(self, run: str | None, process: str | None) -> float | None:
+        """Seconds since the process that made the weights last asked anything, when that is not `process` of `run`
+        and it did so within HOLD_S (None: the server is free for it). Two trainers on one server each replaced the
+        other's weights with a full load every step; two resumed from one checkpoint (one run id) took each other's
+        updates for their own; and both went on as if nothing was wrong."""
+        if self.run is None or self._holds(run, process):
             return None
         quiet = time.monotonic() - self._heard
         return quiet if quiet < HOLD_S else None
 
-    def release(self, run: str | None) -> None:
-        """`run` has ended: another run may load its weights at once."""
-        if run is not None and run == self.run:
+    def release(self, run: str | None, process: str | None) -> None:
+        """`process` of `run` has ended: another may take the server at once (a release by another changes nothing)."""
+        if self._holds(run, process):
             self._heard = -math.inf
 
     def label(self) -> Label:
         return Label(self.run, self.version)
+
+    def answer(self, **more) -> dict:
+        """The label as the routes answer it: with the holder's tag (never its identity) and `more`."""
+        return {**self.label().to_json(), "holder": process_tag(self.holder), **more}
 
     async def settled(self, wait_s: float) -> bool:
         """Wait at most `wait_s` for the change under way, if any, to end; whether none is under way now. A label read
@@ -79,9 +92,9 @@ class VersionGate:
         """The weights are being changed: unknown until the change is whole (a cut-short change leaves them so)."""
         self.version = None
 
-    def relabel(self, label: Label) -> None:
-        self.run, self.version = label.run, label.version
-        self.heard_from(label.run)
+    def relabel(self, label: Label, process: str | None = None) -> None:
+        self.run, self.version, self.holder = label.run, label.version, process
+        self.heard_from(label.run, process)
 
     @asynccontextmanager
     async def change(self, label: Label, in_flight: bool = False, on_top: bool = False) -> AsyncIterator[bool]:

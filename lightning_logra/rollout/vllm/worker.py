@@ -37,7 +37,7 @@ from lightning_logra.rollout.payload import tensors_problems, update_problems
 from lightning_logra.rollout.sync import fingerprint
 from lightning_logra.rollout.tensor_bytes import pack_tensors, unpack_tensors
 from lightning_logra.rollout.vllm.compat import missing_layer_attributes
-from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_
+from lightning_logra.sketch.update import LowRankDelta, RowBlock, apply_stacked_update_, merge_stays_finite
 
 
 @dataclass
@@ -278,8 +278,21 @@ class LogRAWorkerExtension:
         """What is wrong with an update ("update") or whole tensors ("load") for this model (`rollout.payload`);
         [] when nothing is. Changes nothing."""
         if kind == "update":
-            return update_problems(Update.from_bytes(data), self._logra_whole_shape)
+            update = Update.from_bytes(data)
+            return update_problems(update, self._logra_whole_shape) or self._logra_merge_problems(update)
         return tensors_problems(unpack_tensors(data), self._logra_whole_shape)
+
+    def _logra_merge_problems(self, update: Update) -> list[str]:
+        """The matrices whose merge would leave a number this worker's weight cannot hold (Inf or NaN, where the
+        weight held a finite one), worked out before any matrix is merged: a merge that stopped at the first would
+        leave the others merged."""
+        problems = []
+        for name, delta in update.low_rank.items():
+            slot = self._logra_slot(name)
+            projection = delta.projection(slot.tensor.device)[:, slot.cols]  # (r, this worker's columns)
+            if not merge_stays_finite(slot.tensor, delta.factor[slot.rows], projection):
+                problems.append(f"{name!r}: the merge would leave Inf or NaN in the {slot.tensor.dtype} weight")
+        return problems
 
     def _logra_whole_shape(self, name: str) -> tuple[int, ...] | None:
         """The shape of the trainer's parameter `name` (the whole tensor, whatever this worker holds of it); None

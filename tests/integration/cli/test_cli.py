@@ -2,6 +2,7 @@
 
 import glob
 import json
+import logging
 import socket
 import time
 from pathlib import Path
@@ -129,6 +130,23 @@ def test_a_resume_trains_with_this_runs_optimizer_settings_and_says_so(run_cli, 
         assert optimizer.param_groups[0]["weight_decay"] == 0.01
         assert "trainer.strategy.init_args.dense.weight_decay" in caplog.text
         assert resumed.trainer.strategy.config.lr == 3e-5
+
+
+def test_a_resume_with_other_data_settings_says_which(run_cli, tmp_path, caplog):
+    # A resume with another data.seed (another order of prompts from here on) was accepted without a word, where one
+    # with other module settings names them.
+    run_cli("tiny_arith", steps=1, root=tmp_path / "a")
+    checkpoint = glob.glob(str(tmp_path / "a" / "**" / "last.ckpt"), recursive=True)[0]
+    def said() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.name == "lightning_logra.data.module"]
+
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        run_cli("tiny_arith", "--ckpt_path", checkpoint, root=tmp_path / "b")
+        assert said() == []  # the same settings: nothing to say
+        run_cli("tiny_arith", "--ckpt_path", checkpoint, "--data.init_args.seed", "5", "--data.init_args.eval_limit",
+                "6", root=tmp_path / "c")
+    assert said() == ["data.seed: the checkpoint was made with 0, this run uses 5",
+                      "data.eval_limit: the checkpoint was made with 8, this run uses 6"]
 
 
 def test_checkpoints_say_what_they_are_and_old_or_newer_formats_are_handled(run_cli, tmp_path, caplog):

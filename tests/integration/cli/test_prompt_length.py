@@ -3,6 +3,7 @@ included), data.max_prompt_length with its two policies, drop and truncate, the 
 it is unset, and prompts that tokenize to nothing."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch import Callback, Trainer
@@ -300,3 +301,31 @@ def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_pr
     # "12+34=" and the like are 6 tokens; 32 positions less 27 new tokens leave 5
     with pytest.raises(ValueError, match=r"data.train: every prompt is longer than 5 tokens \(the model's context"):
         run_cli("tiny_arith", "--trainer.val_check_interval", "1000", "--model.sampling.max_new_tokens", "27", steps=1)
+
+
+def test_a_max_prompt_length_past_the_model_context_is_refused_naming_both(run_cli, tmp_path):
+    # data.max_prompt_length: 6100 let the 6,002-token prompt reach generation on the 32-position model, which then
+    # tried to allocate 4.6 GB.
+    with pytest.raises(ValueError, match=r"data.max_prompt_length=6100 is longer than the 28 tokens the model's "
+                                         r"context leaves for a prompt \(model.model's max_position_embeddings=32, "
+                                         r"less model.sampling.max_new_tokens=4\): set data.max_prompt_length to 28 "
+                                         r"or less, or leave it unset"):
+        fit_one_step_without_a_length_limit(run_cli, tmp_path, "--data.init_args.max_prompt_length", "6100")
+
+
+def test_a_max_prompt_length_is_checked_against_every_stage_when_fitting_starts(tmp_path, tiny_arith_model):
+    # The evaluation's longer completions leave less room: refused before the first step, not at the first validation.
+    path = str(write_rows(tmp_path / "p.jsonl", [{"prompt": p, "answer": "1"} for p in SHORT_PROMPTS]))
+    module = RLVRModule(tiny_arith_model, sampling={"max_new_tokens": 4}, evaluation={"max_new_tokens": 12},
+                        scoring={"timeout_s": None})
+    module.configure_model()
+    data = PromptDataModule(train=path, val=path, max_prompt_length=24, batch_size=2)
+    data.trainer = SimpleNamespace(lightning_module=module, global_step=0, global_rank=0, world_size=1)
+    data.setup("fit")
+    with pytest.raises(ValueError, match=r"data.max_prompt_length=24 is longer than the 20 tokens .*"
+                                         r"less model.evaluation.max_new_tokens=12\)"):
+        data.train_dataloader()
+    data = PromptDataModule(train=path, val=path, max_prompt_length=20, batch_size=2)
+    data.trainer = SimpleNamespace(lightning_module=module, global_step=0, global_rank=0, world_size=1)
+    data.setup("fit")
+    assert len(data.train_dataloader().dataset) == len(SHORT_PROMPTS)

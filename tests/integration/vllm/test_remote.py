@@ -159,7 +159,7 @@ class Disturb(Callback):
             names = list(dict(pl_module.policy.named_parameters()))
             names = [n for n in names if not n.endswith(".sketch_param")]
             before = engine.weights(names), _state(first.url)
-            self.answers = _bad_requests(first.url, engine.journal)
+            self.answers = _bad_requests(first.url, engine.journal, engine.connection.process)
             after = engine.weights(names), _state(first.url)
             self.unchanged = before[1] == after[1] and all(torch.equal(before[0][n], after[0][n]) for n in names)
 
@@ -173,16 +173,19 @@ def _state(url: str, timeout: float = 10) -> dict:
     return requests.get(f"{url}/logra/state", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=timeout).json()
 
 
-def _bad_requests(url: str, journal) -> dict[str, int]:
-    """Status codes of update requests a server must refuse."""
+def _bad_requests(url: str, journal, process: str) -> dict[str, int]:
+    """Status codes of update requests a server must refuse: the trainer process's that holds it (`process`), and
+    one of another process."""
     import hashlib
 
     data = journal.get(journal.version)  # a real update, at the version the server holds
     sha = hashlib.sha256(data).hexdigest()
     label = {"run": journal.run, "version": journal.version + 1}
     post = partial(requests.post, f"{url}/logra/update", params=label, timeout=30)
-    token = {"Authorization": f"Bearer {TOKEN}"}
+    token = {"Authorization": f"Bearer {TOKEN}", "X-Logra-Process": process}
     return {
+        "another process": post(data=data, headers={**token, "X-Logra-Process": "another", "X-Logra-SHA256": sha}
+                                ).status_code,
         "no token": post(data=data, headers={"X-Logra-SHA256": sha}).status_code,
         "wrong token": post(data=data, headers={"Authorization": "Bearer guess", "X-Logra-SHA256": sha}).status_code,
         "cut short": post(data=data[:-100], headers={**token, "X-Logra-SHA256": sha}).status_code,
@@ -233,7 +236,8 @@ def test_a_stopped_and_a_killed_server_do_not_stop_training(tiny_arith_model, tm
     assert 2 <= trainer_version <= STEPS and replayed == trainer_version - 1
     killed = disturb.killed.url
     assert f"{killed} is given up on for now ({killed}/logra/update" in log  # the killed one, at its next update
-    assert disturb.answers == {"no token": 401, "wrong token": 401, "cut short": 400, "not an update": 400,
+    assert disturb.answers == {"another process": 423, "no token": 401, "wrong token": 401, "cut short": 400,
+                               "not an update": 400,
                                "too large": 413, "wrong version": 409, "a NaN factor": 400, "twice the rows": 400,
                                "k of 2**40": 400, "rank 0": 400, "an unknown name": 400,
                                "a broadcast dense tensor": 400}

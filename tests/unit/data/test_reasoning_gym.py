@@ -1,8 +1,11 @@
 """reasoning-gym's tasks as a data module: the mix's shares, items that are a function of the seed, a held-out set
 apart from the training questions, the prompts' forms and columns, and bad tasks or settings refused by key."""
 
+import logging
+
 import pytest
 
+from lightning_logra.data import reasoning_gym as reasoning_gym_data
 from lightning_logra.data.reasoning_gym import (
     DEFAULT_INSTRUCTION,
     DEFAULT_PREFIX,
@@ -110,3 +113,103 @@ def test_a_task_whose_weight_gives_it_no_items_is_refused():
     with pytest.raises(ValueError, match=r"data.tasks\[1\] \(lcm, weight 1\) no items: raise data.size"):
         ReasoningGymDataModule(tasks, size=3)
     assert ReasoningGymDataModule(tasks, size=102).size == 102  # one item each at least
+
+
+@pytest.mark.parametrize("settings, message", [
+    # 2.5 digits passed every check and failed at the first item ("non-integer stop for randrange()")
+    ({"max_digits": 2.5}, r"data.tasks\[0\].settings.max_digits: basic_arithmetic takes a whole number, got 2.5"),
+    ({"allow_negation": "no"}, r"data.tasks\[0\].settings.allow_negation: basic_arithmetic takes true or false"),
+    ({"format_style": "fancy"}, r"data.tasks\[0\].settings.format_style: basic_arithmetic takes one of 'simple', "
+                                r"'natural', got 'fancy'"),
+    ({"operators": "+"}, r"data.tasks\[0\].settings.operators: basic_arithmetic takes a list of text, got '\+'"),
+])
+def test_a_setting_of_the_wrong_type_is_refused_naming_the_key(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ReasoningGymDataModule([{"name": "basic_arithmetic", "settings": settings}])
+
+
+def test_settings_of_the_annotated_types_pass_and_a_wrong_annotation_is_not_held_against_them():
+    settings = {"max_digits": 2, "operators": ["+"], "format_style": "natural", "allow_negation": False}
+    assert ReasoningGymDataModule([{"name": "basic_arithmetic", "settings": settings}], size=4).size == 4
+    # `variables: tuple[str] = ("x", "y", "z")`: a tuple of one by the letter; its own default does not fit it
+    task = {"name": "polynomial_multiplication", "settings": {"variables": ["x", "y"]}}
+    assert ReasoningGymDataModule([task], size=4).tasks[0].settings == {"variables": ["x", "y"]}
+
+
+def test_settings_that_make_no_item_are_refused_when_the_module_is_built_naming_the_key(monkeypatch):
+    # Words of 60 to 70 letters pass the generator's own check; the first item then failed deep inside it
+    # ("IndexError: Cannot choose from an empty sequence"), without naming a key.
+    spelling = {"name": "spell_backward", "settings": {"min_word_len": 60, "max_word_len": 70}}
+    with pytest.raises(ValueError, match=r"data.tasks\[1\].settings.min_word_len: spell_backward cannot make item 0 "
+                                         r"with \{'min_word_len': 60, 'max_word_len': 70\}: IndexError"):
+        ReasoningGymDataModule([ARITHMETIC, spelling])
+    # 5000-digit operands: item 3's answer is too long to write as text, item 1 never comes (a divisor search up to
+    # the square root of a 5000-digit number).
+    added = {"name": "basic_arithmetic", "settings": {"max_digits": 5000, "operators": ["+"]}}
+    with pytest.raises(ValueError, match=r"data.tasks\[0\].settings.max_digits: basic_arithmetic cannot make item 3 "
+                                         r"with .*ValueError: Exceeds the limit \(4300 digits\)"):
+        ReasoningGymDataModule([added])
+    monkeypatch.setattr(reasoning_gym_data, "DRAW_TIMEOUT_S", 0.5)
+    huge = {"name": "basic_arithmetic", "settings": {"max_digits": 5000, "min_terms": 2}}
+    with pytest.raises(ValueError, match=r"data.tasks\[0\].settings.max_digits: basic_arithmetic took over 0.5 s for "
+                                         r"item 1 with \{'max_digits': 5000, 'min_terms': 2\}"):
+        ReasoningGymDataModule([huge])
+    # An item past the first ones fails in the same words when the sets are made.
+    monkeypatch.setattr(reasoning_gym_data, "_FIRST_ITEMS", 1)
+    module = ReasoningGymDataModule([{"name": "gcd"}, huge], size=40)
+    with pytest.raises(ValueError, match=r"data.tasks\[1\].settings.max_digits: basic_arithmetic took over 0.5 s for "
+                                         r"item 1"):
+        module.make_train_set()
+
+
+def test_weights_that_overflow_are_refused_and_large_ones_share_exactly():
+    # Two weights of 1e308 add up to inf: the shares were NaN ("cannot convert float NaN to integer").
+    with pytest.raises(ValueError, match=r"data.tasks\[\*\].weight: the weights add up to inf .*relative"):
+        ReasoningGymDataModule([{"name": "gcd", "weight": 1e308}, {"name": "lcm", "weight": 1e308}])
+    with pytest.raises(ValueError, match=r"data.tasks\[0\].weight must be a positive number.*got inf"):
+        ReasoningGymDataModule([{"name": "gcd", "weight": float("inf")}])
+    # size · weight overflowed before the division by the total
+    assert shares([ReasoningTask("a", 1e308), ReasoningTask("b", 3e307)], 13) == [10, 3]
+
+
+@pytest.mark.parametrize("task, message", [
+    ({"name": "gcd", "wieght": 2}, r"data.tasks\[0\]: unknown key 'wieght'; a task has name, weight and settings"),
+    ({"weight": 2}, r"data.tasks\[0\]: no name: give the reasoning-gym task's name"),
+    ({"name": "gcd", "settings": [1]}, r"data.tasks\[0\].settings must be a mapping of the generator's settings"),
+    ("gcd", r"data.tasks\[0\] must be a mapping such as \{name: gcd, weight: 1, settings: \{\}\}, got 'gcd'"),
+])
+def test_a_task_that_is_not_name_weight_and_settings_is_refused_naming_it(task, message):
+    with pytest.raises(ValueError, match=message):
+        ReasoningGymDataModule([task])
+
+
+def test_a_tasks_override_replaces_the_mix_without_keeping_the_config_files_settings(run_cli, tmp_path):
+    # jsonargparse merged a list of dataclasses element by element: `--data.init_args.tasks` naming the config file's
+    # tasks again (or others in their places) kept each one's old settings.
+    config = tmp_path / "data.yaml"
+    config.write_text("""data:
+  class_path: lightning_logra.data.reasoning_gym.ReasoningGymDataModule
+  init_args:
+    tasks:
+      - {name: basic_arithmetic, weight: 3, settings: {max_digits: 2, min_terms: 2, max_terms: 2}}
+      - {name: gcd, settings: {min_value: 2, max_value: 20}}
+    size: 20
+    eval_size: 4
+""")
+    cli = run_cli("tiny_arith", "--config", str(config), "--data.init_args.tasks",
+                  "[{name: basic_arithmetic}, {name: chain_sum, settings: {min_terms: 3}}]", fast=False, run=False)
+    assert cli.datamodule.tasks == [ReasoningTask("basic_arithmetic"),
+                                    ReasoningTask("chain_sum", 1.0, {"min_terms": 3})]
+
+
+def test_a_resume_with_other_data_settings_says_what_changed(caplog):
+    saved = _module(seed=3).state_dict()
+    other_mix = [ARITHMETIC, {**MIX[1], "weight": 1.0}]
+    with caplog.at_level(logging.WARNING, logger="lightning_logra.data.module"):
+        _module(seed=3).load_state_dict(saved)
+        assert caplog.records == []  # the same settings: nothing to say
+        _module(seed=4, size=48, tasks=other_mix).load_state_dict(saved)
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 3 and said[0] == "data.seed: the checkpoint was made with 3, this run uses 4"
+    assert said[1].startswith("data.tasks: the checkpoint was made with [") and "'weight': 3.0" in said[1]
+    assert said[2] == "data.size: the checkpoint was made with 40, this run uses 48"

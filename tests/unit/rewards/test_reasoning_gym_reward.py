@@ -1,6 +1,7 @@
 """ReasoningGymScore: the answer is taken from between its tags (begun in the prompt or in the completion) and only
 it reaches the task's scorer; full marks score 1.0, partial credit only when asked for."""
 
+import json
 import pickle
 
 import pytest
@@ -70,12 +71,40 @@ def test_a_text_prompt_that_ends_with_the_open_tag_begins_the_answer():
     assert _score(["7"], prompt="Calculate 3 + 4. Give the answer inside <answer></answer> tags.") == [0.0]
 
 
-def test_a_scorer_that_raises_scores_zero(monkeypatch):
-    def scorer(answer, entry):
-        raise ValueError("cannot parse")
+def test_a_scorer_that_raises_on_the_answer_scores_zero(monkeypatch):
+    def scorer(answer, entry):  # reads the entry (its own answer scores), not this answer
+        if answer != entry["answer"]:
+            raise ValueError("cannot parse")
+        return 1.0
 
     monkeypatch.setattr(module, "_scorer", lambda task: scorer)
-    assert _score(["7</answer>"]) == [0.0]
+    assert _score(["8</answer>"]) == [0.0]
+
+
+def test_an_entry_given_as_json_text_is_read():
+    # A set written to a file with the entry as JSON text: the right answer scored 0.0, in silence.
+    entry = json.dumps(_entry())
+    reward = ReasoningGymScore()
+    assert reward([BEGUN] * 2, ["7</answer>", "8</answer>"], task=["basic_arithmetic"] * 2, entry=[entry] * 2) == [
+        1.0, 0.0]
+
+
+ROW = r"the row of completion 1 \(basic_arithmetic\): "
+
+
+@pytest.mark.parametrize("task, entry, message", [
+    ("basic_arithmetic", None, ROW + r"its entry column must be the item as reasoning-gym made it .*got None"),
+    ("basic_arithmetic", "{not json", ROW + r"its entry column is text but not JSON"),
+    ("basic_arithmetic", {"question": "Calculate 3 + 4."}, ROW + r".* got a mapping without answer, metadata"),
+    # an entry the task's scorer cannot read: it fails even on the entry's own answer
+    ("complex_arithmetic", {"question": "q", "answer": "7", "metadata": {}},
+     r"the row of completion 1 \(complex_arithmetic\): complex_arithmetic's scorer cannot read its entry"),
+])
+def test_an_entry_the_scorer_cannot_read_is_an_error_naming_the_row(task, entry, message):
+    # Each scored the right answer 0.0, in silence.
+    with pytest.raises(ValueError, match=message):
+        ReasoningGymScore()([BEGUN] * 2, ["7</answer>"] * 2, task=["basic_arithmetic", task],
+                            entry=[_entry(), entry])
 
 
 def test_an_unknown_task_fails_instead_of_scoring_zero():

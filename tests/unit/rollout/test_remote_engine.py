@@ -181,7 +181,8 @@ def test_a_server_another_run_holds_is_given_up_on_naming_that_run(monkeypatch):
 
     answer = SimpleNamespace(status_code=423, json=lambda: {"run": "their-run", "version": 9, "quiet_s": 3.5})
     monkeypatch.setattr(client, "request_within", lambda *args, **kwargs: answer)
-    with pytest.raises(ServerFailed, match=r"http://a:1 is in use by run their-run \(heard from 3.5 s ago\)"):
+    with pytest.raises(ServerFailed,
+                       match=r"http://a:1 is in use by run their-run \(heard from 3.5 s ago; trainer process"):
         Server("http://a:1").load(b"", Label("our-run", 1))
 
 
@@ -253,3 +254,100 @@ def test_a_server_mid_change_is_asked_again_not_given_up_as_unknown(monkeypatch,
     states.append(SimpleNamespace(status_code=200, json=lambda: {"run": "r", "version": 1, "max_model_len": 32}))
     engine.fleet.probe(server, force=True)
     assert server.up and (server.run, server.version) == ("r", 1)
+
+
+def _blocks_answer(tensors) -> SimpleNamespace:
+    return SimpleNamespace(status_code=200, content=tensors if isinstance(tensors, bytes) else pack_tensors(tensors))
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (b"not safetensors at all", "not safetensors"),  # was a ValueError in the trainer
+    ({"w|0|0": torch.ones(2, 3)}, r"no block of 'b'"),  # was a KeyError
+    ({"w|0|0": torch.ones(2, 3), "b|10000000000|0": torch.ones(2)}, r"'b'.* do not tile"),  # a 40 GB allocation
+    ({"w|0|0": torch.ones(2, 3), "b|0|0": torch.ones(2), "x|0|0": torch.ones(1)}, "'x', which was not asked for"),
+    ({"w|0|x": torch.ones(2, 3), "b|0|0": torch.ones(2)}, "a block keyed 'w|0|x'"),
+    ({"w|-1|0": torch.ones(2, 3), "b|0|0": torch.ones(2)}, "a block keyed 'w|-1|0'"),
+    ({"w|0|0": torch.ones(2, 3), "b|0|0": torch.ones(2), "b|2|0": torch.ones(1, 1)}, "'b' of 1 and 2 dimensions"),
+])
+def test_a_server_whose_weight_check_answer_is_not_its_blocks_is_given_up_on_and_the_others_used(
+        monkeypatch, caplog, bad, problem):
+    # A /logra/blocks answer that was garbage, lacked a tensor or put a block at row 1e10 crashed the trainer (or
+    # allocated 40 GB), and the good server's answer was thrown away. Now that server is given up on, naming it and
+    # what was wrong (as a bad /generate answer is), and the others' answers are used.
+    engine = RemoteEngine(urls=["http://bad:1", "http://good:1"])
+    for server in engine.servers:
+        server.up = True
+    good = {"w|0|0": torch.arange(6.0).view(2, 3), "b|0|0": torch.ones(2)}
+    monkeypatch.setattr(Server, "request", lambda server, method, path, data=b"", params=None, timeout=None,
+                        exclusive=True: _blocks_answer(bad if server.url == "http://bad:1" else good))
+    with caplog.at_level("WARNING"):
+        weights = engine.weights(["w", "b"])
+    assert torch.equal(weights["w"], torch.arange(6.0).view(2, 3)) and torch.equal(weights["b"], torch.ones(2))
+    assert not engine.servers[0].up and engine.servers[1].up
+    assert re.search(r"http://bad:1 is given up on for now \(http://bad:1 answered /logra/blocks with .*" + problem,
+                     caplog.text), caplog.text
+
+
+def test_blocks_of_a_tensor_parallel_server_are_put_together_and_a_fingerprint_summed():
+    from lightning_logra.rollout.remote.engine import checked_blocks
+
+    rows = pack_tensors({"w|0|0": torch.ones(2, 3), "w|2|0": torch.zeros(1, 3), "b|0|0": torch.ones(3)})
+    out = checked_blocks(rows, ["w", "b"], fingerprints=False)
+    assert out["w"].tolist() == [[1.0] * 3, [1.0] * 3, [0.0] * 3] and out["b"].tolist() == [1.0] * 3
+    cols = pack_tensors({"w|0|0": torch.ones(2, dtype=torch.float64), "w|0|3": torch.ones(2, dtype=torch.float64)})
+    assert checked_blocks(cols, ["w"], fingerprints=True)["w"].tolist() == [2.0, 2.0]
+    with pytest.raises(ValueError, match="do not tile"):  # one column block lacks a row
+        checked_blocks(pack_tensors({"w|0|0": torch.ones(2), "w|0|3": torch.ones(1)}), ["w"], fingerprints=True)
+
+
+def test_a_resumed_trainer_does_not_take_weights_another_process_of_its_run_made_past_its_checkpoint(monkeypatch):
+    # Two trainers resumed from one checkpoint (version 5) on one server: the first sent version 6; the second's
+    # version 6 was refused 409 and it "replayed 0 updates", then generated from the first's weights. Versions past
+    # the checkpoint made by another process are not this one's: loaded in full before the server is used.
+    from lightning_logra.algo.update import Update
+    from lightning_logra.rollout.protocol import process_tag
+    from lightning_logra.sketch.update import LowRankDelta
+
+    engine = RemoteEngine(urls=["http://a:1"])
+    engine.journal.restore({"run": "r", "version": 5})
+    engine.fleet.inherited = 5
+    (server,) = engine.servers
+    server.up, server.run, server.version, server.holder = True, "r", 5, process_tag("an-earlier-process")
+    assert engine.fleet.current(server)  # a version the checkpoint holds: the same whoever made it
+    other = {"run": "r", "version": 6, "holder": process_tag("the-other-process")}
+    monkeypatch.setattr(Server, "request", lambda *args, **kwargs: SimpleNamespace(status_code=409,
+                                                                                   json=lambda: other))
+    loads = []
+    engine.fleet._full_load = lambda server, replaying: loads.append(server.url)
+    engine.apply_update(Update({"w": LowRankDelta(torch.ones(2, 1), 1, "rademacher", 3)}))
+    assert engine.journal.version == 6 and not engine.fleet.current(server)
+    engine.fleet.ready(catch_up=True)
+    assert loads == ["http://a:1"]
+    server.holder = process_tag(engine.connection.process)  # its own version 6: current
+    assert engine.fleet.current(server)
+
+
+def test_every_request_names_the_trainer_process(monkeypatch):
+    from lightning_logra.rollout.protocol import PROCESS_HEADER
+    from lightning_logra.rollout.remote import client
+
+    sent = []
+    monkeypatch.setattr(client, "request_within", lambda *args, headers, **kwargs: (
+        sent.append(headers), SimpleNamespace(status_code=200, json=lambda: {"run": None, "version": 0}))[1])
+    first, second = RemoteEngine(urls=["http://a:1"]), RemoteEngine(urls=["http://a:1"])
+    first.servers[0].state()
+    second.servers[0].state()
+    assert sent[0][PROCESS_HEADER] == first.connection.process != second.connection.process == sent[1][PROCESS_HEADER]
+    assert len(first.connection.process) == 32
+
+
+def test_more_completions_per_prompt_than_a_server_generates_are_refused_naming_the_settings(monkeypatch):
+    # A server refuses n past MAX_SAMPLES (400): each server would be given up on in turn, and the run stop with
+    # "no server left". The engine says what to change before it asks any.
+    from lightning_logra.rollout.protocol import MAX_SAMPLES
+
+    engine = RemoteEngine(urls=["http://a:1"])
+    monkeypatch.setattr(Server, "request", lambda *args, **kwargs: pytest.fail("a server was asked"))
+    with pytest.raises(ValueError, match=rf"model\.sampling\.num_generations .*{MAX_SAMPLES + 1}: .* at most "
+                                         rf"{MAX_SAMPLES} completions"):
+        engine.generate([[1, 2]], MAX_SAMPLES + 1, SamplingParams(max_new_tokens=4), [0])

@@ -184,3 +184,23 @@ def test_dense_parameters_in_bf16_are_refused_with_the_fix():
     handles = config.install(model)
     with pytest.raises(ValueError, match="sketch.train_rest.*bf16-mixed"):
         config.build_optimizers(model, handles)
+
+
+@pytest.mark.parametrize("dtype, largest", [(torch.float32, 3.4e38), (torch.bfloat16, 3.38e38),
+                                            (torch.float16, 65504.0)])
+def test_a_merge_is_known_to_stay_finite_before_it_is_made(dtype, largest):
+    # A finite factor of 3e38 was merged and left Inf in the weights. `merge_stays_finite` works the merge out
+    # without writing: false where the result would pass the dtype's largest number, true for everything sane (and
+    # near the limit, where the bound gives way to the exact merge).
+    from lightning_logra.sketch.update import merge_stays_finite
+
+    weight, factor, projection = _qwen_like(dtype)
+    before = weight.clone()
+    assert merge_stays_finite(weight, factor, projection)
+    assert not merge_stays_finite(weight, torch.full_like(factor, largest), projection)
+    assert torch.equal(weight, before)
+    near = torch.zeros(D, K, dtype=dtype)
+    near[0, 0] = torch.finfo(dtype).max * 0.75  # the bound is past half the limit: worked out, and it fits
+    assert merge_stays_finite(near, factor, projection)
+    near[1, 1] = math.nan  # a NaN already there is the weight's, not the merge's
+    assert merge_stays_finite(near, factor, projection)

@@ -39,12 +39,15 @@ class KLFromStart(Callback):
         samples: completions sampled per prompt, at the run's sampling temperature and top_p.
         chunk: sequences per forward pass of the measurement (the decoder's hidden states of `chunk` sequences
             exist at once, not those of all prompts × samples).
+        start: the model π_0 is, as `model.model` takes it; None: the run's own `model.model`. A `validate` of a
+            model trained elsewhere (a folder another trainer saved) measures its distance from the model it
+            started from so.
     """
 
-    def __init__(self, prompts: int = 256, samples: int = 4, chunk: int = 64) -> None:
+    def __init__(self, prompts: int = 256, samples: int = 4, chunk: int = 64, start: str | None = None) -> None:
         for key, value in (("prompts", prompts), ("samples", samples), ("chunk", chunk)):
             check_positive(f"KLFromStart: {key}", value, integer=True)
-        self.prompts, self.samples, self.chunk = prompts, samples, chunk
+        self.prompts, self.samples, self.chunk, self.start = prompts, samples, chunk, start
         self.reference: torch.nn.Module | None = None
         self._batch: dict[str, list[Any]] = {}  # this process's share of the prompts, gathered during validation
 
@@ -65,6 +68,8 @@ class KLFromStart(Callback):
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not self._batch:
             return
+        if self.reference is None and self.start is not None:
+            self.reference = load_reference(self.start, pl_module.weights_dtype(), pl_module.device)
         if self.reference is None:  # the KL penalty's π_0 when the run has one (model.loss.beta > 0): not a second copy
             self.reference = getattr(pl_module, "reference", None) or load_reference(
                 pl_module.hparams.model, pl_module.weights_dtype(), pl_module.device)  # the policy's weights' dtype

@@ -16,7 +16,8 @@ TRL's batch is the config's: `data.batch_size` prompts × `model.sampling.num_ge
 step, generated once (steps_per_generation = gradient_accumulation_steps) and trained in micro-batches of
 `model.training.micro_batch_size` completions; one pass over them (num_iterations 1: on-policy, as the config); no KL
 penalty (beta 0), a constant learning rate, fp32, AdamW without weight decay, as the dense rows of bench/tasks.py.
-Prompts are the data module's training set, the reward the config's own object (TRL calls it as the trainer does).
+Prompts are the data module's training set, as the text whose tokens this project's engine receives (`rendered`), the
+reward the config's own object (TRL calls it as this project's trainer does).
 """
 
 from __future__ import annotations
@@ -32,12 +33,27 @@ import torch
 from lightning_logra.base.resident import process_rss_reader
 from lightning_logra.callbacks.memory import StepSampler
 from lightning_logra.paths import model_path
+from lightning_logra.train.policy import encode_prompts
 
 
 def built(value: dict):
     """A config's {class_path, init_args} as the object it names."""
     module, _, name = value["class_path"].rpartition(".")
     return getattr(import_module(module), name)(**(value.get("init_args") or {}))
+
+
+def rendered(tokenizer, prompt: str | list[dict[str, str]]) -> str:
+    """A prompt as the text whose tokens this project's engine receives (`policy.encode_prompts`): TRL 1.16 renders a
+    conversation with a generation prompt, closing an answer begun in its last (assistant) message and starting
+    another turn, where this project continues that message; as text, TRL tokenizes it as it stands."""
+    if isinstance(prompt, str):
+        return prompt
+    begun = prompt[-1]["role"] == "assistant"
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=not begun, continue_final_message=begun,
+                                         tokenize=False)
+    if tokenizer(text)["input_ids"] != encode_prompts(tokenizer, [prompt], False)[0]:
+        raise SystemExit("trl_grpo: the rendered prompt's tokens differ from what this project's engine receives")
+    return text
 
 
 def reward_function(reward, seconds: list[float]):
@@ -65,9 +81,11 @@ def main(spec_path: str) -> None:
     sampling, training, loss = model_cfg["sampling"], model_cfg.get("training") or {}, model_cfg.get("loss") or {}
     datamodule, reward = built(config["data"]), built(model_cfg["reward"])
     rows = datamodule.make_train_set()
+    path = model_path(model_cfg["model"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
     # the entry as JSON text: arrow would give every task's metadata one schema
-    dataset = Dataset.from_list([{"prompt": row["prompt"], "task": row["task"], "entry": json.dumps(row["entry"])}
-                                 for row in (rows[i] for i in range(len(rows)))])
+    dataset = Dataset.from_list([{"prompt": rendered(tokenizer, row["prompt"]), "task": row["task"],
+                                  "entry": json.dumps(row["entry"])} for row in (rows[i] for i in range(len(rows)))])
     n = sampling["num_generations"]
     completions_per_step = datamodule.batch_size * n
     micro = min(training.get("micro_batch_size", completions_per_step), completions_per_step)
@@ -83,8 +101,6 @@ def main(spec_path: str) -> None:
         use_vllm=spec["generation"] == "vllm", vllm_mode="colocate", vllm_gpu_memory_utilization=0.2,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
     )
-    path = model_path(model_cfg["model"])
-    tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     peft = None
     if spec["method"] == "lora":

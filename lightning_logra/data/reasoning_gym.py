@@ -203,27 +203,41 @@ def check_tasks(tasks: list[ReasoningTask]) -> None:
                          "3e308)")
 
 
-class _TooSlow(Exception):
-    """An item took longer than it was given."""
+class _TooSlow(BaseException):
+    """An item took longer than it was given. Not an Exception: a generator's own `except Exception` (or bare
+    `except:`, as quantum_lock's search has around its arithmetic) must not take it for one of its errors."""
+
+
+_REARM_S = 1.0  # after the time is up, the timer fires again this often: a generator that swallowed it is stopped later
 
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
     """Raise _TooSlow in the code inside if it runs past `seconds` (a timer signal; in the main thread only, where
-    signals are delivered: elsewhere, no limit). A timer set before is put back, less the time taken here."""
+    signals are delivered: elsewhere, no limit), and again every _REARM_S after, should the code swallow it. The
+    timer is cancelled and the handler before put back however the code ends; a timer set before is put back too,
+    less the time taken here."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
+    armed = [True]
 
     def expired(signum, frame):
-        raise _TooSlow
+        if armed[0]:
+            raise _TooSlow
 
     started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, expired)
-    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds, _REARM_S)
     try:
         yield
     finally:
+        # Disarmed first: once the flag is down no alarm raises. One that fires before it is (the code inside ended
+        # just as the time was up) is caught here, and the next is _REARM_S away.
+        try:
+            armed[0] = False
+        except _TooSlow:
+            armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if outer > 0:
@@ -255,12 +269,12 @@ def generate(task: ReasoningTask, count: int, seed: int, key: str = "data.tasks"
         for index in range(count):
             with _time_limit(DRAW_TIMEOUT_S):
                 items.append(dataset[index])
-    except Exception as error:  # the generators raise whatever their code meets
+    except (Exception, _TooSlow) as error:  # the generators raise whatever their code meets
         raise _no_item(task, seed, len(items), key, error) from error
     return items
 
 
-def _no_item(task: ReasoningTask, seed: int, index: int, key: str, error: Exception) -> ValueError:
+def _no_item(task: ReasoningTask, seed: int, index: int, key: str, error: BaseException) -> ValueError:
     """The error of item `index` of `task` failing with `error`, naming the setting without which it is made."""
     retry_s = min(DRAW_TIMEOUT_S, _CULPRIT_TIMEOUT_S)
     culprit = next((setting for setting in task.settings
@@ -281,7 +295,7 @@ def _makes(name: str, settings: dict[str, Any], seed: int, index: int, seconds: 
     try:
         with _time_limit(seconds):
             reasoning_gym.create_dataset(name, size=index + 1, seed=seed, **settings)[index]
-    except Exception:  # refused settings, or the same failure
+    except (Exception, _TooSlow):  # refused settings, or the same failure
         return False
     return True
 

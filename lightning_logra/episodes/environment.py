@@ -21,11 +21,12 @@ import importlib
 import inspect
 import json
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 from transformers.utils import get_json_schema
+
+from lightning_logra.base.settings import real_number
 
 NOT_TOOLS = frozenset({"reset", "reward"})  # an environment's methods that the model cannot call
 
@@ -74,13 +75,16 @@ def function_tools(paths: list[str] | tuple[str, ...], key: str) -> dict[str, Ca
     return tools
 
 
-def real_number(value: Any, what: str) -> float:
-    """An environment's reward as a float: a real number (int or float, numpy's too; not a bool), finite; anything
-    else is refused, the message beginning with `what` ("pkg.Env.reward() returned"): a "0.5" is text, not a score."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{what} {value!r} (a {type(value).__name__}): it must return a real number (an int or a "
-                         f"float, finite) or None")
-    return float(value)
+def finite_reward(value: Any, what: str) -> float:
+    """An environment's reward as a float: one real number as a reward function's is (`base.settings.real_number`: a
+    bool, numpy's scalars and 0-d tensors too), and finite (a reward function's NaN drops its group; an episode has
+    no group of its own to drop); anything else is refused, the message beginning with `what` ("pkg.Env.reward()
+    returned"): a "0.5" is text, not a score."""
+    number = real_number(value)
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"{what} {value!r} (a {type(value).__name__}): it must return a real number (an int, a float "
+                         "or a bool, numpy's or a 0-d tensor's too; finite) or None")
+    return number
 
 
 def tool_methods(environment_class: type) -> dict[str, Callable]:
@@ -144,7 +148,8 @@ class GymAdapter:
 
     def act(self, action: str) -> tuple[str, bool]:
         observation, reward, done, _info = self.env.step(action)
-        self.total += 0.0 if reward is None else real_number(reward, f"{self.env_path}.step() returned the reward")
+        self.total += 0.0 if reward is None else finite_reward(
+            reward, f"model.episodes.environment_factory: GymAdapter's env {self.env_path}.step() returned the reward")
         return answer_text(observation), bool(done)
 
     def reward(self) -> float:

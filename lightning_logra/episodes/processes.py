@@ -31,9 +31,9 @@ from lightning_logra.episodes.environment import (
     GymAdapter,
     answer_text,
     environment_class,
+    finite_reward,
     function_tools,
     import_path,
-    real_number,
     tool_methods,
 )
 
@@ -142,8 +142,8 @@ class _Episode:
             return None
         value = reward()
         where = "GymAdapter" if isinstance(self.env, GymAdapter) else self.spec.path
-        return None if value is None else real_number(value, f"model.episodes.environment_factory: {where}.reward() "
-                                                             f"returned")
+        return None if value is None else finite_reward(value, f"model.episodes.environment_factory: {where}.reward() "
+                                                               "returned")
 
 
 def _serve(conn: Connection, spec: EnvironmentSpec, memory_gib: float | None) -> None:

@@ -121,13 +121,16 @@ class EpisodeRunner:
         t0 = time.monotonic()
         finals = self.pool.call("finish", {i: () for i, e in enumerate(episodes) if e.has_environment})
         env_s += time.monotonic() - t0
+        failed = []  # one warning for the batch: a reward() that is wrong is wrong in every episode (128 a step)
         for i, (status, value) in finals.items():
             if status == "ok" and value is not None:
                 episodes[i].stats["environment_reward"] = value
             elif status == "error":  # reward() raised, or returned what is not a number: no reward of its own
-                log.warning("an episode's environment failed at its reward (%s): the episode has no environment "
-                            "reward", str(value).strip()[-400:])
+                failed.append(str(value).strip()[-400:])
                 episodes[i].stats["tool_errors"] += 1
+        if failed:
+            log.warning("%d of %d episodes' environments failed at their reward (the first: %s): those episodes have "
+                        "no environment reward", len(failed), len(finals), failed[0])
         for episode in episodes:
             episode.stats["environment_s"] = env_s / count  # the batch's, shared out: its sum is the batch's
         return self._rollout(episodes)

@@ -5,13 +5,12 @@ count of steps in a row with nothing to learn."""
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Callable
 from typing import Any
 
-import numpy
 import torch
 
+from lightning_logra.base.settings import real_number
 from lightning_logra.rewards.resolve import Reward
 
 log = logging.getLogger(__name__)
@@ -64,12 +63,15 @@ def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], pr
         if len(output) != count:
             raise ValueError(f"model.reward {name!r} returned {len(output)} rewards for {count} completions "
                              f"({prompts} prompts × {n} samples): it must return one per completion, in order")
+        column = []
         for index, r in enumerate(output):
-            if not (r is None or _is_real_scalar(r)):
+            value = float("nan") if r is None else real_number(r)  # the rule an environment's reward() is held to
+            if value is None:
                 raise ValueError(f"model.reward {name!r} returned a {type(r).__name__} ({r!r:.40}) for completion "
                                  f"{index}: a reward must be a number (int, float, bool, a numpy or 0-d torch scalar) "
                                  "or None")
-        columns.append([float("nan") if r is None else float(r) for r in output])
+            column.append(value)
+        columns.append(column)
         nones.append([r is None for r in output])
     values = torch.tensor(columns, dtype=torch.float32).T  # (N, F)
     none = torch.tensor(nones).T  # (N, F)
@@ -80,15 +82,6 @@ def reward_tensor(outputs: list[Any], names: list[str], weights: list[float], pr
     total[missing] = 0.0
     total.view(prompts, n)[dropped] = 0.0
     return total, values, missing, dropped
-
-
-def _is_real_scalar(value: Any) -> bool:
-    """Whether a reward function's value is one real number. Not a string ("1.0"): float() would take it, but a
-    reward that returns text is broken. numbers.Real covers Python's bool, int and float and numpy's integers and
-    floats; numpy's bool is not registered there. A 0-d tensor is what indexing a tensor of rewards gives."""
-    if isinstance(value, torch.Tensor):
-        return value.dim() == 0 and not value.is_complex()
-    return isinstance(value, (numbers.Real, numpy.bool_))
 
 
 def reward_metrics(values: torch.Tensor, keys: list[str], strategy: Any) -> dict[str, torch.Tensor]:

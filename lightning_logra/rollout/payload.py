@@ -3,10 +3,11 @@ the trainer skips a non-finite update itself).
 
 Every name must be one of the model's, every shape the whole tensor's (a factor with more rows was cut to the rows a
 worker holds; a (1,) tensor broadcast over a whole weight), every number finite and of a dtype the merge takes (fp16,
-bf16, fp32, fp64), a seeded projection one that `make_projection` draws at the model's own k (a k of 2⁴⁰ was
-allocated), and a rounding key one the merge can draw bits from. Checked whole, on every worker, before the weights'
-label is touched: a payload with a problem changes nothing. (Whether a merge's result stays finite depends on the
-weights: the worker checks that too, `sketch.update.merge_stays_finite`.)
+bf16, fp32, fp64), every whole tensor's numbers within what the weight it is copied into can hold (1e5 in an fp16
+weight, 3.4e38 in a bf16 one, would land as Inf), a seeded projection one that `make_projection` draws at the model's
+own k (a k of 2⁴⁰ was allocated), and a rounding key one the merge can draw bits from. Checked whole, on every worker,
+before the weights' label is touched: a payload with a problem changes nothing. (Whether a merge's result stays finite
+depends on the weights: the worker checks that too, `sketch.update.merge_stays_finite`.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lightning_logra.sketch.rounding import is_rounding_key
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what a merge or a load takes
 
 WholeShape = Callable[[str], "tuple[int, ...] | None"]  # a trainer parameter's whole shape; None: no such parameter
+WeightDtype = Callable[[str], "torch.dtype | None"]  # the dtype a parameter is held in here; None: not known
 
 
 def _tensor_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> list[str]:
@@ -36,8 +38,25 @@ def _tensor_problems(what: str, tensor: torch.Tensor, shape: tuple[int, ...]) ->
     return []
 
 
-def update_problems(update: Update, whole_shape: WholeShape) -> list[str]:
-    """What is wrong with `update` for a model whose parameters have `whole_shape`s ([] when nothing is)."""
+def _range_problems(what: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> list[str]:
+    """Whether the finite `tensor` fits a weight of `dtype` when copied into it: a number past the dtype's largest
+    becomes Inf there (one only just past it would round down to the largest; it is refused all the same)."""
+    if dtype is None or not dtype.is_floating_point or tensor.numel() == 0:
+        return []
+    largest = torch.finfo(dtype).max
+    if torch.finfo(tensor.dtype).max <= largest:
+        return []  # every finite number of the tensor's dtype fits
+    flat = tensor.flatten()
+    peak = float(flat[flat.abs().argmax()])  # the number of largest magnitude, with its sign
+    if abs(peak) > largest:
+        return [f"{what} holds {peak:.4g}, past the largest number of the model's {dtype} weight (±{largest:.4g}): it "
+                "would land as Inf"]
+    return []
+
+
+def update_problems(update: Update, whole_shape: WholeShape, weight_dtype: WeightDtype | None = None) -> list[str]:
+    """What is wrong with `update` for a model whose parameters have `whole_shape`s and are held in `weight_dtype`s
+    (None: not checked; a low-rank factor's merge is checked against the weight by the worker) ([] when nothing is)."""
     problems = []
     for name, delta in update.low_rank.items():
         shape = whole_shape(name)
@@ -61,16 +80,19 @@ def update_problems(update: Update, whole_shape: WholeShape) -> list[str]:
             problems.append(f"{name!r}: rounding key {delta.rounding_key!r} is neither null nor a whole number in "
                             "-2**63..2**63 - 1")
         problems += _tensor_problems(f"{name!r}'s factor", delta.factor, (d, rank))
-    return problems + tensors_problems(update.dense, whole_shape)
+    return problems + tensors_problems(update.dense, whole_shape, weight_dtype)
 
 
-def tensors_problems(tensors: dict[str, torch.Tensor], whole_shape: WholeShape) -> list[str]:
-    """What is wrong with whole tensors (a dense part of an update, or a full load) for the model."""
+def tensors_problems(tensors: dict[str, torch.Tensor], whole_shape: WholeShape,
+                     weight_dtype: WeightDtype | None = None) -> list[str]:
+    """What is wrong with whole tensors (a dense part of an update, or a full load) for the model, each copied into
+    a weight held in `weight_dtype(name)` (None: its range is not checked)."""
     problems = []
     for name, tensor in tensors.items():
         shape = whole_shape(name)
         if shape is None:
             problems.append(f"{name!r} is not a parameter of the model")
-        else:
-            problems += _tensor_problems(repr(name), tensor, shape)
+            continue
+        problems += (_tensor_problems(repr(name), tensor, shape)
+                     or _range_problems(repr(name), tensor, None if weight_dtype is None else weight_dtype(name)))
     return problems

@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import stat
 import uuid
 from dataclasses import dataclass, fields
+
+from lightning_logra.base.settings import is_number
 
 TOKEN_ENV = "LOGRA_SERVER_TOKEN"  # the shared token, on both sides (a server may read it from --token-file instead)
 PARENT_ENV = "LOGRA_SERVE_PARENT_PID"  # the trainer that launched a server (RemoteEngine's launch): it dies with it
@@ -36,6 +37,7 @@ PROCESS_HEADER = "X-Logra-Process"  # the trainer process's identity (`new_proce
 PREFIX = "/logra"
 MAX_VERSION = 2**62  # a weight version past this is no count of updates
 MAX_SAMPLES = 1024  # completions of one prompt one /generate may ask for (n)
+MAX_SEED = 2**62 - 1  # a seed of a request: vLLM gives sample i of a prompt seed + i, which must stay an int64
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +59,7 @@ def process_tag(process: str | None) -> str | None:
 
 
 def _whole(value, low: int, high: int) -> bool:
-    return type(value) is int and low <= value <= high
-
-
-def _number(value) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+    return is_number(value, integer=True) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -99,6 +97,15 @@ def asks_in_flight(query) -> bool:
     return query.get("in_flight", "0") == "1"
 
 
+def _loads(data: bytes):
+    """A request's body as JSON; ValueError when it is not JSON the parser can read. Nested past Python's recursion
+    limit (`[[[[...`), json raises RecursionError: a server's 500 where a bad request is a 400."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _fields(shape) -> dict:
     """A request's or answer's fields as a dict, the lists themselves (dataclasses.asdict would copy every token id
     and log-prob: seconds for a large batch, on the server's event loop)."""
@@ -123,7 +130,7 @@ class BlocksAsk:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BlocksAsk:
-        ask = cls(**json.loads(data))
+        ask = cls(**_loads(data))
         ask.check()
         return ask
 
@@ -131,8 +138,8 @@ class BlocksAsk:
         """ValueError naming the field a server could not honour."""
         if not (isinstance(self.names, list) and all(isinstance(name, str) for name in self.names)):
             raise ValueError("names: a list of tensor names")
-        if not (self.seed is None or type(self.seed) is int):
-            raise ValueError(f"seed: {self.seed!r} is neither null nor a whole number")
+        if not (self.seed is None or _whole(self.seed, 0, MAX_SEED)):
+            raise ValueError(f"seed: {self.seed!r} is neither null nor a whole number in 0..2**62 - 1")
         _check_wait(self.run, self.min_version, self.wait_s)
         if type(self.any_run) is not bool:
             raise ValueError(f"any_run: {self.any_run!r} is not true or false")
@@ -144,7 +151,7 @@ def _check_wait(run, min_version, wait_s) -> None:
         raise ValueError(f"run: {run!r} is neither null nor a run's id")
     if not _whole(min_version, 0, MAX_VERSION):
         raise ValueError(f"min_version: {min_version!r} is not a whole number in 0..2**62")
-    if not (_number(wait_s) and wait_s >= 0):
+    if not (is_number(wait_s) and wait_s >= 0):
         raise ValueError(f"wait_s: {wait_s!r} is not a number of seconds, at least 0")
 
 
@@ -169,7 +176,7 @@ class GenerateAsk:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GenerateAsk:
-        ask = cls(**json.loads(data))
+        ask = cls(**_loads(data))
         ask.check()
         return ask
 
@@ -180,15 +187,15 @@ class GenerateAsk:
             raise ValueError("prompts and seeds: lists, one seed per prompt")
         if len(self.seeds) != len(self.prompts):
             raise ValueError(f"seeds: {len(self.seeds)} for {len(self.prompts)} prompts (one each)")
-        if not all(_whole(seed, 0, 2**62 - 1) for seed in self.seeds):
+        if not all(_whole(seed, 0, MAX_SEED) for seed in self.seeds):
             raise ValueError("seeds: each must be a whole number in 0..2**62 - 1 (vLLM adds the sample's index)")
         if not _whole(self.n, 1, MAX_SAMPLES):
             raise ValueError(f"n: {self.n!r} is not a whole number in 1..{MAX_SAMPLES} (completions per prompt)")
         if not _whole(self.max_tokens, 1, MAX_VERSION):
             raise ValueError(f"max_tokens: {self.max_tokens!r} is not a positive whole number")
-        if not (_number(self.temperature) and self.temperature >= 0):
+        if not (is_number(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature: {self.temperature!r} is not a number at least 0")
-        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p: {self.top_p!r} is not a number in (0, 1]")
         if not all(isinstance(p, list) and p and all(_whole(t, 0, 2**63 - 1) for t in p) for p in self.prompts):
             raise ValueError("prompts: each must be a non-empty list of token ids")
@@ -231,7 +238,7 @@ def answer_problem(outputs: list[list[dict]], prompts: int, n: int, max_tokens: 
                 return f"a sample of {len(ids)} tokens, more than the {max_tokens} asked"
             if not all(type(t) is int and 0 <= t < (vocab_size or 2**63) for t in ids):
                 return f"token ids outside the vocabulary (0..{vocab_size})"
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 1e-4 for v in logprobs):
+            if not all(is_number(v) and v <= 1e-4 for v in logprobs):
                 return "log-probs that are not finite numbers at most 0"
     return None
 

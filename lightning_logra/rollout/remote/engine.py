@@ -376,8 +376,9 @@ class RemoteEngine(RolloutEngine):
 
     def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
         """Each tensor's fingerprint as every server that is up holds it: NaN where two servers differ (all of them
-        are then loaded, as a drifted engine is)."""
-        return agreed(self._each_server(names, seed), names)
+        are then loaded, as a drifted engine is). The seed goes as its low 62 bits, all `sync.fingerprint_vector`
+        draws from (a server takes a seed in 0..2**62 - 1, as a generation's)."""
+        return agreed(self._each_server(names, seed & SEED_MASK), names)
 
     def weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         return agreed(self._each_server(names, None), names)

@@ -108,7 +108,7 @@ def _ask(kind: type, data: bytes):
     """The request's body as `kind` (BlocksAsk, GenerateAsk); 400, naming what is wrong, when it is not one."""
     try:
         return kind.from_bytes(data)
-    except (TypeError, ValueError) as err:  # a key missing or unknown, or not JSON at all
+    except (TypeError, ValueError) as err:  # a key missing or unknown, or not JSON the parser reads
         raise HTTPException(HTTPStatus.BAD_REQUEST, f"not a {kind.__name__}: {err}") from err
 
 

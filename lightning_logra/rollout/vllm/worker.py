@@ -279,8 +279,9 @@ class LogRAWorkerExtension:
         [] when nothing is. Changes nothing."""
         if kind == "update":
             update = Update.from_bytes(data)
-            return update_problems(update, self._logra_whole_shape) or self._logra_merge_problems(update)
-        return tensors_problems(unpack_tensors(data), self._logra_whole_shape)
+            return (update_problems(update, self._logra_whole_shape, self._logra_weight_dtype)
+                    or self._logra_merge_problems(update))
+        return tensors_problems(unpack_tensors(data), self._logra_whole_shape, self._logra_weight_dtype)
 
     def _logra_merge_problems(self, update: Update) -> list[str]:
         """The matrices whose merge would leave a number this worker's weight cannot hold (Inf or NaN, where the
@@ -294,16 +295,28 @@ class LogRAWorkerExtension:
                 problems.append(f"{name!r}: the merge would leave Inf or NaN in the {slot.tensor.dtype} weight")
         return problems
 
-    def _logra_whole_shape(self, name: str) -> tuple[int, ...] | None:
-        """The shape of the trainer's parameter `name` (the whole tensor, whatever this worker holds of it); None
-        if the model has none."""
+    def _logra_whole_slot(self, name: str) -> Slot | None:
+        """Where the trainer's whole tensor `name` goes in this worker (a tied head: the embedding); None if the model
+        has no such parameter."""
         try:
-            return self._logra_slot(name).whole
+            return self._logra_slot(name)
         except (KeyError, AttributeError):
             config = getattr(getattr(self.model_runner, "model_config", None), "hf_config", None)
             if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
-                return self._logra_whole_shape("model.embed_tokens.weight")  # vLLM's loader skips a tied head
+                return self._logra_whole_slot("model.embed_tokens.weight")  # vLLM's loader skips a tied head
             return None
+
+    def _logra_whole_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of the trainer's parameter `name` (the whole tensor, whatever this worker holds of it); None
+        if the model has none."""
+        slot = self._logra_whole_slot(name)
+        return None if slot is None else slot.whole
+
+    def _logra_weight_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype this worker holds the trainer's parameter `name` in (a whole tensor sent is copied into it);
+        None if the model has none."""
+        slot = self._logra_whole_slot(name)
+        return None if slot is None else slot.tensor.dtype
 
     def _logra_copy(self, tensors: dict[str, torch.Tensor]) -> set:
         """Copy whole tensors into this worker's blocks; returns the layers to re-pack (`_logra_repack`)."""

@@ -12,7 +12,13 @@ from transformers import MambaConfig, MambaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import write_rows
 from lightning_logra.data.arith import build_tokenizer
-from lightning_logra.data.module import PromptDataModule, TokenizedPrompts, collate_rows, limit_prompt_length
+from lightning_logra.data.module import (
+    ArithDataModule,
+    PromptDataModule,
+    TokenizedPrompts,
+    collate_rows,
+    limit_prompt_length,
+)
 from lightning_logra.data.prompts import PromptDataset
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.train.module import RLVRModule
@@ -301,6 +307,26 @@ def test_the_embedded_tasks_check_their_longest_prompt_and_fall_back_to_every_pr
     # "12+34=" and the like are 6 tokens; 32 positions less 27 new tokens leave 5
     with pytest.raises(ValueError, match=r"data.train: every prompt is longer than 5 tokens \(the model's context"):
         run_cli("tiny_arith", "--trainer.val_check_interval", "1000", "--model.sampling.max_new_tokens", "27", steps=1)
+
+
+def test_the_embedded_tasks_shortcut_leaves_a_max_prompt_length_to_be_checked_and_applied(tiny_arith_model):
+    # The embedded modules do not take the key (the command line refuses it), but a subclass may set it: the shortcut
+    # that passes their sets on untokenized when the longest prompt fits the context returned the set with a limit of
+    # 6100 on the 32-position model, never reaching the check.
+    module = RLVRModule(tiny_arith_model, sampling={"max_new_tokens": 4}, scoring={"timeout_s": None})
+    module.configure_model()
+    for limit in (6100, 6):
+        data = ArithDataModule(batch_size=2)
+        data.max_prompt_length = limit
+        data.trainer = SimpleNamespace(lightning_module=module, global_step=0, global_rank=0, world_size=1)
+        data.setup("fit")
+        if limit == 6100:
+            with pytest.raises(ValueError, match=r"data.max_prompt_length=6100 is longer than the 28 tokens the "
+                                                 r"model's context leaves for a prompt"):
+                data.train_dataloader()
+        else:  # every "ab+cd=" is 6 tokens: all kept, tokenized against the key's limit
+            held = data.train_dataloader().dataset
+            assert isinstance(held, TokenizedPrompts) and len(held) == len(data.train_set)
 
 
 def test_a_max_prompt_length_past_the_model_context_is_refused_naming_both(run_cli, tmp_path):

@@ -2,8 +2,11 @@
 apart from the training questions, the prompts' forms and columns, and bad tasks or settings refused by key."""
 
 import logging
+import signal
+import time
 
 import pytest
+import reasoning_gym
 
 from lightning_logra.data import reasoning_gym as reasoning_gym_data
 from lightning_logra.data.reasoning_gym import (
@@ -160,6 +163,42 @@ def test_settings_that_make_no_item_are_refused_when_the_module_is_built_naming_
     with pytest.raises(ValueError, match=r"data.tasks\[1\].settings.max_digits: basic_arithmetic took over 0.5 s for "
                                          r"item 1"):
         module.make_train_set()
+
+
+class _Swallowing:
+    """A generator whose loop swallows what interrupts it, as quantum_lock's search does with a bare `except:` around
+    its arithmetic: the first alarm is taken for one of its own errors, then it runs on (for ever in the real one;
+    3 s here, so that the test ends even where the limit does not hold)."""
+
+    def __init__(self, caught: type[BaseException]) -> None:
+        self.caught = caught
+
+    def __getitem__(self, index: int) -> dict:
+        try:
+            while True:
+                time.sleep(0.01)
+        except self.caught:
+            pass
+        runs_on = time.monotonic() + 3.0
+        while time.monotonic() < runs_on:
+            time.sleep(0.01)
+        return {"question": "q", "answer": "a", "metadata": {}}
+
+
+@pytest.mark.parametrize("caught", [Exception, BaseException])
+def test_an_item_is_bounded_in_time_even_where_the_generator_swallows_the_alarm(monkeypatch, caught):
+    # An `except Exception` took the limit's exception for a generator error, and the alarm came once: the item ran
+    # unbounded. Now it is no Exception, and it comes again after the code inside swallowed it.
+    monkeypatch.setattr(reasoning_gym, "create_dataset", lambda name, size, seed, **settings: _Swallowing(caught))
+    monkeypatch.setattr(reasoning_gym_data, "DRAW_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(reasoning_gym_data, "_REARM_S", 0.1)
+    handler = signal.getsignal(signal.SIGALRM)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"data.tasks\[0\].settings: gcd took over 0.2 s for item 0"):
+        reasoning_gym_data.generate(ReasoningTask("gcd"), 1, seed=0, key="data.tasks[0]")
+    assert time.monotonic() - started < 2.0
+    # The timer is cancelled and the handler put back: no alarm reaches the code that follows.
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is handler
 
 
 def test_weights_that_overflow_are_refused_and_large_ones_share_exactly():

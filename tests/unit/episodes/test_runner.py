@@ -6,6 +6,7 @@ the batch."""
 import logging
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from conftest import make_tiny_qwen2
 from lightning_logra.base.batch import EPISODE_COLUMNS, Rollout
 from lightning_logra.data.tool_task import build_tool_tokenizer
 from lightning_logra.episodes.calls import parse_tool_calls
+from lightning_logra.episodes.environment import GymAdapter
 from lightning_logra.episodes.metrics import environment_rewards
 from lightning_logra.episodes.processes import EnvironmentPool, spec_from_settings
 from lightning_logra.episodes.runner import EpisodeLimits, EpisodeRunner
@@ -346,14 +348,27 @@ def test_a_turns_tool_answers_are_cut_to_one_budget_together():
     assert [len(m["content"]) for m in reply.messages] == [1000, 1000, 1000] + [0] * 7
 
 
+def test_a_gym_step_reward_that_is_not_a_real_number_names_the_key_as_reward_does():
+    # The message began "pkg.Env.step() returned", where reward()'s names model.episodes.environment_factory
+    adapter = GymAdapter("bad_envs.TextGym")
+    adapter.env = SimpleNamespace(step=lambda action: ("seen", "0.5", False, {}))
+    with pytest.raises(ValueError, match=r"^model.episodes.environment_factory: GymAdapter's env bad_envs.TextGym"
+                                         r".step\(\) returned the reward '0.5' \(a str\): it must return a real "):
+        adapter.act("go")
+
+
 def test_an_environment_reward_that_is_not_a_real_number_is_its_environments_failure(tokenizer, caplog):
     episodes = runner(tokenizer, environment="bad_envs.StringReward")
     try:
         with caplog.at_level(logging.WARNING, logger="lightning_logra.episodes.runner"):
-            rollout = episodes.run(ScriptedEngine(tokenizer, {"go": ["done"]}), {"prompt": ["go"]}, 1,
-                                   SamplingParams(max_new_tokens=20), [3])
+            rollout = episodes.run(ScriptedEngine(tokenizer, {"go": ["done"]}), {"prompt": ["go", "go"]}, 2,
+                                   SamplingParams(max_new_tokens=20), [3, 4])
     finally:
         episodes.close()
-    stats = dict(zip(EPISODE_COLUMNS, rollout.episodes[0].tolist()))
-    assert math.isnan(stats["environment_reward"]) and stats["tool_errors"] == 1
-    assert "bad_envs.StringReward.reward() returned '0.5' (a str): it must return a real number" in caplog.text
+    for row in rollout.episodes.tolist():
+        stats = dict(zip(EPISODE_COLUMNS, row))
+        assert math.isnan(stats["environment_reward"]) and stats["tool_errors"] == 1
+    # One warning for the batch, with the count and the first one's message (it was one per episode: 128 a step)
+    (warning,) = [record.getMessage() for record in caplog.records if "at their reward" in record.getMessage()]
+    assert warning.startswith("4 of 4 episodes' environments failed at their reward (the first: ")
+    assert "bad_envs.StringReward.reward() returned '0.5' (a str): it must return a real number" in warning

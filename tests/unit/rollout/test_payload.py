@@ -1,5 +1,5 @@
 """An engine's check of a weight change before any of it is merged (rollout/payload.py): names, whole shapes,
-finite numbers, a projection the model's k allows."""
+finite numbers that the weights they are copied into can hold, a projection the model's k allows."""
 
 import math
 import re
@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout.payload import tensors_problems, update_problems
+from lightning_logra.rollout.tensor_bytes import pack_tensors
 from lightning_logra.sketch.update import LowRankDelta
 
 SHAPES = {"q.weight": (6, 4), "norm.weight": (4,)}
@@ -83,6 +84,24 @@ def test_a_factor_or_tensor_of_a_dtype_the_merge_does_not_take_is_named_not_rais
     assert problem.startswith("'norm.weight' holds torch.float8_e5m2")
 
 
+@pytest.mark.parametrize("value, sent, weight", [
+    (1e5, torch.float32, torch.float16), (-7e4, torch.bfloat16, torch.float16), (3.4e38, torch.float32, torch.bfloat16),
+    (1e300, torch.float64, torch.float32)])
+def test_a_whole_tensor_past_what_its_weight_can_hold_is_named(value, sent, weight):
+    # Finite in its own dtype, it passed the check, then copy_ into the weight left Inf there.
+    tensor = torch.tensor([1.0, value, 0.0, 0.0], dtype=sent)
+    (problem,) = tensors_problems({"norm.weight": tensor}, SHAPES.get, {"norm.weight": weight}.get)
+    assert problem.startswith(f"'norm.weight' holds {float(tensor[1]):.4g}, past the largest number of the model's "
+                              f"{weight} weight") and problem.endswith("it would land as Inf")
+    dense = Update({"q.weight": _delta()}, {"norm.weight": tensor})
+    assert update_problems(dense, SHAPES.get, {"norm.weight": weight}.get) == [problem]
+    # The largest the weight holds, a weight that holds more, and no dtype known: taken.
+    largest = torch.full((4,), torch.finfo(weight).max, dtype=torch.float64)  # exact in float64
+    assert tensors_problems({"norm.weight": largest}, SHAPES.get, {"norm.weight": weight}.get) == []
+    assert tensors_problems({"norm.weight": tensor}, SHAPES.get, {"norm.weight": torch.float64}.get) == []
+    assert tensors_problems({"norm.weight": tensor}, SHAPES.get) == []
+
+
 class _Worker:
     """The worker extension over a plain torch model (no vLLM model runner: every weight is a parameter slot)."""
 
@@ -112,3 +131,17 @@ def test_a_merge_whose_result_would_not_be_finite_is_refused_before_anything_is_
     with torch.no_grad():
         model[0].weight[0, 0] = math.nan
     assert worker.logra_payload_problems("update", Update({"0.weight": fine}).to_bytes()) == []
+
+
+def test_a_worker_refuses_a_whole_tensor_its_weight_cannot_hold_before_anything_is_written():
+    # 1e5 is a finite fp32 number; copied into the fp16 weight by a load or an update's dense part, it was Inf there.
+    model = nn.Sequential(nn.Linear(4, 6, bias=False)).to(torch.float16)
+    before = model[0].weight.detach().clone()
+    worker = _Worker(model)
+    big = torch.full((6, 4), 1e5)
+    expected = ["'0.weight' holds 1e+05, past the largest number of the model's torch.float16 weight (±6.55e+04): "
+                "it would land as Inf"]
+    assert worker.logra_payload_problems("load", pack_tensors({"0.weight": big})) == expected
+    assert worker.logra_payload_problems("update", Update({}, {"0.weight": big}).to_bytes()) == expected
+    assert torch.equal(model[0].weight, before)
+    assert worker.logra_payload_problems("load", pack_tensors({"0.weight": torch.full((6, 4), 6e4)})) == []

@@ -342,20 +342,38 @@ GOOD_ASK = {"prompts": [[1], [2]], "seeds": [1, 2], "n": 2, "temperature": 1.0, 
     ("min_version", "x"), ("min_version", -1), ("wait_s", math.nan), ("wait_s", -1), ("n", 10**9),
     ("max_tokens", 10**9), ("max_tokens", 33),  # the server's max_model_len is 32
     ("stop_token_ids", ["a"]), ("run", 5),
+    ("temperature", 10**400), ("wait_s", 10**400),  # an int past a float's range: OverflowError, a 500
 ])
 def test_a_generation_ask_out_of_bounds_is_refused_naming_the_field(server, field, value):
     client, engine = server
     answer = _as(client, None, "/logra/generate", body={**GOOD_ASK, field: value})
-    assert answer.status_code == 400 and field in answer.json()["detail"], answer.text
+    # "not a GenerateAsk" alone holds the letter n: the field is named at the start of what is wrong
+    assert answer.status_code == 400 and answer.json()["detail"].startswith(f"not a GenerateAsk: {field}: "), (
+        answer.text)
     assert engine.calls == []
 
 
-@pytest.mark.parametrize("field, value", [("min_version", "x"), ("wait_s", math.nan), ("names", "w"), ("seed", 1.5)])
+BLOCKS_ASK = {"names": ["w"], "seed": 3, "run": None, "min_version": 0, "wait_s": 0.0, "any_run": True}
+
+
+@pytest.mark.parametrize("field, value", [("min_version", "x"), ("wait_s", math.nan), ("names", "w"), ("seed", 1.5),
+                                          ("seed", 2**80), ("seed", -1)])  # 2**80 was taken, as any int was
 def test_a_blocks_ask_out_of_bounds_is_refused_naming_the_field(server, field, value):
     client, engine = server
-    ask = {"names": ["w"], "seed": 3, "run": None, "min_version": 0, "wait_s": 0.0, "any_run": True}
-    answer = _as(client, None, "/logra/blocks", body={**ask, field: value})
-    assert answer.status_code == 400 and field in answer.json()["detail"], answer.text
+    answer = _as(client, None, "/logra/blocks", body={**BLOCKS_ASK, field: value})
+    assert answer.status_code == 400 and answer.json()["detail"].startswith(f"not a BlocksAsk: {field}: "), (
+        answer.text)
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("route", ["/logra/generate", "/logra/blocks"])
+def test_a_body_nested_past_the_recursion_limit_is_a_bad_request_not_a_server_error(server, route):
+    # json raised RecursionError, which the routes did not catch: a 500
+    client, engine = server
+    body = b"[" * 2000 + b"]" * 2000
+    answer = client.post(route, content=body, headers=_headers(body))
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["detail"].endswith(": JSON nested too deeply"), answer.text
     assert engine.calls == []
 
 

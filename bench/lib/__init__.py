@@ -10,5 +10,6 @@
 - `memory_rows`: bench.memory's rows, each measured in a worker process;
 - `peers`: the optimizers a user would pick instead of LoGRA;
 - `engine_callbacks`: callbacks a benchmark's CLI runs load (the engine's CPU time, its core);
+- `trl_grpo`: one TRL GRPOTrainer run on a config's recipe, in a process of its own (bench.frameworks' TRL rows);
 - `plotting`: a display-less pyplot and a figure written with its title.
 """

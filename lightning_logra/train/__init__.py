@@ -11,7 +11,8 @@
                         (the codec, the collectives, its Placement), not the module
 - scoring.py            a rollout's completions scored by the run's rewards, as TRL calls them
 - context.py            how long a prompt may be: the model's context less its completions' room
-- step_times.py         where a step's seconds go (train/wait_s, score_s, update_s, rollout_s)
+- step_times.py         where a step's seconds go (train/wait_s, score_s, update_s, sync_s, rollout_s)
+- throughput.py         perf/*: tokens per second generated and trained, each part's share of a step, MFU on a GPU
 - backward_stats.py     what a step's backward passes measure besides the gradient, summed over micro-batches and ranks
 - dynamic_sampling.py   DAPO's dynamic sampling: rounds until the batch's groups are learnable, which groups each rank
                         keeps

@@ -1,7 +1,7 @@
 """Against what a user would otherwise run: TRL's GRPOTrainer beside this project's trainer on the same real model,
 prompts, reward and recipe.
 
-    python -m bench.frameworks            # every row, 3 seeds, 20 steps (about 3 hours alone on 2 cores; --reuse
+    python -m bench.frameworks            # every row, 3 seeds, 15 steps (about 2.5 hours alone on 2 cores; --reuse
                                           # keeps the rows already finished after an interruption)
     python -m bench.frameworks --quick    # every row for 2 steps, 1 seed, 2 held-out items per task (checks the
                                           # script; needs the `trl` extra)
@@ -58,7 +58,7 @@ METRICS = ("step_s", "generation_s", "score_s", "update_s", "sync_s", "generated
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="training steps of every row")
+    parser.add_argument("--steps", type=int, default=15, help="training steps of every row")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds per row (0, 1, ...)")
     parser.add_argument("--eval-size", type=int, default=32, help="held-out items per task")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")

@@ -124,6 +124,7 @@ def test_the_console_script_trains_the_embedded_default_from_any_directory(tmp_p
     assert "Trained params, sketched: 28 matrices at rank 16" in run.stderr
 
 
+@pytest.mark.long  # two runs in processes of their own at once: about 30 s
 def test_two_runs_started_at_once_on_one_folder_each_get_their_own(tiny_arith_model, tmp_path):
     # Each run as a user starts it, with its output apart (run_cli's own log would be one file for both).
     command = [sys.executable, "cli.py", "fit", "--config", "tiny_arith",

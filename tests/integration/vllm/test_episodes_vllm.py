@@ -23,7 +23,8 @@ def _scalars(root) -> dict[str, list[float]]:
 @pytest.mark.parametrize("config, extra", [
     # in the trainer's process (as configs/smollm2_reasoning.yaml runs it): a start of 13 s here, not 31-36
     ("configs/tiny_arith_vllm.yaml", ["--model.rollouts.engine.init_args.separate_process", "false"]),
-    ("configs/tiny_arith_remote.yaml", ["--model.rollouts.max_staleness", "1"]),
+    # an engine server, overlapped: the long tier (about 40 s; the fast tier's server run is test_remote.py's)
+    pytest.param("configs/tiny_arith_remote.yaml", ["--model.rollouts.max_staleness", "1"], marks=pytest.mark.long),
 ], ids=["vllm", "remote-overlapped"])
 def test_episodes_draw_on_an_engine_of_their_own(run_cli, config, extra):
     overlapped = "--model.rollouts.max_staleness" in extra

@@ -71,10 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="see above")
     grid.add_options(parser, ROOT / "bench" / "out" / "frameworks.json", ROOT / "bench" / "out" / "frameworks_runs")
     args = parser.parse_args(argv)
-    args.rows = [row for row in args.rows.split(",") if row]
-    unknown = sorted(set(args.rows) - set(ROWS))
-    if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(ROWS)}")
+    args.rows = grid.chosen_rows(args.rows, ROWS)
     if args.quick:
         args.steps, args.seeds, args.eval_size, args.kl_prompts = 2, 1, 2, 2
     grid.positive(args, "steps", "seeds", "eval_size", "kl_prompts")

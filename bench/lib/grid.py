@@ -37,6 +37,15 @@ def add_options(parser: argparse.ArgumentParser, out: Path, runs_dir: Path) -> N
     parser.add_argument("--runs-dir", type=Path, default=runs_dir)
 
 
+def chosen_rows(value: str, rows: tuple[str, ...]) -> list[str]:
+    """--rows as a list: comma-separated names, each one of `rows` (an unknown one stops the tool, naming it)."""
+    chosen = [row for row in value.split(",") if row]
+    unknown = sorted(set(chosen) - set(rows))
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(rows)}")
+    return chosen
+
+
 def positive(args: argparse.Namespace, *keys: str) -> None:
     """Stops with the option's name if any of `keys` (argparse's names) is below 1."""
     for key in keys:

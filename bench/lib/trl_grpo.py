@@ -29,6 +29,7 @@ from importlib import import_module
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from lightning_logra.base.resident import process_rss_reader
 from lightning_logra.callbacks.memory import StepSampler
@@ -72,7 +73,7 @@ def reward_function(reward, seconds: list[float]):
 def main(spec_path: str) -> None:
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
@@ -121,7 +122,7 @@ def main(spec_path: str) -> None:
 
     trainer._generate = timed_generate
     steps: list[dict] = []
-    trainer.add_callback(StepRecord(steps, generating, scoring, TrainerCallback))
+    trainer.add_callback(StepRecord(steps, generating, scoring))
     trainer.train()
     trained = trainer.model.merge_and_unload() if peft is not None else trainer.model
     trained.save_pretrained(out / "model")
@@ -129,31 +130,32 @@ def main(spec_path: str) -> None:
     (out / "steps.json").write_text(json.dumps(steps))
 
 
-def StepRecord(steps: list[dict], generating: list[float], scoring: list[float], base: type):
-    """A transformers TrainerCallback (`base`) recording each optimizer step's seconds, parts and peak memory."""
+class StepRecord(TrainerCallback):
+    """Each optimizer step's seconds, their parts (what `generating` and `scoring` collected during it) and the
+    process's peak resident memory, appended to `steps`; TRL's logged means (reward, completion length, tokens seen)
+    added once it logs them."""
 
-    class Record(base):
-        def on_step_begin(self, args, state, control, **kwargs):
-            generating.clear()
-            scoring.clear()
-            self.sampler = StepSampler(process_rss_reader())
-            self.sampler.start()
-            self.start = time.perf_counter()
+    def __init__(self, steps: list[dict], generating: list[float], scoring: list[float]) -> None:
+        self.steps, self.generating, self.scoring = steps, generating, scoring
 
-        def on_step_end(self, args, state, control, **kwargs):
-            seconds = time.perf_counter() - self.start
-            _, peak = self.sampler.stop()
-            generation, score = sum(generating), sum(scoring)
-            steps.append({"step_s": seconds, "generation_s": generation, "score_s": score,
-                          "update_s": seconds - generation - score, "peak_gib": peak / 2**30})
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.generating.clear()
+        self.scoring.clear()
+        self.sampler = StepSampler(process_rss_reader())
+        self.sampler.start()
+        self.start = time.perf_counter()
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            # TRL logs each step's means once the step is done: the reward, the completions' lengths, tokens seen
-            if logs and steps and "reward" in logs:
-                steps[-1].update(reward=logs["reward"], completion_length=logs.get("completions/mean_length"),
-                                 num_tokens=logs.get("num_tokens"))
+    def on_step_end(self, args, state, control, **kwargs):
+        seconds = time.perf_counter() - self.start
+        _, peak = self.sampler.stop()
+        generation, score = sum(self.generating), sum(self.scoring)
+        self.steps.append({"step_s": seconds, "generation_s": generation, "score_s": score,
+                           "update_s": seconds - generation - score, "peak_gib": peak / 2**30})
 
-    return Record()
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and self.steps and "reward" in logs:
+            self.steps[-1].update(reward=logs["reward"], completion_length=logs.get("completions/mean_length"),
+                                  num_tokens=logs.get("num_tokens"))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from lightning_logra.train.settings import (
     as_group,
     without_engine,
 )
-from lightning_logra.train.step_metrics import reward_mean, rollout_metrics, step_tokens, task_rewards
+from lightning_logra.train.step_metrics import reward_mean, rollout_metrics, task_rewards
 from lightning_logra.train.step_times import StepTimes
 from lightning_logra.train.strategies.base import Collectives, collectives_of
 from lightning_logra.train.throughput import Throughput
@@ -330,10 +330,10 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         """The step's metrics (`train.step_metrics`), and every `rollouts.log_completions_every` steps a few
         completions as text."""
         hp = self.hparams
-        self.num_tokens += step_tokens(rollout, self.sum_over_ranks)
+        perf, tokens = self.throughput.metrics(rollout, self.sum_over_ranks, step_s, metrics)
+        self.num_tokens += tokens
         metrics = {**rollout_metrics(rollout, rewards, hp.sampling.num_generations, self.stop_token_ids(), step_s),
-                   "train/num_tokens": float(self.num_tokens),
-                   **self.throughput.metrics(rollout, self.sum_over_ranks, step_s, metrics),
+                   "train/num_tokens": float(self.num_tokens), **perf,
                    **reward_metrics(per_reward, [reward.key for reward in self.rewards], self.trainer.strategy),
                    **metrics}
         self.log("train/reward_mean", reward_mean(rollout, rewards, self.sum_over_ranks), prog_bar=True,

@@ -27,15 +27,9 @@ def rollout_metrics(rollout: Rollout, rewards: torch.Tensor, num_generations: in
         "completions/max_length": lengths.max(),
         "completions/terminated_ratio": terminated.mean(),  # ended with a stop token
         "completions/clipped_ratio": 1.0 - terminated.mean(),  # cut at model.sampling.max_new_tokens
-        "train/tokens_per_s": lengths.sum() / step_s,
         "train/step_s": step_s,
         **episode_metrics(rollout),
     }
-
-
-def step_tokens(rollout: Rollout, sum_over_ranks: Reduce) -> int:
-    """Prompt + completion tokens of every sample of the step, all ranks (TRL's num_tokens)."""
-    return int(sum_over_ranks((rollout.prompt_mask.sum() + rollout.completion_lengths.float().sum()).float()))
 
 
 def reward_mean(rollout: Rollout, rewards: torch.Tensor, sum_over_ranks: Reduce) -> torch.Tensor:

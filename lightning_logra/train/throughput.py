@@ -68,12 +68,13 @@ class Throughput:
         self.peak = peak_flops(device, next(policy.parameters()).dtype)
 
     def metrics(self, rollout: Rollout, sum_over_ranks: Reduce, step_s: float,
-                seconds: dict[str, float]) -> dict[str, float]:
+                seconds: dict[str, float]) -> tuple[dict[str, float], int]:
+        """(`perf/*`, the prompt + completion tokens of every rank's samples: TRL's num_tokens of the step)."""
         completion = rollout.completion_lengths.sum().float()
         trained = rollout.prompt_mask.sum().float() + completion  # this rank's
         everyone = sum_over_ranks(torch.stack([trained, completion]))
         mfu = update_mfu(self.parameters, float(trained), seconds["train/update_s"], self.peak)
-        return throughput_metrics(float(everyone[1]), float(everyone[0]), step_s, seconds, mfu)
+        return throughput_metrics(float(everyone[1]), float(everyone[0]), step_s, seconds, mfu), int(everyone[0])
 
 
 def throughput_metrics(generated: float, trained: float, step_s: float, seconds: dict[str, float],

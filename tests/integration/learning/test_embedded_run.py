@@ -53,7 +53,7 @@ def test_tiny_arith_learns(run_cli, tmp_path):
     first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
     print(f"reward first tenth {first:.3f} → last tenth {last:.3f} over {steps} steps")
     assert last - first >= 0.1
-    for name in ("train/loss", "train/grad_norm", "train/tokens_per_s", "val/pass@1", "kl/q", "kl/alpha",
+    for name in ("train/loss", "train/grad_norm", "perf/generated_tokens_per_s", "val/pass@1", "kl/q", "kl/alpha",
                  "kl/realized"):
         assert scalars[name], name
     # Every applied update was controlled, and the control bound the steps: the KL the updates really caused stayed

@@ -54,6 +54,6 @@ def test_a_steps_counts_over_the_ranks():
                       sampler_logprobs=torch.zeros(2, 4))
     throughput = Throughput(make_tiny_qwen2(), torch.device("cpu"))
     seconds = {"train/wait_s": 1.0, "train/score_s": 0.0, "train/update_s": 1.0}
-    two_ranks = throughput.metrics(rollout, lambda t: 2 * t, step_s=2.0, seconds=seconds)  # another rank alike
+    two_ranks, tokens = throughput.metrics(rollout, lambda t: 2 * t, step_s=2.0, seconds=seconds)  # a rank alike
     assert two_ranks["perf/generated_tokens_per_s"] == 2 * 6 / 2.0
-    assert two_ranks["perf/trained_tokens_per_s"] == 2 * (5 + 6) / 2.0
+    assert two_ranks["perf/trained_tokens_per_s"] == 2 * (5 + 6) / 2.0 and tokens == 2 * (5 + 6)

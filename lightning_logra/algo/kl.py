@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_logra.algo.logprobs import completion_logits, compute_dtype, plain_head
+from lightning_logra.algo.logprobs import completion_logits, completion_states, compute_dtype, plain_head
 from lightning_logra.algo.update import Update, swap_values
-from lightning_logra.base.batch import Rollout, positions
+from lightning_logra.base.batch import Rollout
 from lightning_logra.base.settings import check_positive
 from lightning_logra.sketch.rounding import LOW_PRECISION
 
@@ -175,15 +175,11 @@ def next_tokens(policy: nn.Module, responses: Rollout) -> NextTokens:
     low_precision = any(p.dtype in LOW_PRECISION for p in policy.parameters())
     head = plain_head(policy)
     ids = (responses.prompt_ids, responses.prompt_mask, responses.completion_ids, responses.completion_mask)
-    width = responses.completion_ids.shape[1]
     with float32_compute(policy) if low_precision else contextlib.nullcontext():
         if head is None:
             logits = completion_logits(policy, *ids)  # (n, C, V)
             return NextTokens(logits=logits.reshape(-1, logits.shape[-1]).to(compute_dtype(logits.dtype)))
-        ids_mask = torch.cat([responses.prompt_mask, responses.completion_mask], dim=1)
-        hidden = policy.get_decoder()(input_ids=torch.cat([responses.prompt_ids, responses.completion_ids], dim=1),
-                                      attention_mask=ids_mask, position_ids=positions(ids_mask)).last_hidden_state
-    hidden = hidden[:, -width - 1 : -1]  # (n, C, h): the position before each completion token predicts it
+        hidden = completion_states(policy, *ids)  # (n, C, h)
     # A head trained densely changes in place when the update is applied: keep the one measured here (one that is
     # not, as the sketched runs' head, is shared by both sides: no copy).
     weight = head.weight.detach().clone() if head.weight.requires_grad else head.weight.detach()

@@ -10,6 +10,10 @@ PyTorch and runs anywhere).
 
 The token entropy comes out of the same chunks, for free. Models whose head is not a plain linear map of the last
 hidden state (logit soft-capping or scaling, a sketched or otherwise replaced `lm_head`) take the full-logits path.
+
+Rows that share a prompt (a group's completions) share its forward pass (`completion_states`): a GRPO batch repeats
+each prompt num_generations times, and with prompts longer than completions (the shipped reasoning mix: about 80
+prompt tokens, under 16 new ones) that repetition was most of a step's compute and of its activations.
 """
 
 from __future__ import annotations
@@ -31,14 +35,70 @@ def completion_logits(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Logits (n, C, V) that predict each completion token, from one forward pass over prompt + completion."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    """Logits (n, C, V) that predict each completion token, through the model's own head (`shared_prompt_pass`)."""
+    # The head runs on the positions that predict a completion token only, never over the prompt.
+    return shared_prompt_pass(policy, "logits", prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+
+def completion_states(
+    policy: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """(n, C, h): the decoder's last hidden state at the position before each completion token (the one whose logits
+    predict it), differentiable (`shared_prompt_pass`)."""
+    return shared_prompt_pass(policy.get_decoder(), "last_hidden_state", prompt_ids, prompt_mask, completion_ids,
+                              completion_mask)
+
+
+def shared_prompt_pass(
+    model: nn.Module,
+    output: str,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """(n, C, ...): `model`'s `output` (a causal LM's "logits", a decoder's "last_hidden_state") at the position
+    before each completion token, the position that predicts it.
+
+    Each distinct prompt runs once: the model takes the distinct prompts (the left padding all of them share trimmed),
+    then every row's completion on its prompt's keys and values, gathered to the row (differentiable: the backward
+    pass sums each prompt's gradient over its rows). With g distinct prompts of P tokens over n rows of C, the pass
+    computes g·P + n·C positions instead of n·(P + C). It is the same function of the weights as one pass over prompt
+    + completion; its sums run in other orders (a prompt in a batch of g, its gradient summed over its rows before
+    the layers' backward, not after), so the numbers agree to rounding, not bit for bit.
+
+    Always two calls of the model, also where no prompt repeats: under FSDP every rank must call it as often as the
+    others. A model that recomputes activations (gradient checkpointing: transformers then keeps no cache) takes one
+    pass over prompt + completion instead."""
     width = completion_ids.shape[1]
-    # Only the last C + 1 positions are needed (the position before each completion token predicts it), so the
-    # LM head never runs over the prompt.
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions(mask), logits_to_keep=width + 1).logits
-    return logits[:, :-1]  # (n, C, V)
+    kept = {"logits_to_keep": width + 1} if output == "logits" else {}
+    if getattr(model, "is_gradient_checkpointing", False):
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        states = getattr(model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), **kept), output)
+        return states[:, -width - 1 : -1]
+    # (g, 2P) the distinct prompts, ids (their padding zeroed: two paddings of a prompt are one prompt) and mask;
+    # (n,) each row's
+    length = prompt_ids.shape[1]
+    distinct, row_prompt = torch.unique(torch.cat([prompt_ids * prompt_mask, prompt_mask], dim=1), dim=0,
+                                        return_inverse=True)
+    first = int(distinct[:, length:].any(0).int().argmax())  # the first column some prompt uses
+    ids, mask = distinct[:, first:length], distinct[:, length + first :]  # (g, P')
+    prompts = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
+                    **({"logits_to_keep": 1} if kept else {}))
+    cache = prompts.past_key_values
+    cache.batch_select_indices(row_prompt)  # every layer's keys and values (g, ..., P', d) → (n, ..., P', d)
+    # All C completion tokens run, though the last predicts nothing: a micro-batch of one-token completions still
+    # calls the model (FSDP's ranks call it alike).
+    mask = torch.cat([mask[row_prompt], completion_mask], dim=1)  # (n, P' + C)
+    rest = getattr(model(input_ids=completion_ids, attention_mask=mask, position_ids=positions(mask)[:, -width:],
+                         past_key_values=cache), output)  # (n, C, ...)
+    last = getattr(prompts, output)[:, -1][row_prompt]  # (n, ...): a prompt's last position predicts the first token
+    return torch.cat([last[:, None], rest[:, : width - 1]], dim=1)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -179,13 +239,10 @@ def completion_logprobs(
         logits = completion_logits(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (n, C, V)
         return (token_logprobs(logits, completion_ids, temperature),
                 token_entropy(logits if entropy_grad else logits.detach(), temperature))
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    width = completion_ids.shape[1]
-    hidden = policy.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
-    hidden = hidden[:, -width - 1 : -1]  # (n, C, h): the position before each completion token predicts it
-    n = hidden.shape[0]
+    hidden = completion_states(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (n, C, h)
+    n, width = completion_ids.shape
     logprobs, entropy = _ChunkedTokenLogprobs.apply(hidden.reshape(n * width, -1), head.weight, head.bias,
                                                     completion_ids.reshape(-1), temperature, chunk_tokens,
                                                     entropy_grad)
     return logprobs.view(n, width), entropy.view(n, width)
+

@@ -1,11 +1,12 @@
 """Chunked completion log-probs: the same numbers and the same gradients as the full-logits path (float64), for
-every chunk size, with and without a sketch, under a temperature; the transient is one chunk × V."""
+every chunk size, with and without a sketch, under a temperature; the transient is one chunk × V. Rows that share a
+prompt run it once, and give what one pass over each row's prompt + completion gives."""
 
 import pytest
 import torch
 
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
-from lightning_logra.algo.logprobs import completion_logprobs, plain_head
+from lightning_logra.algo.logprobs import completion_logprobs, completion_states, plain_head
 from lightning_logra.base.batch import positions
 from lightning_logra.sketch import install_sketches
 
@@ -136,3 +137,98 @@ def test_the_entropy_bonus_gradient_equals_autograd_through_the_full_logits_in_f
     _, entropy = completion_logprobs(model, *batch, chunk_tokens=chunk, entropy_grad=True)
     entropy.sum().backward()
     assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+def _groups():
+    """Six rows of three prompts (a group's rows as GRPO makes them, one of them padded with other ids), completions
+    of other lengths: (prompt ids, prompt mask, completion ids, completion mask)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, 97, (3, 7), generator=g)
+    masks = torch.ones(3, 7, dtype=torch.long)
+    masks[:, :1] = 0  # left padding that every prompt has (a longer prompt elsewhere in the batch), and more
+    masks[0, :3] = 0
+    rows = torch.tensor([0, 0, 1, 2, 2, 1])
+    prompt_ids, prompt_mask = prompts[rows] * masks[rows], masks[rows]
+    prompt_ids[1, :3] = 5  # padding under a 0 mask is no token: still prompt 0
+    completion_mask = torch.ones(6, 5, dtype=torch.long)
+    completion_mask[1, 2:] = 0
+    completion_mask[4, 4:] = 0
+    return prompt_ids, prompt_mask, torch.randint(1, 97, (6, 5), generator=g), completion_mask
+
+
+def _one_pass(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
+    return hidden[:, -completion_ids.shape[1] - 1 : -1]
+
+
+def _close_at_scale(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Equal to 1e-6 of the tensor's largest entry: fp32 rounding of sums whose terms are that large (an entry that
+    is a small difference of large terms keeps their absolute error)."""
+    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), name
+
+
+def _positions_run(model):
+    """How many token positions the decoder runs (its embedding's inputs), counted into the returned list."""
+    counted = [0]
+    model.get_input_embeddings().register_forward_pre_hook(lambda _, args: counted.__setitem__(0, counted[0]
+                                                                                              + args[0].numel()))
+    return counted
+
+
+def test_rows_of_one_prompt_run_it_once_and_equal_one_pass_over_each_row_in_float64():
+    # The tolerance of the gradients: transformers' RMSNorm computes in fp32 even in a float64 model, so a sum taken
+    # in another order (a prompt's gradient summed over its rows before the layers', not after) rounds at fp32.
+    model = _model(dtype=torch.float64)
+    batch = _groups()
+    # the hidden state that predicts each real token: the prompt's last, then every real completion token but the last
+    real = torch.cat([torch.ones(6, 1, dtype=torch.long), batch[3][:, :-1]], 1)[..., None]  # (n, C, 1)
+    weights = torch.randn(6, 5, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * real
+    results = []
+    counted = _positions_run(model)
+    for states in (_one_pass, completion_states):
+        model.zero_grad(set_to_none=True)
+        counted[0] = 0
+        hidden = states(model, *batch)  # (n, C, h)
+        (weights * hidden).sum().backward()
+        results.append((hidden.detach() * real, {n: p.grad.clone() for n, p in model.named_parameters()},
+                        counted[0]))
+    (reference, reference_grads, one_pass), (shared, grads, two_passes) = results
+    torch.testing.assert_close(shared, reference, rtol=0, atol=1e-12)
+    for name, grad in reference_grads.items():
+        _close_at_scale(grads[name], grad, name)
+    # 3 prompts of 6 columns (the padding all of them share trimmed) and 6 completions of 5, not 6 rows of 12
+    assert (one_pass, two_passes) == (6 * 12, 3 * 6 + 6 * 5)
+
+
+def test_shared_prompts_give_the_same_sketches_and_log_probs():
+    model = _model(dtype=torch.float64)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    batch = _groups()
+    results = []
+    for path in (None, 4):  # the full-logits path runs one pass over prompt + completion; the chunked one shares
+        for h in handles.values():
+            h.zero_sketch()
+        logprobs, _ = completion_logprobs(model, *batch, temperature=0.9, chunk_tokens=path)
+        (logprobs * batch[3]).sum().backward()
+        results.append((logprobs.detach() * batch[3], {name: h.sketch.clone() for name, h in handles.items()}))
+    (reference, reference_sketches), (shared, sketches) = results
+    torch.testing.assert_close(shared, reference, rtol=0, atol=1e-12)
+    for name, sketch in reference_sketches.items():
+        assert sketch.abs().sum() > 0
+        _close_at_scale(sketches[name], sketch, name)
+
+
+def test_a_decoder_that_recomputes_activations_takes_one_pass():
+    # transformers keeps no cache under gradient checkpointing: the prompts cannot be shared there
+    model = _model(dtype=torch.float64)
+    model.gradient_checkpointing_enable()
+    model.train()
+    batch = _groups()
+    counted = _positions_run(model)
+    hidden = completion_states(model, *batch)
+    assert counted[0] == 6 * 12
+    model.eval()
+    torch.testing.assert_close(hidden, _one_pass(model, *batch), rtol=0, atol=0)

@@ -219,7 +219,9 @@ def summarize(results: list[dict], names: list[str]) -> dict[str, dict]:
     return summary
 
 
-def tables(summary: dict[str, dict], names: list[str], args: argparse.Namespace) -> str:
+def tables(summary: dict[str, dict], names: list[str]) -> dict[str, dict]:
+    """The three tables (cost, held-out quality, paired against trl_full) as docs/results/data holds tables: columns,
+    alignment and rows of cells as printed (scripts/results_tables.py writes them into docs/results/frameworks.md)."""
     trained = [row for row in summary if row != "start"]
     cost = [[summary[row]["label"], grid.pm(summary[row]["step_s"], 1), grid.pm(summary[row]["generation_s"], 1),
              grid.pm(summary[row]["update_s"], 1), grid.pm(summary[row]["generated_tps"], 1),
@@ -233,19 +235,26 @@ def tables(summary: dict[str, dict], names: list[str], args: argparse.Namespace)
     paired = [[summary[row]["label"], grid.pm(e["step_s_ratio"], 2), grid.pm(e["peak_gib_ratio"], 2),
                grid.pm(e["all/pass@1"]), grid.pm(e["all/pass@8"]), grid.pm(e["reward_last"])]
               for row in trained if (e := summary[row].get("vs_trl_full"))]
+    headers = {
+        "frameworks_cost": ["row", "s / step", "generation s", "update s", "generated tok/s", "trained tok/s",
+                            "peak GiB", "completion tokens"],
+        "frameworks_quality": ["row", *(f"{task} {k}" for task in ["all", *names] for k in ("pass@1", "pass@8")),
+                               "reward, first tenth", "reward, last tenth", "KL(π‖π₀)"],
+        "frameworks_paired": ["row", "step time ×", "peak memory ×", "Δ pass@1", "Δ pass@8", "Δ reward, last tenth"],
+    }
+    return {name: {"columns": header, "align": "l" + "r" * (len(header) - 1), "rows": rows}
+            for (name, header), rows in zip(headers.items(), (cost, quality, paired))}
+
+
+def report_text(measured: dict[str, dict], names: list[str], args: argparse.Namespace) -> str:
     evaluation = yaml.safe_load(tasks.BASE_CONFIG.read_text())["model"]["evaluation"]
+    cost, quality, paired = (grid.markdown(t["columns"], t["rows"]) for t in measured.values())
     return "\n".join([
         f"SmolLM2-135M-Instruct on {', '.join(names)}: {args.steps} steps, {args.seeds} seed(s) (mean ± standard "
         f"error); held-out: {args.eval_size} items per task, {evaluation['num_samples']} samples at temperature "
-        f"{evaluation['temperature']}", "",
-        *grid.markdown(["row", "s / step", "generation s", "update s", "generated tok/s", "trained tok/s",
-                        "peak GiB", "completion tokens"], cost), "",
-        *grid.markdown(["row", *(f"{task} {k}" for task in ["all", *names] for k in ("pass@1", "pass@8")),
-                        "reward, first tenth", "reward, last tenth", "KL(π‖π₀)"], quality), "",
+        f"{evaluation['temperature']}", "", *cost, "", *quality, "",
         "Against TRL's full-parameter row, paired by seed (ratios of step time and peak memory; differences of the "
-        "rest):", "",
-        *grid.markdown(["row", "step time ×", "peak memory ×", "Δ pass@1", "Δ pass@8", "Δ reward, last tenth"],
-                       paired)])
+        "rest):", "", *paired])
 
 
 def plot(summary: dict[str, dict], args: argparse.Namespace) -> None:
@@ -274,10 +283,13 @@ def main(argv: list[str] | None = None) -> None:
     run(runs, args)
     results = [measure(r, args, names) for r in runs]
     summary = summarize(results, names)
-    text = tables(summary, names, args)
-    print(text)
+    measured = tables(summary, names)
+    report = report_text(measured, names, args)
+    print(report)
     grid.write_report(args.out, {"summary": summary, "runs": results, "settings": grid.arguments(args)})
-    args.out.with_suffix(".md").write_text(text + "\n")
+    args.out.with_suffix(".md").write_text(report + "\n")
+    # the tables as docs/results/data/frameworks.json holds them
+    args.out.with_suffix(".tables.json").write_text(json.dumps(measured, indent=1, ensure_ascii=False) + "\n")
     plot(summary, args)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
 

@@ -38,4 +38,8 @@ def test_quick_mode_runs_trl_and_logra_and_evaluates_both_one_way(smollm2_model,
     assert ratios["step_s_ratio"][0] > 0 and ratios["peak_gib_ratio"][0] > 0
     assert math.isfinite(ratios["all/pass@1"][0])
     assert "| TRL GRPOTrainer, full parameters (AdamW) |" in result.stdout
+    # the tables as docs/results/data holds them: one row per trained row (cost), per row and the base (quality)
+    measured = json.loads(out.with_suffix(".tables.json").read_text())
+    assert [len(t["rows"]) for t in measured.values()] == [2, 3, 1]
+    assert all(len(t["align"]) == len(t["columns"]) == len(t["rows"][0]) for t in measured.values())
     assert (tmp_path / "frameworks.png").stat().st_size > 0

@@ -66,6 +66,7 @@ def vllm_arguments(ours: argparse.Namespace, cpu_backend: bool = False) -> list[
     the trainer computes them), and the options above; then whatever followed `--`. On the CPU backend the model
     runs eager unless what followed `--` says otherwise, as `VLLMEngine`'s does: the CPU has no CUDA graphs to
     capture, and vLLM's torch.compile would lengthen every start (about 35 s of a minute's start here)."""
+    from lightning_logra.rollout.vllm.kv_cache import CPU_BLOCK_TOKENS
     from lightning_logra.rollout.vllm.launch import WORKER_EXTENSION, whole_prefills
 
     args = ["--model", ours.model, "--host", ours.host, "--port", str(ours.port), "--dtype", ours.dtype,
@@ -79,6 +80,8 @@ def vllm_arguments(ours: argparse.Namespace, cpu_backend: bool = False) -> list[
     given = {arg.split("=")[0] for arg in extra}
     if cpu_backend and not given & {"--enforce-eager", "--no-enforce-eager"}:
         args.append("--enforce-eager")
+    if cpu_backend and "--block-size" not in given:
+        args += ["--block-size", str(CPU_BLOCK_TOKENS)]  # a group's samples share their prompt's blocks (kv_cache.py)
     if cpu_backend and not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
         # Prompts prefilled whole, as VLLMEngine's on the CPU backend (`whole_prefills` says why); a budget given
         # after `--` is the user's (vLLM refuses one below max_model_len)

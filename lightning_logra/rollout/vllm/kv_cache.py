@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import torch
 
-# vLLM's KV-cache block on the CPU backend (a GPU's is 16): a sequence takes whole blocks
-BLOCK_TOKENS = 128
+# A KV-cache block, in tokens: a sequence takes whole blocks, and rows that share a prompt share its whole blocks
+# (vLLM's prefix caching). vLLM's CPU backend would take 128 (its attention kernel takes multiples of 32); the engine
+# asks for 32 there (`cpu_blocks`); a GPU's is vLLM's 16.
+CPU_BLOCK_TOKENS = 32
+GPU_BLOCK_TOKENS = 16
 
 _DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32,
            "float32": torch.float32}
@@ -34,11 +37,19 @@ def kv_bytes_per_token(config, dtype: str) -> int:
     return 2 * text.num_hidden_layers * kv_heads * head_dim * number.itemsize
 
 
-def run_cache_bytes(sequences: int, max_model_len: int, per_token: int) -> int:
-    """The cache `sequences` sequences of up to `max_model_len` tokens take, in whole blocks (at least one
-    sequence's: vLLM refuses a cache that cannot hold its longest one)."""
-    blocks = -(-max_model_len // BLOCK_TOKENS)
-    return max(sequences, 1) * blocks * BLOCK_TOKENS * per_token
+def run_cache_bytes(sequences: int, max_model_len: int, per_token: int, block_tokens: int) -> int:
+    """The cache `sequences` sequences of up to `max_model_len` tokens take, in whole blocks of `block_tokens` (at
+    least one sequence's: vLLM refuses a cache that cannot hold its longest one)."""
+    blocks = -(-max_model_len // block_tokens)
+    return max(sequences, 1) * blocks * block_tokens * per_token
+
+
+def cpu_blocks(options: dict) -> dict:
+    """The KV-cache block of an engine on the CPU backend, unless the options give one: 32 tokens, not vLLM's 128
+    there. A group's completions share their prompt's whole blocks, and a prompt of 60-80 tokens fills none of 128:
+    each of a step's 32 sequences prefilled its prompt alone. With blocks of 32 the shipped SmolLM2 config's
+    generation (4 prompts × 8 samples of 16 tokens) took 3.2 s against 6.9."""
+    return {} if "block_size" in options else {"block_size": CPU_BLOCK_TOKENS}
 
 
 def device_memory_bytes(cpu_backend: bool, device: torch.device | None) -> int:

@@ -11,7 +11,14 @@ from contextlib import contextmanager
 
 from lightning_logra.base.waits import waiting_for
 from lightning_logra.rollout.vllm.compat import VLLMIncompatible, check_vllm, incompatibility
-from lightning_logra.rollout.vllm.kv_cache import device_memory_bytes, kv_bytes_per_token, run_cache_bytes
+from lightning_logra.rollout.vllm.kv_cache import (
+    CPU_BLOCK_TOKENS,
+    GPU_BLOCK_TOKENS,
+    cpu_blocks,
+    device_memory_bytes,
+    kv_bytes_per_token,
+    run_cache_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ class EngineLaunch:
         options["enforce_eager"] = eager_by_default(options["enforce_eager"], current_platform.is_cpu())
         if current_platform.is_cpu():
             options.update(whole_prefills(options, self.model_path))
+            options.update(cpu_blocks(options))
         options.update(self._cache_for_run(options, current_platform.is_cpu()))
         self.kv_cache_bytes = options.get("kv_cache_memory_bytes")
         if self.in_trainer_ranks:
@@ -93,7 +101,8 @@ class EngineLaunch:
         tp = options["tensor_parallel_size"]
         # A tensor-parallel group generates its ranks' prompts together; each worker holds 1/tp of the heads.
         sequences = self.sequences * len(self.group_ranks)
-        wanted = run_cache_bytes(sequences, length, kv_bytes_per_token(config, options["dtype"])) // tp
+        block = options.get("block_size") or (CPU_BLOCK_TOKENS if cpu_backend else GPU_BLOCK_TOKENS)
+        wanted = run_cache_bytes(sequences, length, kv_bytes_per_token(config, options["dtype"]), block) // tp
         share = options["gpu_memory_utilization"] * device_memory_bytes(cpu_backend, self.device)
         if wanted >= share:
             return {}

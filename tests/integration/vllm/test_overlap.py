@@ -61,6 +61,7 @@ class Record(Callback):
         self.weights = {n: p.detach().clone() for n, p in pl_module.policy.state_dict().items()}
         self.kv_cache_bytes = pl_module.engine.kv_cache_bytes
         self.kv_cache_blocks = pl_module.engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks  # vLLM's own
+        self.block_size = pl_module.engine.llm.llm_engine.vllm_config.cache_config.block_size
         self.sequences = trainer.datamodule.batch_size * pl_module.hparams.sampling.num_generations
 
 
@@ -100,10 +101,11 @@ def test_each_step_trains_on_samples_a_fixed_lag_old(uninterrupted, tiny_arith_m
     assert len(shares) == STEPS and shares == pytest.approx([1.0] * STEPS)
     assert min(scalars["perf/trained_tokens_per_s"]) > min(scalars["perf/generated_tokens_per_s"]) > 0
     # vLLM's KV cache sized for the run, not the 10% of host memory the config allows: a step's prompts × their
-    # completions, each one block of 128 tokens (the model's 32 positions) of keys and values over the test model's 2
+    # completions, each one block of 32 tokens (the model's 32 positions) of keys and values over the test model's 2
     # layers × 2 heads × 64 fp32 numbers
-    assert record.kv_cache_bytes == record.sequences * 128 * (2 * 2 * 2 * 64 * 4)
-    assert record.kv_cache_blocks == record.sequences  # what the engine allocated: a block of 128 tokens each
+    assert record.kv_cache_bytes == record.sequences * 32 * (2 * 2 * 2 * 64 * 4)
+    assert record.kv_cache_blocks == record.sequences  # what the engine allocated: a block of 32 tokens each
+    assert record.block_size == 32  # the engine's on the CPU backend (kv_cache.cpu_blocks), not vLLM's 128
 
 
 @pytest.mark.long  # two more engine starts, about 80 s

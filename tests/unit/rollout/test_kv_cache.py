@@ -7,7 +7,8 @@ import torch
 from transformers import Qwen2Config
 
 from lightning_logra.rollout import VLLMEngine
-from lightning_logra.rollout.vllm.kv_cache import BLOCK_TOKENS, kv_bytes_per_token, run_cache_bytes
+from lightning_logra.rollout.vllm.kv_cache import CPU_BLOCK_TOKENS as BLOCK_TOKENS
+from lightning_logra.rollout.vllm.kv_cache import cpu_blocks, kv_bytes_per_token, run_cache_bytes
 
 GIB = 2**30
 
@@ -27,9 +28,15 @@ def test_a_token_holds_keys_and_values_of_every_layer():
 
 
 def test_a_sequence_takes_whole_blocks():
-    assert run_cache_bytes(32, BLOCK_TOKENS, 10) == 32 * BLOCK_TOKENS * 10
-    assert run_cache_bytes(32, BLOCK_TOKENS + 1, 10) == 32 * 2 * BLOCK_TOKENS * 10
-    assert run_cache_bytes(0, 5, 10) == BLOCK_TOKENS * 10  # never less than one sequence
+    assert run_cache_bytes(32, 128, 10, 128) == 32 * 128 * 10
+    assert run_cache_bytes(32, 129, 10, 128) == 32 * 2 * 128 * 10
+    assert run_cache_bytes(32, 129, 10, 32) == 32 * 5 * 32 * 10
+    assert run_cache_bytes(0, 5, 10, 32) == 32 * 10  # never less than one sequence
+
+
+def test_the_cpu_backend_takes_blocks_of_32_tokens_unless_given():
+    assert cpu_blocks({}) == {"block_size": 32}
+    assert cpu_blocks({"block_size": 128}) == {}
 
 
 @pytest.fixture
@@ -49,10 +56,13 @@ def _cache(engine: VLLMEngine, model: str, sequences: int | None) -> dict:
 def test_the_engine_asks_for_the_runs_sequences_at_its_longest_length(model_folder):
     per_token = 2 * 3 * 2 * 32 * 4
     engine = VLLMEngine(dtype="float32", max_model_len=200, gpu_memory_utilization=0.2)
-    assert _cache(engine, model_folder, 32) == {"kv_cache_memory_bytes": 32 * 2 * BLOCK_TOKENS * per_token}
-    # no max_model_len: the model's context (300 positions, 3 blocks)
+    assert _cache(engine, model_folder, 32) == {"kv_cache_memory_bytes": 32 * 7 * BLOCK_TOKENS * per_token}
+    # no max_model_len: the model's context (300 positions, 10 blocks)
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.2)
-    assert _cache(engine, model_folder, 8) == {"kv_cache_memory_bytes": 8 * 3 * BLOCK_TOKENS * per_token}
+    assert _cache(engine, model_folder, 8) == {"kv_cache_memory_bytes": 8 * 10 * BLOCK_TOKENS * per_token}
+    # a block size given is the one counted
+    engine = VLLMEngine(dtype="float32", max_model_len=200, engine_kwargs={"block_size": 128})
+    assert _cache(engine, model_folder, 32) == {"kv_cache_memory_bytes": 32 * 2 * 128 * per_token}
 
 
 def test_the_share_stays_where_a_size_is_given_the_batch_unknown_or_the_share_smaller(model_folder, monkeypatch):

@@ -44,6 +44,15 @@ def test_on_the_cpu_backend_prompts_are_prefilled_whole_in_a_budget_that_holds_t
     assert "--no-enable-chunked-prefill" not in _args("--", "--enable-chunked-prefill", cpu=True)
 
 
+def test_the_cpu_backend_serves_blocks_of_32_tokens_unless_told_otherwise():
+    # a group's samples share their prompt's whole blocks (kv_cache.cpu_blocks), as VLLMEngine's on the CPU
+    args = _args(cpu=True)
+    assert args[args.index("--block-size") + 1] == "32"
+    assert "--block-size" not in _args(cpu=False)
+    theirs = _args("--", "--block-size", "128", cpu=True)
+    assert theirs.count("--block-size") == 1 and theirs[-2:] == ["--block-size", "128"]
+
+
 def test_the_context_is_read_as_vllm_reads_it(tmp_path):
     LlavaConfig(text_config={"model_type": "llama", "max_position_embeddings": 16384}).save_pretrained(tmp_path / "vl")
     assert model_context(str(tmp_path / "vl")) == 16384  # a text model inside a vision-language one

@@ -11,9 +11,9 @@ PyTorch and runs anywhere).
 The token entropy comes out of the same chunks, for free. Models whose head is not a plain linear map of the last
 hidden state (logit soft-capping or scaling, a sketched or otherwise replaced `lm_head`) take the full-logits path.
 
-Rows that share a prompt (a group's completions) share its forward pass (`completion_states`): a GRPO batch repeats
-each prompt num_generations times, and with prompts longer than completions (the shipped reasoning mix: about 80
-prompt tokens, under 16 new ones) that repetition was most of a step's compute and of its activations.
+Rows that share a prompt (a group's completions) share its forward pass (`shared_prompt_pass`): a GRPO batch repeats
+each prompt num_generations times, and with prompts longer than completions (the shipped reasoning mix: 56-84 prompt
+tokens, at most 16 new ones) that repetition was most of a step's compute and of its activations.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 from lightning_logra.base.batch import positions
 
 log = logging.getLogger(__name__)
+_warned: list[str] = []  # the model whose cache could not be gathered, said once a process
 
 
 def completion_logits(
@@ -72,15 +73,19 @@ def shared_prompt_pass(
     the layers' backward, not after), so the numbers agree to rounding, not bit for bit.
 
     Always two calls of the model, also where no prompt repeats: under FSDP every rank must call it as often as the
-    others. A model that recomputes activations (gradient checkpointing: transformers then keeps no cache) takes one
-    pass over prompt + completion instead."""
+    others. A model that recomputes activations (gradient checkpointing: transformers then keeps no cache), or whose
+    cache cannot be gathered by row, takes one pass over prompt + completion instead."""
     width = completion_ids.shape[1]
     kept = {"logits_to_keep": width + 1} if output == "logits" else {}
-    if getattr(model, "is_gradient_checkpointing", False):
+
+    def one_pass() -> torch.Tensor:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (n, P + C)
         mask = torch.cat([prompt_mask, completion_mask], dim=1)
         states = getattr(model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), **kept), output)
         return states[:, -width - 1 : -1]
+
+    if getattr(model, "is_gradient_checkpointing", False):
+        return one_pass()
     # (g, 2P) the distinct prompts, ids (their padding zeroed: two paddings of a prompt are one prompt) and mask;
     # (n,) each row's
     length = prompt_ids.shape[1]
@@ -91,6 +96,12 @@ def shared_prompt_pass(
     prompts = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
                     **({"logits_to_keep": 1} if kept else {}))
     cache = prompts.past_key_values
+    if not hasattr(cache, "batch_select_indices"):  # no cache, or one of another kind: the prompts' pass is lost
+        if not _warned:
+            _warned.append(type(model).__name__)
+            log.warning("%s keeps no key/value cache that can be gathered by row: every row's prompt runs in its own "
+                        "pass (rows that share a prompt cost as much as rows that do not)", type(model).__name__)
+        return one_pass()
     cache.batch_select_indices(row_prompt)  # every layer's keys and values (g, ..., P', d) → (n, ..., P', d)
     # All C completion tokens run, though the last predicts nothing: a micro-batch of one-token completions still
     # calls the model (FSDP's ranks call it alike).
@@ -245,4 +256,3 @@ def completion_logprobs(
                                                     completion_ids.reshape(-1), temperature, chunk_tokens,
                                                     entropy_grad)
     return logprobs.view(n, width), entropy.view(n, width)
-

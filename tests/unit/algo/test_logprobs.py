@@ -232,3 +232,16 @@ def test_a_decoder_that_recomputes_activations_takes_one_pass():
     assert counted[0] == 6 * 12
     model.eval()
     torch.testing.assert_close(hidden, _one_pass(model, *batch), rtol=0, atol=0)
+
+
+def test_a_model_whose_cache_cannot_be_gathered_takes_one_pass_and_says_so(caplog, monkeypatch):
+    monkeypatch.setattr("lightning_logra.algo.logprobs._warned", [])  # said once a process: this test's first
+    model = _model(dtype=torch.float64)
+    decoder = model.get_decoder()
+    keeps_none = decoder.forward
+    decoder.forward = lambda **kwargs: keeps_none(**{**kwargs, "use_cache": False})  # as a model without a cache
+    batch = _groups()
+    with caplog.at_level("WARNING", logger="lightning_logra.algo.logprobs"):
+        hidden = completion_states(model, *batch)
+    torch.testing.assert_close(hidden, _one_pass(model, *batch), rtol=0, atol=0)
+    assert "keeps no key/value cache that can be gathered by row" in caplog.text

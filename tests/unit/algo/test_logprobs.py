@@ -54,22 +54,29 @@ def test_chunks_equal_the_full_logits_path_in_float64(tied, chunk):
             torch.testing.assert_close(ours[2][name], grad, rtol=0, atol=1e-12, msg=name)
 
 
-def test_sketches_are_the_same_through_the_chunked_path():
+def _sketched(model, handles, objective):
+    """The sketches the backward pass of `objective()` (a scalar) accumulates from zero."""
+    for h in handles.values():
+        h.zero_sketch()
+    objective().backward()
+    return {name: h.sketch.clone() for name, h in handles.items()}
+
+
+def _sketched_model():
     model = _model(dtype=torch.float64)
     for p in model.parameters():
         p.requires_grad_(False)
-    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    return model, install_sketches(model, SKETCH_TARGETS, rank=4)
+
+
+def test_sketches_are_the_same_through_the_chunked_path():
+    model, handles = _sketched_model()
     batch = _batch()
-    sketches = []
-    for chunk in (None, 5):
-        for h in handles.values():
-            h.zero_sketch()
-        logprobs, _ = completion_logprobs(model, *batch, temperature=0.9, chunk_tokens=chunk)
-        (logprobs * batch[3]).sum().backward()
-        sketches.append({name: h.sketch.clone() for name, h in handles.items()})
+    full, chunked = (_sketched(model, handles, lambda chunk=chunk: (completion_logprobs(
+        model, *batch, temperature=0.9, chunk_tokens=chunk)[0] * batch[3]).sum()) for chunk in (None, 5))
     for name in handles:
-        torch.testing.assert_close(sketches[1][name], sketches[0][name], rtol=0, atol=1e-12, msg=name)
-        assert sketches[0][name].abs().sum() > 0
+        torch.testing.assert_close(chunked[name], full[name], rtol=0, atol=1e-12, msg=name)
+        assert full[name].abs().sum() > 0
 
 
 def test_a_head_that_is_not_plain_takes_the_full_path():
@@ -202,21 +209,19 @@ def test_rows_of_one_prompt_run_it_once_and_equal_one_pass_over_each_row_in_floa
 
 
 def test_shared_prompts_give_the_same_sketches_and_log_probs():
-    model = _model(dtype=torch.float64)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    model, handles = _sketched_model()
     batch = _groups()
-    results = []
-    for path in (None, 4):  # the full-logits path runs one pass over prompt + completion; the chunked one shares
-        for h in handles.values():
-            h.zero_sketch()
-        logprobs, _ = completion_logprobs(model, *batch, temperature=0.9, chunk_tokens=path)
-        (logprobs * batch[3]).sum().backward()
-        results.append((logprobs.detach() * batch[3], {name: h.sketch.clone() for name, h in handles.items()}))
-    (reference, reference_sketches), (shared, sketches) = results
-    torch.testing.assert_close(shared, reference, rtol=0, atol=1e-12)
-    for name, sketch in reference_sketches.items():
+
+    def one_pass() -> torch.Tensor:  # (n, C) log π(token) at temperature 0.9 from one pass over prompt + completion
+        logits = model.lm_head(_one_pass(model, *batch)) / 0.9
+        return logits.log_softmax(-1).gather(-1, batch[2][..., None]).squeeze(-1)
+
+    shared = completion_logprobs(model, *batch, temperature=0.9, chunk_tokens=4)[0]
+    torch.testing.assert_close(shared.detach() * batch[3], one_pass().detach() * batch[3], rtol=0, atol=1e-12)
+    reference = _sketched(model, handles, lambda: (one_pass() * batch[3]).sum())
+    sketches = _sketched(model, handles, lambda: (completion_logprobs(model, *batch, temperature=0.9,
+                                                                      chunk_tokens=4)[0] * batch[3]).sum())
+    for name, sketch in reference.items():
         assert sketch.abs().sum() > 0
         _close_at_scale(sketches[name], sketch, name)
 

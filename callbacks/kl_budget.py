@@ -11,7 +11,15 @@ from typing import Literal
 import torch
 from lightning.pytorch import Callback
 
-from lightning_logra.algo.kl import NextTokens, intended_kl, predicted_kl, realized_kl, step_scale
+from lightning_logra.algo.kl import (
+    NextTokens,
+    StateRecorder,
+    intended_kl,
+    predicted_kl,
+    realized_kl,
+    recording,
+    step_scale,
+)
 from lightning_logra.algo.step_size import StepContext, StepSizeController
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
@@ -174,11 +182,21 @@ class PredictedKLBudget(Callback, StepSizeController):
 
     # ---- the module asks for α once the step's update is proposed (lightning_logra.algo.step_size) ---------------
 
+    def recorder(self, rollout: Rollout, context: StepContext) -> StateRecorder | None:
+        # The current policy's pass comes from the update's (fp32 weights and a plain head; `StateRecorder`).
+        return StateRecorder(self._drawn(rollout, context)) if recording(context.policy) else None
+
     def _select(self, rollout: Rollout, context: StepContext) -> Rollout:
-        """This rank's rows of the step's subset D. D is drawn from the global batch as one process holds it (every
-        rank's rows rank-major, or where `context.positions` places them), so that 1 and several processes measure q
-        on the same responses; a rank none of whose rows were drawn still runs the check's forward passes (a
-        collective under FSDP) on one row whose tokens all count zero."""
+        """This rank's rows of the step's subset D (`_drawn`); a rank none of whose rows were drawn still runs the
+        check's forward passes (a collective under FSDP) on one row whose tokens all count zero."""
+        mine = self._drawn(rollout, context)
+        chosen = rollout.select(mine if mine.numel() else torch.zeros(1, dtype=torch.int64, device=mine.device))
+        return chosen if mine.numel() else chosen.emptied()
+
+    def _drawn(self, rollout: Rollout, context: StepContext) -> torch.Tensor:
+        """(m,) this rank's rows of the step's subset D, ascending. D is drawn from the global batch as one process
+        holds it (every rank's rows rank-major, or where `context.positions` places them), so that 1 and several
+        processes measure q on the same responses."""
         device = rollout.completion_ids.device
         positions = context.positions
         n = rollout.completion_ids.shape[0] if positions is None else positions.numel()  # this rank's rows
@@ -191,14 +209,14 @@ class PredictedKLBudget(Callback, StepSizeController):
         total = int(counts.sum())
         size = self.subset if isinstance(self.subset, int) else max(1, round(self.subset * total))
         drawn = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + context.step))
-        mine = torch.isin(positions.cpu(), drawn[:size]).nonzero().squeeze(-1)  # ascending: in one process's order
-        chosen = rollout.select((mine if mine.numel() else torch.zeros(1, dtype=torch.int64)).to(device))
-        return chosen if mine.numel() else chosen.emptied()
+        return torch.isin(positions.cpu(), drawn[:size]).nonzero().squeeze(-1).to(device)  # in one process's order
 
     def choose_alpha(self, proposal: Update, rollout: Rollout, context: StepContext) -> float:
         start = time.perf_counter()
+        recorded = context.recorded
         responses = self._select(rollout, context)
-        q, current = predicted_kl(context.policy, proposal, responses, context.temperature)
+        current = None if recorded is None else recorded.current(context.policy, responses)
+        q, current = predicted_kl(context.policy, proposal, responses, context.temperature, current)
         # Every rank must take the same α: q over the tokens of every rank's subset before deciding.
         q = _over_ranks(context, q, responses)
         budget = self.budget_at(context.step)

@@ -180,11 +180,74 @@ def next_tokens(policy: nn.Module, responses: Rollout) -> NextTokens:
             logits = completion_logits(policy, *ids)  # (n, C, V)
             return NextTokens(logits=logits.reshape(-1, logits.shape[-1]).to(compute_dtype(logits.dtype)))
         hidden = completion_states(policy, *ids)  # (n, C, h)
-    # A head trained densely changes in place when the update is applied: keep the one measured here (one that is
-    # not, as the sketched runs' head, is shared by both sides: no copy).
+    return measured(hidden.reshape(-1, hidden.shape[-1]), head)
+
+
+def measured(hidden: torch.Tensor, head: nn.Linear) -> NextTokens:
+    """`NextTokens` of hidden states (n·C, h) through `head` as it is now. A head trained densely changes in place
+    when the update is applied: the one measured here is kept (one that is not, as the sketched runs' head, is
+    shared by both sides: no copy)."""
     weight = head.weight.detach().clone() if head.weight.requires_grad else head.weight.detach()
     bias = None if head.bias is None else head.bias.detach().clone()
-    return NextTokens(hidden.reshape(-1, hidden.shape[-1]).to(compute_dtype(hidden.dtype)), weight, bias)
+    return NextTokens(hidden.to(compute_dtype(hidden.dtype)), weight, bias)
+
+
+class StateRecorder:
+    """The current policy's `NextTokens` on the KL check's responses, kept from the update's own forward pass.
+
+    The update's forward pass runs the policy at the step's starting point on every row it trains — the same
+    function the check's first pass would compute on its subset. The objective hands this recorder each micro-batch's
+    last hidden states (`record`); the recorder keeps the detached rows the check will measure. Rows the update
+    skipped (zero advantage) run in a pass of their own (`current`). The numbers agree with the check's own pass to
+    rounding (another batch composition), not bit for bit.
+
+    Only where the check would compute exactly what the update computed: fp32 (or float64) weights with a plain head
+    (`recording`), and a forward pass outside autocast (a bf16-mixed update's states are not the check's fp32 ones:
+    those micro-batches are not kept)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows.tolist()  # the subset's rows of this rank's rollout, in the subset's order (may be none)
+        self.states: dict[int, torch.Tensor] = {}  # row → (w, h) its hidden states, detached
+        self.active = False  # whether the update's passes were recorded (outside autocast)
+
+    def record(self, rows: torch.Tensor, hidden: torch.Tensor) -> None:
+        """rows (m,): a micro-batch's rows of the rollout (none for a rank's idle pass); hidden (m, w, h): their
+        last hidden states. Every rank's update makes the same calls, so `active` is the same on every rank."""
+        if torch.is_autocast_enabled(hidden.device.type):
+            return
+        self.active = True
+        wanted = set(self.rows)
+        for position, row in enumerate(rows.tolist()):
+            if row in wanted:
+                self.states[row] = hidden[position].detach()
+
+    def current(self, policy: nn.Module, responses: Rollout) -> NextTokens:
+        """The current policy's `NextTokens` on `responses` (the subset, its rows `self.rows`; with none, an emptied
+        placeholder row whose tokens count zero): the recorded rows, and one pass over any the update skipped.
+        Without a recording, the check's own pass. Under FSDP no rank runs a pass here: every row was recorded
+        (every row runs in the update), and a rank without rows takes zeros for its placeholder."""
+        if not self.active:
+            return next_tokens(policy, responses)
+        n, width = responses.completion_ids.shape
+        head = plain_head(policy)
+        hidden = torch.zeros(n, width, head.in_features, dtype=compute_dtype(head.weight.dtype),
+                             device=responses.completion_ids.device)  # (n, C, h); padding positions count zero
+        for i, row in enumerate(self.rows):
+            if row in self.states:
+                kept = self.states[row][:width]  # (w', h): recorded at its micro-batch's width
+                hidden[i, : kept.shape[0]] = kept
+        missing = [i for i, row in enumerate(self.rows) if row not in self.states]
+        if missing:  # rows the update left out (zero advantage): one process only, where no pass is a collective
+            index = torch.tensor(missing, device=hidden.device)
+            part = next_tokens(policy, responses.select(index)).hidden  # (m·C', h)
+            hidden[index, : part.shape[0] // len(missing)] = part.view(len(missing), -1, hidden.shape[-1])
+        return measured(hidden.view(n * width, -1), head)
+
+
+def recording(policy: nn.Module) -> bool:
+    """Whether the check's current-policy pass can be taken from the update's (`StateRecorder`): fp32 or float64
+    weights (bf16's check runs in fp32, its update does not) and a plain head (the check keeps hidden states)."""
+    return plain_head(policy) is not None and not any(p.dtype in LOW_PRECISION for p in policy.parameters())
 
 
 def mean_token_kl(p: NextTokens, q: NextTokens, mask: torch.Tensor, temperature: float = 1.0,
@@ -204,12 +267,13 @@ def mean_token_kl(p: NextTokens, q: NextTokens, mask: torch.Tensor, temperature:
 
 @torch.no_grad()
 def predicted_kl(
-    policy: nn.Module, proposal: Update, responses: Rollout, temperature: float = 1.0
+    policy: nn.Module, proposal: Update, responses: Rollout, temperature: float = 1.0,
+    current: NextTokens | None = None,
 ) -> tuple[torch.Tensor, NextTokens]:
     """(q, the current policy's `NextTokens`): q is the KL of the whole proposal (sketched and dense parts) at
-    α = 1 on `responses`. The current policy's state is returned so that the realized KL after the update needs one
-    forward pass, not two."""
-    current = next_tokens(policy, responses)
+    α = 1 on `responses`. The current policy's state (`current`, measured here unless given: `StateRecorder`) is
+    returned so that the realized KL after the update needs one forward pass, not two."""
+    current = next_tokens(policy, responses) if current is None else current
     with low_rank_perturbation(policy, proposal), dense_values(policy, proposal.dense):
         proposed = next_tokens(policy, responses)
     return mean_token_kl(current, proposed, responses.loss_mask, temperature), current

@@ -19,6 +19,7 @@ tokens, at most 16 new ones) that repetition was most of a step's compute and of
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -239,18 +240,22 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int | None = 256,
     entropy_grad: bool = False,
+    on_states: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log π(token) (n, C), token entropy (n, C)) of each completion token at the temperature; the entropy carries
     a gradient only with `entropy_grad` (the entropy bonus, `model.loss.entropy_coef`).
 
     `chunk_tokens`: how many tokens' logits exist at a time (forward and backward); None builds the full (n, C, V)
-    logits as one tensor (the path models with a non-plain head always take)."""
+    logits as one tensor (the path models with a non-plain head always take). `on_states` is handed the decoder's
+    last hidden states (n, C, h) on the plain-head path (the KL check's `StateRecorder`)."""
     head = plain_head(policy) if chunk_tokens is not None else None
     if head is None:
         logits = completion_logits(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (n, C, V)
         return (token_logprobs(logits, completion_ids, temperature),
                 token_entropy(logits if entropy_grad else logits.detach(), temperature))
     hidden = completion_states(policy, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (n, C, h)
+    if on_states is not None:
+        on_states(hidden)
     n, width = completion_ids.shape
     logprobs, entropy = _ChunkedTokenLogprobs.apply(hidden.reshape(n * width, -1), head.weight, head.bias,
                                                     completion_ids.reshape(-1), temperature, chunk_tokens,

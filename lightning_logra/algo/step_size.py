@@ -5,7 +5,9 @@ once it is applied, tells the controller what was applied.
 A controller is a Lightning callback that also subclasses `StepSizeController` (`PredictedKLBudget`): it stays a
 config-toggled piece of the run, and the module finds it among `trainer.callbacks` when fitting starts (at most
 one). Without a controller every update is taken at α = 1. What it measures with (the policy, the sampling
-temperature, the step, the ranks) is handed to it in a `StepContext`; it reads nothing out of the module.
+temperature, the step, the ranks) is handed to it in a `StepContext`; it reads nothing out of the module. Before the
+step's forward passes it may name rows whose current-policy states those passes should keep for it (`recorder`): the
+policy is at the same point then, and a forward pass it would run again is saved.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_logra.algo.kl import StateRecorder
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
 
@@ -35,9 +38,17 @@ class StepContext:
     # (N,) where each of this rank's rows stands in the step's global batch as one process holds it (dynamic
     # sampling: `Drawn.positions`); None: rank-major
     positions: torch.Tensor | None = None
+    # what the update's forward passes recorded for the controller (its `recorder`), once they ran
+    recorded: StateRecorder | None = None
 
 
 class StepSizeController(ABC):
+    def recorder(self, rollout: Rollout, context: StepContext) -> StateRecorder | None:
+        """Called before the step's forward passes: a `StateRecorder` of the rows whose current-policy states the
+        controller will measure, kept from those passes (None: nothing to keep). It comes back in
+        `choose_alpha`'s context as `recorded`."""
+        return None
+
     @abstractmethod
     def choose_alpha(self, proposal: Update, rollout: Rollout, context: StepContext) -> float:
         """α ≥ 0 for `proposal`, the step's update at α = 1 (the policy's weights are still the step's starting

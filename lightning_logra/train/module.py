@@ -20,6 +20,7 @@ from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_logra.algo.advantages import group_advantages
+from lightning_logra.algo.kl import StateRecorder
 from lightning_logra.algo.step_size import StepContext, StepSizeController, find_controller
 from lightning_logra.algo.update import Update
 from lightning_logra.base.batch import Rollout
@@ -247,10 +248,14 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         self.unlearnable.add(rewards.view(-1, n), self.sum_over_ranks)
         advantages = group_advantages(rewards, n, hp.loss.scale_rewards, self.sum_over_ranks)  # (N,)
         trained = self.trained_tokens(rollout)  # model.loss.mask_truncated_completions: cut ones count for nothing
-        loss, mismatch, metrics = self.accumulate_gradients(trained, advantages)
+        context = StepContext(self.policy, hp.sampling.temperature, step, self.global_rank, self.trainer.world_size,
+                              self.sum_over_ranks, drawn.positions)
+        # the rows the KL check measures keep their states from the update's forward passes
+        context.recorded = self.controller.recorder(trained, context) if self.controller is not None else None
+        loss, mismatch, metrics = self.accumulate_gradients(trained, advantages, context.recorded)
         grad_norm = self.mode.reduce_and_clip(hp.training.max_grad_norm)
         proposal = self.mode.propose(grad_norm, measured=self.controller is not None)  # None: skipped
-        alpha = self.step_size(proposal, trained, step, drawn.positions)
+        alpha = self.step_size(proposal, trained, context)
         lr = self.mode.learning_rates()["train/lr"]  # this step's η, before the schedule advances
         update = self.mode.apply(alpha)  # None: nothing reached the weights
         times.lap("update")
@@ -289,10 +294,11 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
                               self.sum_over_ranks, self.max_over_ranks, self.collectives.lockstep,
                               self.collectives.loss_scale)
 
-    def accumulate_gradients(self, rollout: Rollout, advantages: torch.Tensor
+    def accumulate_gradients(self, rollout: Rollout, advantages: torch.Tensor,
+                             recorder: StateRecorder | None = None
                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The gradient of the batch's loss into the parameters' .grad (`PolicyGradient.accumulate`)."""
-        return self.objective().accumulate(rollout, advantages)
+        return self.objective().accumulate(rollout, advantages, recorder)
 
     def generate(self, batch: dict[str, list[Any]], n: int, sampling: SamplingParams, step: int) -> Rollout:
         """n completions of each prompt of `batch`, on this process's device (`SampleSource.engine_call`)."""
@@ -302,16 +308,12 @@ class RLVRModule(EvaluationSteps, StampedCheckpoints, LightningModule):
         """The rewards of the rollout's completions (n per prompt of `batch`; `scoring.score_rollout`)."""
         return score_rollout(self.rewards, self.codec, self.samples.episodes, batch, rollout, n, self.global_step)
 
-    def step_size(self, proposal: Update | None, rollout: Rollout, step: int,
-                  positions: torch.Tensor | None) -> float:
-        """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped).
-        `positions`: where the rows stand in one process's batch (dynamic sampling's `Drawn.positions`)."""
+    def step_size(self, proposal: Update | None, rollout: Rollout, context: StepContext) -> float:
+        """α for the proposal: the controller's, 1 without one, NaN when there is nothing to take (skipped)."""
         if proposal is None:
             return math.nan
         if self.controller is None:
             return 1.0
-        context = StepContext(self.policy, self.hparams.sampling.temperature, step, self.global_rank,
-                              self.trainer.world_size, self.sum_over_ranks, positions)
         return self.controller.choose_alpha(proposal, rollout, context)
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:

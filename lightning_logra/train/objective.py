@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
 
+from lightning_logra.algo.kl import StateRecorder
 from lightning_logra.algo.logprobs import completion_logprobs
 from lightning_logra.algo.losses import Clip, get_loss, importance_weights, reference_kl, token_weights
 from lightning_logra.base.batch import Rollout
@@ -50,12 +52,13 @@ class PolicyGradient:
     lockstep: bool = False
     loss_scale: float = 1.0
 
-    def accumulate(self, rollout: Rollout, advantages: torch.Tensor
+    def accumulate(self, rollout: Rollout, advantages: torch.Tensor, recorder: StateRecorder | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The gradient of the batch's policy-gradient loss (with loss.beta > 0, plus the KL penalty), micro-batch by
         micro-batch. Returns the global batch's loss, the sampler/trainer log-prob mismatch (`Mismatch.metrics`), and
         `train/entropy`, the policy's mean token entropy on the tokens trained on (NaN: none), with, when beta > 0,
-        `train/kl`: the mean per-token k3 estimate of KL(π_θ ‖ π_0) over the batch's completion tokens."""
+        `train/kl`: the mean per-token k3 estimate of KL(π_θ ‖ π_0) over the batch's completion tokens.
+        `recorder` is handed every pass's last hidden states (the KL check's rows are kept from them)."""
         loss, device = self.loss, advantages.device
         # Normalize by the global batch's counts, so that gradients summed over ranks are the global loss's.
         total_tokens = self.sum_over_ranks(rollout.loss_mask.sum().float())  # the sampled ones: what the loss counts
@@ -74,10 +77,15 @@ class PolicyGradient:
         for index in range(passes):
             if index < len(micro):
                 rows = micro[index]
-                stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows]))
+                record = None if recorder is None else partial(recorder.record, rows)
+                stats = stats.add(self.forward_backward(rollout.select(rows), weights[rows], advantages[rows],
+                                                        record))
             else:  # this rank's rows ran out (dynamic sampling kept fewer here): a row whose tokens count zero
                 idle = rollout.select(torch.zeros(1, dtype=torch.long, device=device)).emptied()  # (1, w ≥ 1)
-                stats = stats.add(self.forward_backward(idle, torch.zeros_like(weights[:1]), advantages[:1] * 0))
+                idle_rows = torch.zeros(0, dtype=torch.long)  # it is no row of the rollout: nothing to record
+                record = None if recorder is None else partial(recorder.record, idle_rows)
+                stats = stats.add(self.forward_backward(idle, torch.zeros_like(weights[:1]), advantages[:1] * 0,
+                                                        record))
         stats = stats.reduce(self.sum_over_ranks, self.max_over_ranks)
         metrics = {"train/entropy": stats.entropy / stats.tokens}
         if get_loss(loss.type).own_ratio:
@@ -87,10 +95,11 @@ class PolicyGradient:
             metrics["train/kl"] = stats.kl / stats.tokens.clamp(min=1)  # 0 for a batch without completion tokens
         return stats.loss, stats.mismatch.metrics(), metrics
 
-    def forward_backward(self, micro: Rollout, weights: torch.Tensor, advantages: torch.Tensor) -> BackwardStats:
+    def forward_backward(self, micro: Rollout, weights: torch.Tensor, advantages: torch.Tensor,
+                         record: Callable[[torch.Tensor], None] | None = None) -> BackwardStats:
         """One micro-batch's forward and backward pass: its loss's gradient added into the parameters' .grad.
         `micro`: m rows, right padding trimmed to width w; `weights` (m, C): the loss's per-token weights of those
-        rows in the global batch; `advantages` (m,)."""
+        rows in the global batch; `advantages` (m,); `record` is handed the policy's last hidden states (m, w, h)."""
         loss, chunk = self.loss, self.training.logprob_chunk_tokens
         objective, clip = get_loss(loss.type), Clip(loss.epsilon, loss.epsilon_high)
         # gspo and cispo take their ratio against the sampler themselves: no second correction on top
@@ -106,7 +115,7 @@ class PolicyGradient:
         # (m, w) each; the (m, w, V) logits exist a chunk of tokens at a time (lightning_logra/algo/logprobs.py)
         logprobs, token_entropy = completion_logprobs(self.policy, micro.prompt_ids, micro.prompt_mask,
                                                       micro.completion_ids, present, self.temperature, chunk,
-                                                      entropy_grad=loss.entropy_coef > 0)
+                                                      entropy_grad=loss.entropy_coef > 0, on_states=record)
         is_weight, mismatch = importance_weights(logprobs.detach(), micro.sampler_logprobs, mask, is_cap,
                                                  self.rollouts.is_mode)  # (m, w)
         # (m, w) each: the loss's per-token objective (its gradient the policy gradient), where its clip binds

@@ -332,3 +332,79 @@ def test_the_kl_check_never_copies_the_embedding_or_the_head_to_fp32_whole():
     assert max(sizes) <= 2 * 5000 < 5000 * 64  # a chunk of 2 tokens × V; a block of the head is 100 × 64
     whole = mean_token_kl(before, after, responses.completion_mask, chunk_tokens=2, vocab_block=5000)
     assert float(blocked) > 0 and float(blocked) == pytest.approx(float(whole), rel=1e-5)
+
+
+def _counting_decoder_calls(model):
+    calls = []
+    model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("zero_advantage_rows", [[], [1, 6]], ids=["every row trained", "two rows left out"])
+def test_the_checks_current_pass_is_kept_from_the_updates_forward_passes(zero_advantage_rows):
+    """PolicyGradient hands each micro-batch's last hidden states to the controller's recorder; the check then runs
+    the proposed policy only (and the current one on rows the update left out), and measures the q it measured with
+    a pass of its own, to rounding (float64: 1e-9 relative)."""
+    from lightning_logra.algo.step_size import StepContext
+    from lightning_logra.train.objective import PolicyGradient
+    from lightning_logra.train.settings import LossSettings, RolloutSettings, TrainingSettings
+
+    model = make_tiny_qwen2(dtype=torch.float64)
+    handles = install_sketches(model, SKETCH_TARGETS, rank=4)
+    proposal = _random_proposal(handles, 0.05, torch.float64)
+    n = 8
+    rollout = _responses(n=n, prompt=5, completion=6, seed=3)
+    rollout.prompt_ids[::2] = rollout.prompt_ids[0]  # rows that share a prompt, as a group's do
+    advantages = torch.linspace(-1, 1, n, dtype=torch.float64)
+    advantages[zero_advantage_rows] = 0.0
+    objective = PolicyGradient(model, None, LossSettings(), TrainingSettings(micro_batch_size=3), RolloutSettings(),
+                               1.0, 6, lambda loss: loss.backward(), lambda t: t, lambda t: t)
+
+    def check(recorded):
+        control = PredictedKLBudget(budget=1e-4, subset=5, seed=2)
+        context = StepContext(model, 1.0, 3, 0, 1, lambda t: t, recorded=recorded)
+        calls = _counting_decoder_calls(model)
+        alpha = control.choose_alpha(proposal, rollout, context)
+        hooks = model.get_decoder()._forward_hooks
+        hooks.pop(list(hooks)[-1])
+        return control._metrics["kl/q"], alpha, len(calls), control
+
+    q, alpha, calls_alone, control = check(None)
+    recorder = control.recorder(rollout, StepContext(model, 1.0, 3, 0, 1, lambda t: t))
+    assert recorder is not None and len(recorder.rows) == 5
+    objective.accumulate(rollout, advantages, recorder)
+    left_out = [row for row in recorder.rows if row in zero_advantage_rows]
+    assert sorted(recorder.states) == sorted(set(recorder.rows) - set(left_out))
+    kept_q, kept_alpha, calls, _ = check(recorder)
+    assert kept_q == pytest.approx(q, rel=1e-9) and kept_alpha == pytest.approx(alpha, rel=1e-9)
+    # shared prompts: a pass is two calls of the decoder; one pass (two calls) saved, none where rows were left out
+    assert calls_alone == 4 and calls == (4 if left_out else 2)
+
+
+def test_the_current_pass_is_not_kept_where_the_check_computes_otherwise():
+    """bf16 weights (the check computes in fp32) and a non-plain head take no recorder; a forward pass under
+    autocast records nothing, and the check then runs its own current pass."""
+    from lightning_logra.algo.kl import StateRecorder, recording
+
+    assert recording(make_tiny_qwen2())
+    assert not recording(make_tiny_qwen2(dtype=torch.bfloat16))
+    capped = make_tiny_qwen2()
+    capped.config.final_logit_softcapping = 30.0
+    assert not recording(capped)
+
+    model = make_tiny_qwen2()
+    responses = _responses()
+    recorder = StateRecorder(torch.arange(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = torch.zeros(4, 6, 64)
+        recorder.record(torch.arange(4), hidden)
+    assert not recorder.active and not recorder.states
+    with torch.no_grad():
+        alone = next_tokens(model, responses)
+        assert torch.equal(recorder.current(model, responses).hidden, alone.hidden)
+        # a rank none of whose rows were drawn holds zeros for its placeholder row, and runs no pass
+        empty = StateRecorder(torch.zeros(0, dtype=torch.long))
+        empty.record(torch.zeros(0, dtype=torch.long), hidden[:1])
+        calls = _counting_decoder_calls(model)
+        placeholder = responses.select(torch.zeros(1, dtype=torch.long)).emptied()
+        assert not empty.current(model, placeholder).hidden.any() and not calls

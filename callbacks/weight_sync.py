@@ -101,6 +101,8 @@ class RolloutWeightSync(Callback, WeightSync):
         # A restarted engine starts from the model's files and needs every tensor of the trainer's — which, sharded,
         # only every rank together can gather, and the restart happens on one rank alone.
         engine.reload_after_restart(self._refuse_reload if sharded else self.full_sync)
+        if not sharded:
+            engine.read_trainer_tensors(tensors)
         # The engine started from the model's files: only what differs from the trainer's weights is loaded (a
         # resumed checkpoint's, weights in another dtype). Any difference at all: the engine must equal the trainer.
         self.repair(tolerance=0.0)

@@ -60,6 +60,10 @@ class RolloutEngine(ABC):
     def apply_update(self, update: Update) -> int:
         """Merge low-rank deltas (W −= F·A, A regenerated from its seed) and dense tensors; returns the bytes sent."""
 
+    def read_trainer_tensors(self, tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Where the trainer's whole tensors are (what a full load sends), for an engine in the trainer's process
+        that can read them in place of a copy of its own (VLLMEngine on the CPU backend); others ignore it."""
+
     @abstractmethod
     def fingerprints(self, names: list[str], seed: int) -> dict[str, torch.Tensor]:
         """`sync.fingerprint(W, seed)` of each named tensor, as the engine holds it."""

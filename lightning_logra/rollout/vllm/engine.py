@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,7 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         self.group_ranks = [0]
         self.sequences: int | None = None  # the most sequences one generation call asks for (`expect`)
         self.kv_cache_bytes: int | None = None  # what the started engine was given for its KV cache (None: the share)
+        self.trainer_tensors: Callable[[], dict[str, torch.Tensor]] | None = None  # `read_trainer_tensors`
 
     # ---- life cycle ---------------------------------------------------------------------------------------------
 
@@ -308,10 +309,21 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         self.last_full_load = path
         return sent
 
+    def read_trainer_tensors(self, tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
+        # In the trainer's process the worker reads them by reference (the CPU backend re-packs from them, where the
+        # dtypes agree). A restarted engine keeps copies of its own again (what its start loads stays correct).
+        if self.separate_process:
+            return
+        dtypes = {name: tensor.dtype for name, tensor in tensors().items()}
+        if all(self._with_restart(lambda: self._rpc("logra_read_trainer", dtypes))):
+            self.trainer_tensors = tensors
+
     def apply_update(self, update: Update) -> int:
         data = update.to_bytes()
+        trainer = None if self.trainer_tensors is None else self.trainer_tensors()  # the update already merged
         # After a restart the engine holds the trainer's current weights (update included): nothing to redo.
-        self._with_restart(lambda: (self._rpc("logra_apply", data), self._after_weight_change()), retry=False)
+        self._with_restart(lambda: (self._rpc("logra_apply", data, trainer), self._after_weight_change()),
+                           retry=False)
         return len(data)
 
     def _after_weight_change(self) -> None:

@@ -7,16 +7,19 @@ vLLM's layout differs from the trainer's (transformers) in two ways this file un
   F·A are F[rows]·A), a row-parallel layer a block of columns (F·A[:, cols]).
 A weight is therefore a *slot*: the local tensor and which rows and columns of the full matrix it holds.
 
-On the CPU backend vLLM prepacks every linear weight for its GEMM kernels and leaves `layer.weight` empty. The
-first time a layer is touched its weight is recovered exactly from the packed kernel (Wᵀ = linear(I)), kept, and
-the layer is re-packed after every change: the unpacked copy costs one more copy of the linear weights in host
-memory, which is what an in-place update on that backend needs. The embedding keeps its weight but is packed too
-(for the logits of an LM head tied to it, packed apart): it is re-packed after a change as well. On GPUs the weight
-is updated where it lies.
+On the CPU backend vLLM prepacks every linear weight for its GEMM kernels and leaves `layer.weight` empty. An engine
+in a process of its own recovers a layer's weight exactly from the packed kernel (Wᵀ = linear(I)) the first time
+it is touched, keeps it, and re-packs the layer after every change: one more copy of the linear weights in host
+memory, which is what an in-place update on that backend needs. An engine in the trainer's process keeps none: the
+trainer hands over its own tensors by reference with each update, already merged, and a changed layer is re-packed
+from them (`_logra_pack_from`); a weight unpacked to be read or loaded into is dropped again. The embedding keeps
+its weight but is packed too (for the logits of an LM head tied to it, packed apart): it is re-packed after a change
+as well. On GPUs the weight is updated where it lies.
 
 Methods are called through `LLM.collective_rpc("logra_…")`; arguments and answers are bytes (tensors do not cross
 that boundary), built with `lightning_logra.rollout.sync`, or for a full load by reference with
-`lightning_logra.rollout.handles`. With CUDA graphs every change must be in place: a captured graph reads the weights
+`lightning_logra.rollout.handles` (in the trainer's process, where there is no boundary, the trainer's tensors
+themselves). With CUDA graphs every change must be in place: a captured graph reads the weights
 at the addresses they had at capture (every write here is a copy into, or a merge into, the existing tensor).
 """
 
@@ -53,6 +56,17 @@ def _is_linear(module: nn.Module) -> bool:
     from vllm.model_executor.layers.linear import LinearBase
 
     return isinstance(module, LinearBase)
+
+
+def _packed(layer: nn.Module) -> bool:
+    """Whether vLLM's CPU kernel holds the layer's weight packed, its `weight` left empty."""
+    return hasattr(layer, "cpu_linear") and layer.weight.numel() == 0
+
+
+def _row_parallel(layer: nn.Module) -> bool:
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    return isinstance(layer, RowParallelLinear)
 
 
 def _column_block(layer: nn.Module, shard: int | None) -> tuple[int, int, int]:
@@ -122,7 +136,8 @@ class LogRAWorkerExtension:
     def _logra_model(self) -> nn.Module:
         return self.model_runner.model
 
-    def _logra_slot(self, name: str) -> Slot:
+    def _logra_linear(self, name: str) -> tuple[nn.Module | None, int | None, str]:
+        """(the module holding the trainer's tensor `name` or None, its part of a fused layer, "weight" or "bias")."""
         model = self._logra_model()
         module_name, _, leaf = name.rpartition(".")  # leaf: "weight" or "bias"
         parent, _, child = module_name.rpartition(".")
@@ -132,9 +147,12 @@ class LogRAWorkerExtension:
                 module_name, shard = f"{parent}.{fused}" if parent else fused, parts.index(child)
                 break
         try:
-            module = model.get_submodule(module_name)
+            return model.get_submodule(module_name), shard, leaf
         except AttributeError:
-            module = None
+            return None, shard, leaf
+
+    def _logra_slot(self, name: str) -> Slot:
+        module, shard, leaf = self._logra_linear(name)
         if module is not None and _is_linear(module):
             self._logra_unpack(module)
             from vllm.model_executor.layers.linear import RowParallelLinear
@@ -150,9 +168,9 @@ class LogRAWorkerExtension:
                 col_start = getattr(module, "tp_rank", 0) * module.input_size_per_partition
             return Slot(local, slice(row_start, row_start + count),
                         slice(col_start, col_start + local.shape[1]), module, (rows, module.input_size))
-        params = dict(model.named_parameters())
+        params = dict(self._logra_model().named_parameters())
         if name not in params:
-            raise KeyError(f"vLLM worker: no parameter for {name!r} (module {module_name!r})")
+            raise KeyError(f"vLLM worker: no parameter for {name!r}")
         param = params[name].data
         indices = getattr(module, "shard_indices", None)  # a vocab-parallel embedding holds a block of rows
         whole = tuple(param.shape)
@@ -169,13 +187,15 @@ class LogRAWorkerExtension:
     # ---- CPU backend: prepacked weights ------------------------------------------------------------------------
 
     def _logra_unpack(self, layer: nn.Module) -> None:
-        """Give a prepacked CPU layer back a real weight tensor (once), recovered exactly from its kernel."""
-        if layer.weight.numel() > 0 or not hasattr(layer, "cpu_linear"):
+        """Give a prepacked CPU layer back a real weight tensor, recovered exactly from its kernel (kept, unless the
+        trainer's tensors are at hand: `_logra_pack_only`)."""
+        if not _packed(layer):
             return
         k = layer.input_size_per_partition
         dtype = layer.params_dtype if hasattr(layer, "params_dtype") else torch.float32
         eye = torch.eye(k, dtype=dtype)
         layer.weight.data = layer.cpu_linear(eye, None, None).t().contiguous()  # (n, k): linear(I) = Wᵀ exactly
+        self.__dict__.setdefault("_logra_unpacked", set()).add(layer)
 
     def _logra_repack(self, layers: set[nn.Module]) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -184,7 +204,48 @@ class LogRAWorkerExtension:
         if not current_platform.is_cpu():
             return  # on GPUs the kernels read layer.weight directly
         for layer in layers:
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            # vLLM drops the weight only where its kernel packed a copy (not for torch's fallback GEMM); an embedding
+            # (packed for a tied head's logits) keeps it for its lookups
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=self._logra_pack_only() and _is_linear(layer))
+        self.__dict__.get("_logra_unpacked", set()).difference_update(layers)
+
+    def _logra_pack_only(self) -> bool:
+        """Whether this worker runs in the trainer's process on the CPU backend: then a packed layer keeps no
+        unpacked copy of its weight (the trainer holds the same numbers: `_logra_pack_from`), and one unpacked to be
+        read is dropped again (`_logra_drop_unpacked`)."""
+        return getattr(self, "_logra_in_trainer", False)
+
+    def _logra_drop_unpacked(self) -> None:
+        """Drop the weights unpacked since the last re-pack (read, not changed): their kernels still hold them."""
+        for layer in self.__dict__.pop("_logra_unpacked", set()):
+            layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+    def _logra_pack_from(self, layers: set[nn.Module], trainer: dict[str, torch.Tensor]) -> None:
+        """Re-pack each layer's kernel straight from the trainer's tensors of its parts (q, k and v of a fused qkv):
+        the merge the trainer made is the merge this worker would make, bit for bit, so it is not made twice, and
+        no unpacked copy of the weight outlives the packing (one layer's at a time)."""
+        parts: dict[nn.Module, list[tuple[str, int | None]]] = {}
+        for name in trainer:
+            module, shard, leaf = self._logra_linear(name)
+            if module in layers and leaf == "weight":
+                parts.setdefault(module, []).append((name, shard))
+        for layer in layers:
+            sizes = list(layer.output_partition_sizes)
+            weight = torch.empty(sum(sizes), layer.input_size_per_partition, dtype=layer.params_dtype)
+            filled = 0
+            for name, shard in parts.get(layer, []):
+                offset, count, row_start = _column_block(layer, shard)
+                cols = slice(0, layer.input_size)
+                if _row_parallel(layer):
+                    start = getattr(layer, "tp_rank", 0) * layer.input_size_per_partition
+                    cols = slice(start, start + layer.input_size_per_partition)
+                weight[offset : offset + count] = trainer[name][row_start : row_start + count, cols]
+                filled += count
+            if filled != weight.shape[0]:
+                raise RuntimeError(f"vLLM worker: the trainer's tensors fill {filled} of {weight.shape[0]} rows of "
+                                   f"{type(layer).__name__} (parts {[n for n, _ in parts.get(layer, [])]})")
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+        self._logra_repack(layers)
 
     # ---- called through collective_rpc --------------------------------------------------------------------------
 
@@ -196,7 +257,8 @@ class LogRAWorkerExtension:
         process itself (one worker) or this worker's parent (tensor parallelism); its pid is taken now, while the
         parent is still who started us."""
         if trainer_pid == os.getpid():
-            return  # the engine runs inside the trainer's process: it cannot outlive it
+            self._logra_trainers_process = True  # the engine runs inside it: it cannot outlive it
+            return
         import psutil  # a dependency of vLLM
 
         trainer = psutil.Process(trainer_pid)  # is_running() also tells a reused pid from the trainer
@@ -217,10 +279,32 @@ class LogRAWorkerExtension:
 
         threading.Thread(target=watch, name="logra-watch-trainer", daemon=True).start()
 
+    def logra_read_trainer(self, dtypes: dict[str, torch.dtype]) -> bool:
+        """Whether this worker will re-pack its layers from the trainer's tensors (`_logra_pack_only`): in the
+        trainer's process, on the CPU backend, and the trainer holding every packed layer's weights in the dtype
+        the layer computes in (`dtypes`: the trainer's, by name). Returns it; a restarted worker starts without."""
+        from vllm.platforms import current_platform
+
+        linear = [(self._logra_linear(name)[0], dtype) for name, dtype in dtypes.items() if name.endswith(".weight")]
+        self._logra_in_trainer = (getattr(self, "_logra_trainers_process", False) and current_platform.is_cpu()
+                                  and all(dtype == module.params_dtype for module, dtype in linear
+                                          if module is not None and _is_linear(module)))
+        return self._logra_in_trainer
+
     @torch.no_grad()
-    def logra_apply(self, data: bytes) -> int:
-        """Merge an `Update`; returns how many tensors it touched on this rank."""
+    def logra_apply(self, data: bytes, trainer: dict[str, torch.Tensor] | None = None) -> int:
+        """Merge an `Update`; returns how many tensors it touched on this rank. `trainer`: the trainer's tensors,
+        after the same update, handed over by reference in its own process (CPU backend): a packed layer the update
+        changes is re-packed from them (`_logra_pack_from`) instead of merged into a copy of its own."""
         update = Update.from_bytes(data)
+        from_trainer = set()
+        if trainer is not None and self._logra_pack_only():
+            for name in [*update.low_rank, *update.dense]:
+                module, _, leaf = self._logra_linear(name)
+                if module is not None and _is_linear(module) and leaf == "weight" and _packed(module):
+                    from_trainer.add(module)
+            update = Update({n: d for n, d in update.low_rank.items() if self._logra_linear(n)[0] not in from_trainer},
+                            {n: t for n, t in update.dense.items() if self._logra_linear(n)[0] not in from_trainer})
         touched = set()
         for stack in _stacks([(self._logra_slot(name), delta) for name, delta in update.low_rank.items()]):
             slot, delta = stack[0]
@@ -238,7 +322,9 @@ class LogRAWorkerExtension:
             touched.add(slot.layer)
         touched |= self._logra_copy(update.dense)
         self._logra_repack(touched - {None})
-        return len(update.low_rank) + len(update.dense)
+        if from_trainer:
+            self._logra_pack_from(from_trainer, trainer)
+        return len(update.low_rank) + len(update.dense) + len(from_trainer)
 
     @torch.no_grad()
     def logra_load(self, data: bytes) -> int:
@@ -349,8 +435,12 @@ class LogRAWorkerExtension:
     @torch.no_grad()
     def logra_blocks(self, names: list[str], seed: int | None = None) -> bytes:
         """This rank's blocks of the named tensors — or, with a seed, their fingerprints — keyed "name|row|col"."""
-        out = {}
+        out, previous = {}, None
         for name in names:
+            module = self._logra_linear(name)[0]
+            if self._logra_pack_only() and module is not previous:
+                self._logra_drop_unpacked()  # read, unchanged: its kernel holds it still (q, k and v share one)
+            previous = module
             slot = self._logra_slot(name)
             col = 0 if slot.cols is None else slot.cols.start
             tensor = slot.tensor
@@ -360,4 +450,6 @@ class LogRAWorkerExtension:
                 tensor = tensor.to(slot.layer.params_dtype)
             value = tensor if seed is None else fingerprint(tensor, seed, col)
             out[f"{name}|{slot.rows.start}|{col}"] = value.clone()
+        if self._logra_pack_only():
+            self._logra_drop_unpacked()
         return pack_tensors(out)

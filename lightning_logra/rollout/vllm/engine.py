@@ -314,7 +314,10 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         # dtypes agree). A restarted engine keeps copies of its own again (what its start loads stays correct).
         if self.separate_process:
             return
-        dtypes = {name: tensor.dtype for name, tensor in tensors().items()}
+        first, again = tensors(), tensors()
+        if any(first[name].data_ptr() != again[name].data_ptr() for name in first):
+            return  # made afresh at each call (a LoRA run's merged weights): a copy of every matrix at every update
+        dtypes = {name: tensor.dtype for name, tensor in first.items()}
         if all(self._with_restart(lambda: self._rpc("logra_read_trainer", dtypes))):
             self.trainer_tensors = tensors
 

@@ -297,6 +297,7 @@ class LogRAWorkerExtension:
         after the same update, handed over by reference in its own process (CPU backend): a packed layer the update
         changes is re-packed from them (`_logra_pack_from`) instead of merged into a copy of its own."""
         update = Update.from_bytes(data)
+        count = len(update.low_rank) + len(update.dense)
         from_trainer = set()
         if trainer is not None and self._logra_pack_only():
             for name in [*update.low_rank, *update.dense]:
@@ -324,7 +325,7 @@ class LogRAWorkerExtension:
         self._logra_repack(touched - {None})
         if from_trainer:
             self._logra_pack_from(from_trainer, trainer)
-        return len(update.low_rank) + len(update.dense) + len(from_trainer)
+        return count
 
     @torch.no_grad()
     def logra_load(self, data: bytes) -> int:

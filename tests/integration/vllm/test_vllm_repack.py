@@ -40,7 +40,11 @@ def test_an_engine_in_the_trainers_process_repacks_from_the_trainers_tensors(tin
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=False)
     engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
     try:
+        # tensors made afresh at each call (a LoRA run's merged weights) are not read: a copy per update
+        engine.read_trainer_tensors(lambda: {n: policy.get_parameter(n).detach().clone() for n in names})
+        assert engine.trainer_tensors is None
         engine.read_trainer_tensors(lambda: {n: policy.get_parameter(n).detach() for n in names})
+        assert engine.trainer_tensors is not None
         engine.load_weights(start)  # unpacked to be loaded into, re-packed, dropped
         assert _numbers_beside_kernels(engine) == 0
         for step in range(STEPS):

@@ -219,7 +219,8 @@ class StateRecorder:
         wanted = set(self.rows)
         for position, row in enumerate(rows.tolist()):
             if row in wanted:
-                self.states[row] = hidden[position].detach()
+                # a copy of the row: a view would keep the whole micro-batch's (m, w, h) states alive until the check
+                self.states[row] = hidden[position].detach().clone()
 
     def current(self, policy: nn.Module, responses: Rollout) -> NextTokens:
         """The current policy's `NextTokens` on `responses` (the subset, its rows `self.rows`; with none, an emptied

@@ -310,15 +310,14 @@ class VLLMEngine(EngineLaunch, EngineWatchdog, RolloutEngine):
         return sent
 
     def read_trainer_tensors(self, tensors: Callable[[], dict[str, torch.Tensor]]) -> None:
-        # In the trainer's process the worker reads them by reference (the CPU backend re-packs from them, where the
+        # In the trainer's process the worker reads them by reference (the CPU backend computes from them, where the
         # dtypes agree). A restarted engine keeps copies of its own again (what its start loads stays correct).
         if self.separate_process:
             return
         first, again = tensors(), tensors()
         if any(first[name].data_ptr() != again[name].data_ptr() for name in first):
             return  # made afresh at each call (a LoRA run's merged weights): a copy of every matrix at every update
-        dtypes = {name: tensor.dtype for name, tensor in first.items()}
-        if all(self._with_restart(lambda: self._rpc("logra_read_trainer", dtypes))):
+        if all(self._with_restart(lambda: self._rpc("logra_read_trainer", first))):
             self.trainer_tensors = tensors
 
     def apply_update(self, update: Update) -> int:

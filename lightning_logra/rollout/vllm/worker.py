@@ -10,11 +10,13 @@ A weight is therefore a *slot*: the local tensor and which rows and columns of t
 On the CPU backend vLLM prepacks every linear weight for its GEMM kernels and leaves `layer.weight` empty. An engine
 in a process of its own recovers a layer's weight exactly from the packed kernel (Wᵀ = linear(I)) the first time
 it is touched, keeps it, and re-packs the layer after every change: one more copy of the linear weights in host
-memory, which is what an in-place update on that backend needs. An engine in the trainer's process keeps none: the
-trainer hands over its own tensors by reference with each update, already merged, and a changed layer is re-packed
-from them (`_logra_pack_from`); a weight unpacked to be read or loaded into is dropped again. The embedding keeps
-its weight but is packed too (for the logits of an LM head tied to it, packed apart): it is re-packed after a change
-as well. On GPUs the weight is updated where it lies.
+memory, which is what an in-place update on that backend needs. The embedding keeps its weight but is packed too
+(for the logits of an LM head tied to it, packed apart): it is re-packed after a change as well. An engine in the
+trainer's process holds no copy of what the trainer holds: each linear layer computes from the trainer's own tensors
+(`SharedLinear`, handed over by reference), which the trainer merges its updates into in place, so a sync has
+nothing to merge or pack; the embedding's logits GEMM reads its weight (torch's GEMM, no packed copy). A layer given
+other values by a load packs a kernel of its own until the next update points it at the trainer's tensors again.
+On GPUs the weight is updated where it lies.
 
 Methods are called through `LLM.collective_rpc("logra_…")`; arguments and answers are bytes (tensors do not cross
 that boundary), built with `lightning_logra.rollout.sync`, or for a full load by reference with
@@ -25,6 +27,7 @@ at the addresses they had at capture (every write here is a copy into, or a merg
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -32,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_logra.algo.update import Update
@@ -50,6 +54,23 @@ class Slot:
     cols: slice | None  # its columns in the full tensor; None for a 1-D parameter
     layer: nn.Module | None = None  # the linear layer that holds it (re-packed on the CPU after a change)
     whole: tuple[int, ...] = ()  # the full trainer-side tensor's shape
+
+
+class SharedLinear:
+    """A CPU layer's GEMM (`layer.cpu_linear`, in place of vLLM's packed kernel) computed straight from the trainer's
+    own tensors: the row blocks of the layer's parts in order (q, k and v of a fused qkv; one for an unfused layer),
+    (rows_i, k) each. The trainer merges its updates into them in place, so the engine holds no copy of them."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        self.weights = weights
+        self.ends = list(itertools.accumulate(weight.shape[0] for weight in weights))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if len(self.weights) == 1:
+            return F.linear(x, self.weights[0], bias)
+        starts = [0, *self.ends[:-1]]
+        return torch.cat([F.linear(x, w, None if bias is None else bias[start:end])
+                          for w, start, end in zip(self.weights, starts, self.ends)], dim=-1)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -204,15 +225,20 @@ class LogRAWorkerExtension:
         if not current_platform.is_cpu():
             return  # on GPUs the kernels read layer.weight directly
         for layer in layers:
+            if self._logra_pack_only() and not _is_linear(layer):
+                # an embedding, or an LM head tied to it: the logits GEMM reads its weight (no packed copy beside it)
+                layer.cpu_linear = torch.nn.functional.linear
+                continue
             # vLLM drops the weight only where its kernel packed a copy (not for torch's fallback GEMM); an embedding
             # (packed for a tied head's logits) keeps it for its lookups
             dispatch_cpu_unquantized_gemm(layer, remove_weight=self._logra_pack_only() and _is_linear(layer))
         self.__dict__.get("_logra_unpacked", set()).difference_update(layers)
 
     def _logra_pack_only(self) -> bool:
-        """Whether this worker runs in the trainer's process on the CPU backend: then a packed layer keeps no
-        unpacked copy of its weight (the trainer holds the same numbers: `_logra_pack_from`), and one unpacked to be
-        read is dropped again (`_logra_drop_unpacked`)."""
+        """Whether this worker runs in the trainer's process on the CPU backend: then its linear layers compute from
+        the trainer's own tensors where they can (`_logra_share`), a layer packed for another reason keeps no
+        unpacked copy of its weight (`_logra_pack_from`), and one unpacked to be read is dropped again
+        (`_logra_drop_unpacked`)."""
         return getattr(self, "_logra_in_trainer", False)
 
     def _logra_drop_unpacked(self) -> None:
@@ -220,15 +246,45 @@ class LogRAWorkerExtension:
         for layer in self.__dict__.pop("_logra_unpacked", set()):
             layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
 
-    def _logra_pack_from(self, layers: set[nn.Module], trainer: dict[str, torch.Tensor]) -> None:
-        """Re-pack each layer's kernel straight from the trainer's tensors of its parts (q, k and v of a fused qkv):
-        the merge the trainer made is the merge this worker would make, bit for bit, so it is not made twice, and
-        no unpacked copy of the weight outlives the packing (one layer's at a time)."""
+    def _logra_parts(self, layers: set[nn.Module], trainer: dict[str, torch.Tensor]
+                     ) -> dict[nn.Module, list[tuple[str, int | None]]]:
+        """{layer: the trainer's weight names that fill it, with their part of a fused layer (q, k, v)}."""
         parts: dict[nn.Module, list[tuple[str, int | None]]] = {}
         for name in trainer:
             module, shard, leaf = self._logra_linear(name)
             if module in layers and leaf == "weight":
                 parts.setdefault(module, []).append((name, shard))
+        return parts
+
+    def _logra_share(self, layers: set[nn.Module], trainer: dict[str, torch.Tensor]) -> set[nn.Module]:
+        """Point each layer's GEMM at the trainer's own tensors (`SharedLinear`): the trainer merges its updates
+        into them in place, so the engine holds no copy of these weights and has nothing to merge or pack at a
+        sync. Only a layer that holds whole matrices of the trainer's (no tensor-parallel block) in their dtype;
+        returns the layers left as they were."""
+        left = set()
+        for layer, names in self._logra_parts(layers, trainer).items():
+            blocks = sorted((_column_block(layer, shard), name) for name, shard in names)
+            weights = [trainer[name].detach() for _, name in blocks]
+            whole = (all(row_start == 0 and count == weight.shape[0] for ((_, count, row_start), _), weight
+                         in zip(blocks, weights))
+                     and sum(w.shape[0] for w in weights) == sum(layer.output_partition_sizes)
+                     and layer.input_size_per_partition == layer.input_size
+                     and all(w.dtype == layer.params_dtype and w.shape[1] == layer.input_size for w in weights))
+            if not whole:
+                left.add(layer)
+                continue
+            layer.cpu_linear = SharedLinear(weights)  # vLLM's packed kernel (and its copy) goes with the old one
+            if layer.weight.numel():
+                layer.weight = nn.Parameter(torch.empty(0, dtype=layer.params_dtype), requires_grad=False)
+            self.__dict__.get("_logra_unpacked", set()).discard(layer)
+        return left | (layers - set(self._logra_parts(layers, trainer)))
+
+    def _logra_pack_from(self, layers: set[nn.Module], trainer: dict[str, torch.Tensor]) -> None:
+        """Re-pack each layer's kernel straight from the trainer's tensors of its parts (q, k and v of a fused qkv):
+        the merge the trainer made is the merge this worker would make, bit for bit, so it is not made twice, and
+        no unpacked copy of the weight outlives the packing (one layer's at a time). For the layers `_logra_share`
+        cannot point at the trainer's tensors (a tensor-parallel block)."""
+        parts = self._logra_parts(layers, trainer)
         for layer in layers:
             sizes = list(layer.output_partition_sizes)
             weight = torch.empty(sum(sizes), layer.input_size_per_partition, dtype=layer.params_dtype)
@@ -279,16 +335,24 @@ class LogRAWorkerExtension:
 
         threading.Thread(target=watch, name="logra-watch-trainer", daemon=True).start()
 
-    def logra_read_trainer(self, dtypes: dict[str, torch.dtype]) -> bool:
-        """Whether this worker will re-pack its layers from the trainer's tensors (`_logra_pack_only`): in the
-        trainer's process, on the CPU backend, and the trainer holding every packed layer's weights in the dtype
-        the layer computes in (`dtypes`: the trainer's, by name). Returns it; a restarted worker starts without."""
+    def logra_read_trainer(self, trainer: dict[str, torch.Tensor]) -> bool:
+        """Whether this worker computes from the trainer's tensors (`_logra_pack_only`): in the trainer's process, on
+        the CPU backend, and the trainer holding every packed layer's weights in the dtype the layer computes in.
+        `trainer`: the trainer's tensors, by reference. Then each linear layer computes from them (`_logra_share`;
+        a tensor-parallel block re-packs from them after each update), and an embedding's logits GEMM reads its
+        weight instead of a packed copy. Returns it; a restarted worker starts without."""
         from vllm.platforms import current_platform
 
-        linear = [(self._logra_linear(name)[0], dtype) for name, dtype in dtypes.items() if name.endswith(".weight")]
+        linear = [(self._logra_linear(name)[0], tensor.dtype) for name, tensor in trainer.items()
+                  if name.endswith(".weight")]
         self._logra_in_trainer = (getattr(self, "_logra_trainers_process", False) and current_platform.is_cpu()
                                   and all(dtype == module.params_dtype for module, dtype in linear
                                           if module is not None and _is_linear(module)))
+        if self._logra_in_trainer:
+            layers = {module for module, _ in linear if module is not None and _is_linear(module) and _packed(module)}
+            self._logra_share(layers, trainer)  # a tensor-parallel block keeps the kernel it packed at load
+            self._logra_repack({m for m in self._logra_model().modules() if hasattr(m, "cpu_linear") and not
+                                _is_linear(m)})
         return self._logra_in_trainer
 
     @torch.no_grad()
@@ -324,7 +388,8 @@ class LogRAWorkerExtension:
         touched |= self._logra_copy(update.dense)
         self._logra_repack(touched - {None})
         if from_trainer:
-            self._logra_pack_from(from_trainer, trainer)
+            # the layers a load gave kernels of their own compute from the trainer's tensors again
+            self._logra_pack_from(self._logra_share(from_trainer, trainer), trainer)
         return count
 
     @torch.no_grad()

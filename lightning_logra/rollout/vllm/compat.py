@@ -62,7 +62,7 @@ LAYER_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "RowParallelLinear": ("input_size_per_partition", "tp_rank"),
     "VocabParallelEmbedding": ("shard_indices",),
 }
-CPU_LAYER_ATTRIBUTES: dict[str, tuple[str, ...]] = {  # the prepacked GEMM the worker unpacks and re-packs
+CPU_LAYER_ATTRIBUTES: dict[str, tuple[str, ...]] = {  # the prepacked GEMM the worker unpacks, re-packs or replaces
     "LinearBase": ("cpu_linear", "input_size_per_partition"),
 }
 MODEL_ATTRIBUTES = ("packed_modules_mapping", "load_weights")

@@ -261,8 +261,8 @@ class LogRAWorkerExtension:
         into them in place, so the engine holds no copy of these weights and has nothing to merge or pack at a
         sync. Only a layer that holds whole matrices of the trainer's (no tensor-parallel block) in their dtype;
         returns the layers left as they were."""
-        left = set()
-        for layer, names in self._logra_parts(layers, trainer).items():
+        left, parts = set(), self._logra_parts(layers, trainer)
+        for layer, names in parts.items():
             blocks = sorted((_column_block(layer, shard), name) for name, shard in names)
             weights = [trainer[name].detach() for _, name in blocks]
             whole = (all(row_start == 0 and count == weight.shape[0] for ((_, count, row_start), _), weight
@@ -274,10 +274,14 @@ class LogRAWorkerExtension:
                 left.add(layer)
                 continue
             layer.cpu_linear = SharedLinear(weights)  # vLLM's packed kernel (and its copy) goes with the old one
+            bias = getattr(layer, "bias", None)
+            if bias is not None and bias.dtype != layer.params_dtype:
+                # vLLM's small-GEMM kernel (AMX) keeps a bf16 layer's bias in float32: the same bf16 values, back
+                bias.data = bias.data.to(layer.params_dtype)
             if layer.weight.numel():
                 layer.weight = nn.Parameter(torch.empty(0, dtype=layer.params_dtype), requires_grad=False)
             self.__dict__.get("_logra_unpacked", set()).discard(layer)
-        return left | (layers - set(self._logra_parts(layers, trainer)))
+        return left | (layers - set(parts))
 
     def _logra_pack_from(self, layers: set[nn.Module], trainer: dict[str, torch.Tensor]) -> None:
         """Re-pack each layer's kernel straight from the trainer's tensors of its parts (q, k and v of a fused qkv):
@@ -349,7 +353,9 @@ class LogRAWorkerExtension:
                                   and all(dtype == module.params_dtype for module, dtype in linear
                                           if module is not None and _is_linear(module)))
         if self._logra_in_trainer:
-            layers = {module for module, _ in linear if module is not None and _is_linear(module) and _packed(module)}
+            # packed, or on torch's GEMM reading a weight of its own (bf16 where the CPU has no bf16 kernels)
+            layers = {module for module, _ in linear if module is not None and _is_linear(module)
+                      and hasattr(module, "cpu_linear")}
             self._logra_share(layers, trainer)  # a tensor-parallel block keeps the kernel it packed at load
             self._logra_repack({m for m in self._logra_model().modules() if hasattr(m, "cpu_linear") and not
                                 _is_linear(m)})
@@ -366,7 +372,7 @@ class LogRAWorkerExtension:
         if trainer is not None and self._logra_pack_only():
             for name in [*update.low_rank, *update.dense]:
                 module, _, leaf = self._logra_linear(name)
-                if module is not None and _is_linear(module) and leaf == "weight" and _packed(module):
+                if module is not None and _is_linear(module) and leaf == "weight" and hasattr(module, "cpu_linear"):
                     from_trainer.add(module)
             update = Update({n: d for n, d in update.low_rank.items() if self._logra_linear(n)[0] not in from_trainer},
                             {n: t for n, t in update.dense.items() if self._logra_linear(n)[0] not in from_trainer})

@@ -36,7 +36,8 @@ def _layers(engine: VLLMEngine) -> dict[str, tuple]:
     return engine.llm.apply_model(look)[0]
 
 
-def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(tiny_arith_model, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(tiny_arith_model, monkeypatch, dtype):
     # (An engine not told where they are keeps an unpacked copy of every matrix beside its kernels and merges into
     # it: test_vllm_bf16 and every engine in a process of its own.)
     merges, packs = [], []  # the engine's own merges and kernel packings (the worker runs in this process)
@@ -48,11 +49,11 @@ def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(ti
     pack = vllm_utils.dispatch_cpu_unquantized_gemm
     monkeypatch.setattr(vllm_utils, "dispatch_cpu_unquantized_gemm",
                         lambda *a, **k: (packs.append(a[0]), pack(*a, **k)))
-    run = SketchedSteps(tiny_arith_model, torch.float32, lr=1e-3, share_projection=True)
+    run = SketchedSteps(tiny_arith_model, dtype, lr=1e-3, share_projection=True)
     policy, names = run.policy, run.names
     q = next(name for name in names if name.endswith("q_proj.weight"))
 
-    engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.1, separate_process=False)
+    engine = VLLMEngine(dtype=str(dtype).removeprefix("torch."), gpu_memory_utilization=0.1, separate_process=False)
     engine.start(tiny_arith_model, pad_token_id=0, stop_token_ids=[2])
     try:
         # tensors made afresh at each call (a LoRA run's merged weights) are not read: a copy per update
@@ -70,7 +71,7 @@ def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(ti
         after_reads = _layers(engine)
         # drift: other values loaded into one layer (q, k and v of the first block) give it a kernel of its own
         packs_before_load = list(packs)
-        drifted = policy.get_parameter(q).detach() + 1e-3
+        drifted = policy.get_parameter(q).detach() + 1e-2
         engine.load_weights({q: drifted})
         loaded = _layers(engine)
         drift = engine.weights([q])[q][: drifted.shape[0]]
@@ -95,7 +96,7 @@ def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(ti
     assert moved > 1000
     assert torch.equal(drift, drifted)
     qkv = next(name for name in loaded if name.endswith("qkv_proj") and name.startswith(q.rsplit(".", 3)[0]))
-    assert loaded[qkv] == (0, None)  # packed (its weight dropped), not the trainer's
+    assert loaded[qkv][1] is None  # a kernel of its own (packed, or torch's on a weight of its own: bf16 on AVX2)
     assert {name: v for name, v in loaded.items() if name != qkv} == {name: v for name, v in shared.items()
                                                                        if name != qkv}
     assert packs_at_load == 1 and len(packs) == 1  # the loaded layer alone; the update packed nothing

@@ -63,14 +63,14 @@ class SharedLinear:
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
         self.weights = weights
-        self.ends = list(itertools.accumulate(weight.shape[0] for weight in weights))
+        ends = list(itertools.accumulate(weight.shape[0] for weight in weights))
+        self.rows = [slice(start, end) for start, end in zip([0, *ends[:-1]], ends)]  # each part's rows of the bias
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(self.weights) == 1:
             return F.linear(x, self.weights[0], bias)
-        starts = [0, *self.ends[:-1]]
-        return torch.cat([F.linear(x, w, None if bias is None else bias[start:end])
-                          for w, start, end in zip(self.weights, starts, self.ends)], dim=-1)
+        return torch.cat([F.linear(x, w, None if bias is None else bias[rows])
+                          for w, rows in zip(self.weights, self.rows)], dim=-1)
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -209,7 +209,7 @@ class LogRAWorkerExtension:
 
     def _logra_unpack(self, layer: nn.Module) -> None:
         """Give a prepacked CPU layer back a real weight tensor, recovered exactly from its kernel (kept, unless the
-        trainer's tensors are at hand: `_logra_pack_only`)."""
+        trainer's tensors are at hand: `_logra_reads_trainer`)."""
         if not _packed(layer):
             return
         k = layer.input_size_per_partition
@@ -225,16 +225,16 @@ class LogRAWorkerExtension:
         if not current_platform.is_cpu():
             return  # on GPUs the kernels read layer.weight directly
         for layer in layers:
-            if self._logra_pack_only() and not _is_linear(layer):
+            if self._logra_reads_trainer() and not _is_linear(layer):
                 # an embedding, or an LM head tied to it: the logits GEMM reads its weight (no packed copy beside it)
                 layer.cpu_linear = torch.nn.functional.linear
                 continue
             # vLLM drops the weight only where its kernel packed a copy (not for torch's fallback GEMM); an embedding
             # (packed for a tied head's logits) keeps it for its lookups
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=self._logra_pack_only() and _is_linear(layer))
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=self._logra_reads_trainer() and _is_linear(layer))
         self.__dict__.get("_logra_unpacked", set()).difference_update(layers)
 
-    def _logra_pack_only(self) -> bool:
+    def _logra_reads_trainer(self) -> bool:
         """Whether this worker runs in the trainer's process on the CPU backend: then its linear layers compute from
         the trainer's own tensors where they can (`_logra_share`), a layer packed for another reason keeps no
         unpacked copy of its weight (`_logra_pack_from`), and one unpacked to be read is dropped again
@@ -340,8 +340,8 @@ class LogRAWorkerExtension:
         threading.Thread(target=watch, name="logra-watch-trainer", daemon=True).start()
 
     def logra_read_trainer(self, trainer: dict[str, torch.Tensor]) -> bool:
-        """Whether this worker computes from the trainer's tensors (`_logra_pack_only`): in the trainer's process, on
-        the CPU backend, and the trainer holding every packed layer's weights in the dtype the layer computes in.
+        """Whether this worker computes from the trainer's tensors (`_logra_reads_trainer`): in the trainer's process,
+        on the CPU backend, and the trainer holding every packed layer's weights in the dtype the layer computes in.
         `trainer`: the trainer's tensors, by reference. Then each linear layer computes from them (`_logra_share`;
         a tensor-parallel block re-packs from them after each update), and an embedding's logits GEMM reads its
         weight instead of a packed copy. Returns it; a restarted worker starts without."""
@@ -369,7 +369,7 @@ class LogRAWorkerExtension:
         update = Update.from_bytes(data)
         count = len(update.low_rank) + len(update.dense)
         from_trainer = set()
-        if trainer is not None and self._logra_pack_only():
+        if trainer is not None and self._logra_reads_trainer():
             for name in [*update.low_rank, *update.dense]:
                 module, _, leaf = self._logra_linear(name)
                 if module is not None and _is_linear(module) and leaf == "weight" and hasattr(module, "cpu_linear"):
@@ -510,7 +510,7 @@ class LogRAWorkerExtension:
         out, previous = {}, None
         for name in names:
             module = self._logra_linear(name)[0]
-            if self._logra_pack_only() and module is not previous:
+            if self._logra_reads_trainer() and module is not previous:
                 self._logra_drop_unpacked()  # read, unchanged: its kernel holds it still (q, k and v share one)
             previous = module
             slot = self._logra_slot(name)
@@ -522,6 +522,6 @@ class LogRAWorkerExtension:
                 tensor = tensor.to(slot.layer.params_dtype)
             value = tensor if seed is None else fingerprint(tensor, seed, col)
             out[f"{name}|{slot.rows.start}|{col}"] = value.clone()
-        if self._logra_pack_only():
+        if self._logra_reads_trainer():
             self._logra_drop_unpacked()
         return pack_tensors(out)

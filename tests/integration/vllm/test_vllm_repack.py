@@ -2,7 +2,7 @@
 the trainer's tensors are (as RolloutWeightSync tells it), each linear layer computes from them (`SharedLinear`, in
 place of vLLM's packed kernel), so an update reaches it with nothing to merge or pack — and it still equals the
 trainer. A load of other values gives a layer a kernel of its own (drift stays visible to the weight check) until
-the next update points it at the trainer's tensors again."""
+the next update points it at the trainer's tensors again (their current storage, should the trainer replace one)."""
 
 import pytest
 import torch
@@ -79,10 +79,16 @@ def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(ti
         engine.apply_update(run.step(STEPS))  # and the next update points it at the trainer's tensors again
         again = _layers(engine)
         theirs_again = engine.weights(names)
+        ours_again = {n: policy.get_parameter(n).detach().clone() for n in names}
+        addresses = {policy.get_parameter(n).data_ptr() for n in names}  # (the trainer's storage until here)
+        # a parameter the trainer gives new storage is followed at the next update
+        replaced = policy.get_parameter(q)
+        replaced.data = replaced.data.clone()
+        engine.apply_update(run.step(STEPS + 1))
+        followed = _layers(engine)
     finally:
         engine.close()
 
-    addresses = {policy.get_parameter(n).data_ptr() for n in names}
     linear = {name: value for name, value in shared.items() if name != "logits"}
     assert len(linear) >= 4 and all(held == 0 and set(ptrs) <= addresses for held, ptrs in linear.values())
     # q, k and v in one fused layer read three of the trainer's tensors
@@ -102,5 +108,5 @@ def test_an_engine_in_the_trainers_process_computes_from_the_trainers_tensors(ti
     assert packs_at_load == 1 and len(packs) == 1  # the loaded layer alone; the update packed nothing
     assert again[qkv][0] == 0 and set(again[qkv][1]) <= addresses and merges == []
     for name in names:
-        assert torch.equal(theirs_again[name][: policy.get_parameter(name).shape[0]],
-                           policy.get_parameter(name).detach())
+        assert torch.equal(theirs_again[name][: ours_again[name].shape[0]], ours_again[name]), name
+    assert replaced.data_ptr() in followed[qkv][1] and merges == []

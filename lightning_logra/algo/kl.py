@@ -34,7 +34,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_logra.algo.logprobs import completion_logits, completion_states, compute_dtype, plain_head
+from lightning_logra.algo.logprobs import (
+    completion_logits,
+    completion_states,
+    compute_dtype,
+    plain_head,
+    vocab_logits,
+)
 from lightning_logra.algo.update import Update, swap_values
 from lightning_logra.base.batch import Rollout
 from lightning_logra.base.settings import check_positive
@@ -136,12 +142,12 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     is exact, so the logits are the same as through a whole copy."""
     dtype = hidden.dtype
     if weight.dtype == dtype:
-        return nn.functional.linear(hidden, weight, None if bias is None else bias.to(dtype))
+        return vocab_logits(hidden, weight, None if bias is None else bias.to(dtype))
     logits = hidden.new_empty(hidden.shape[0], weight.shape[0])  # (c, V)
     for start in range(0, weight.shape[0], vocab_block):
         block = slice(start, start + vocab_block)
-        logits[:, block] = nn.functional.linear(hidden, weight[block].to(dtype),
-                                                None if bias is None else bias[block].to(dtype))
+        logits[:, block] = vocab_logits(hidden, weight[block].to(dtype),
+                                        None if bias is None else bias[block].to(dtype))
     return logits
 
 

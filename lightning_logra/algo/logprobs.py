@@ -202,9 +202,21 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden (c, h) through an LM head's weight (V, h) → logits (c, V) = hidden·Wᵀ + b, contiguous.
+
+    On the CPU computed as (W·hiddenᵀ)ᵀ: MKL's GEMM of x·Wᵀ (torch's `linear`) with a weight of many short rows, as a
+    head's (V = 49k rows of 576 on SmolLM2), took 1.5-3× as long as W·xᵀ of the same products (alone on 2 AVX2 cores:
+    124 against 76 ms at 120 rows, 30 against 10 ms at 2). The sums run in another order: equal to rounding."""
+    if hidden.device.type != "cpu" or hidden.dim() != 2:
+        return nn.functional.linear(hidden, weight, bias)
+    logits = (weight @ hidden.T).T.contiguous()  # (c, V)
+    return logits if bias is None else logits.add_(bias)
+
+
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
     """(c, V) logits / T in fp32 (fp64 kept), computed in the head's dtype as the model's own head computes them."""
-    logits = nn.functional.linear(hidden, weight, bias)
+    logits = vocab_logits(hidden, weight, bias)
     logits = logits.to(compute_dtype(logits.dtype))  # a new tensor unless already fp32: in-place below is safe
     return logits.div_(temperature) if temperature != 1.0 else logits
 

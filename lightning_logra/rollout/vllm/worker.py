@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_logra.algo.logprobs import vocab_logits
 from lightning_logra.algo.update import Update
 from lightning_logra.rollout.handles import device_id, open_tensors
 from lightning_logra.rollout.payload import tensors_problems, update_problems
@@ -227,7 +228,7 @@ class LogRAWorkerExtension:
         for layer in layers:
             if self._logra_reads_trainer() and not _is_linear(layer):
                 # an embedding, or an LM head tied to it: the logits GEMM reads its weight (no packed copy beside it)
-                layer.cpu_linear = torch.nn.functional.linear
+                layer.cpu_linear = vocab_logits
                 continue
             # vLLM drops the weight only where its kernel packed a copy (not for torch's fallback GEMM); an embedding
             # (packed for a tied head's logits) keeps it for its lookups

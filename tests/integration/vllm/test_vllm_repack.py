@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import SketchedSteps
+from lightning_logra.algo.logprobs import vocab_logits
 from lightning_logra.rollout import VLLMEngine
 from lightning_logra.rollout.vllm import worker as vllm_worker
 from lightning_logra.sketch.update import LowRankDelta
@@ -19,7 +20,7 @@ STEPS = 3
 
 def _layers(engine: VLLMEngine) -> dict[str, tuple]:
     """{linear layer: (the numbers its weight holds, the addresses of the tensors its GEMM reads, or None for a kernel
-    of its own)}, and "logits" for the embedding's GEMM (torch's, reading its weight, or a packed copy)."""
+    of its own)}, and "logits" for the embedding's GEMM (torch's on its weight, `vocab_logits`, or a packed copy)."""
     from vllm.model_executor.layers.linear import LinearBase
 
     def look(model) -> dict[str, tuple]:
@@ -30,7 +31,7 @@ def _layers(engine: VLLMEngine) -> dict[str, tuple]:
                 shared = isinstance(gemm, vllm_worker.SharedLinear)
                 out[name] = (module.weight.numel(), [w.data_ptr() for w in gemm.weights] if shared else None)
             elif hasattr(module, "cpu_linear"):
-                out["logits"] = (module.weight.numel(), module.cpu_linear is torch.nn.functional.linear)
+                out["logits"] = (module.weight.numel(), module.cpu_linear is vocab_logits)
         return out
 
     return engine.llm.apply_model(look)[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import SKETCH_TARGETS, make_tiny_qwen2
-from lightning_logra.algo.logprobs import completion_logprobs, completion_states, plain_head
+from lightning_logra.algo.logprobs import completion_logprobs, completion_states, plain_head, vocab_logits
 from lightning_logra.base.batch import positions
 from lightning_logra.sketch import install_sketches
 
@@ -250,3 +250,24 @@ def test_a_model_whose_cache_cannot_be_gathered_takes_one_pass_and_says_so(caplo
         hidden = completion_states(model, *batch)
     torch.testing.assert_close(hidden, _one_pass(model, *batch), rtol=0, atol=0)
     assert "keeps no key/value cache that can be gathered by row" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 37])
+def test_a_heads_logits_on_the_cpu_equal_torchs_linear_to_rounding(dtype, rows):
+    # vocab_logits computes hidden·Wᵀ as (W·hiddenᵀ)ᵀ on the CPU (MKL's x·Wᵀ packs the whole head per call): the same
+    # products, summed in another order. Checked against float64 at the shapes the trainer and the engine use it at
+    # (a decoding step's few rows, a chunk of tokens), with and without a bias; the result is a plain (c, V) tensor.
+    generator = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, 96, generator=generator, dtype=torch.float64)
+    weight = torch.randn(3000, 96, generator=generator, dtype=torch.float64) * 0.05
+    bias = torch.randn(3000, generator=generator, dtype=torch.float64)
+    for b in (None, bias):
+        exact = torch.nn.functional.linear(hidden, weight, b)  # float64
+        args = (hidden.to(dtype), weight.to(dtype), None if b is None else b.to(dtype))
+        logits = vocab_logits(*args)
+        assert logits.shape == (rows, 3000) and logits.dtype == dtype and logits.is_contiguous()
+        torch_linear = torch.nn.functional.linear(*args)
+        # no further from float64 than torch's own linear in the same dtype (bf16: its rounding of each product)
+        error, own = (logits.double() - exact).abs().max(), (torch_linear.double() - exact).abs().max()
+        assert error <= max(2 * own, 1e-12), (error, own)

@@ -39,7 +39,8 @@ ROOT = Path(__file__).parents[1]
 UNIT, INTEGRATION = ROOT / "tests" / "unit", ROOT / "tests" / "integration"
 LONG_FOLDERS = ("learning", "bench")  # wholly in the long tier: learning runs, the benchmarks' quick modes
 BENCH = INTEGRATION / "bench"  # the benchmarks' quick modes: `make test-bench` runs them, apart from `make test-long`
-# ... but for the GPU check's dry run, which stays in the long tier (CI): a lent device's minutes depend on it
+# ... but for the GPU check's tests of its reporting (seconds each), which stay in the long tier (CI); its dry run is
+# marked bench itself
 BENCH_IN_LONG = ("test_gpu_check.py",)
 CONFIGS = ROOT / "configs"
 SKETCH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

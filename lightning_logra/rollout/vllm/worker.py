@@ -14,7 +14,7 @@ memory, which is what an in-place update on that backend needs. The embedding ke
 (for the logits of an LM head tied to it, packed apart): it is re-packed after a change as well. An engine in the
 trainer's process holds no copy of what the trainer holds: each linear layer computes from the trainer's own tensors
 (`SharedLinear`, handed over by reference), which the trainer merges its updates into in place, so a sync has
-nothing to merge or pack; the embedding's logits GEMM reads its weight (torch's GEMM, no packed copy). A layer given
+nothing to merge or pack; the embedding's logits GEMM reads its weight (`vocab_logits`, no packed copy). A layer given
 other values by a load packs a kernel of its own until the next update points it at the trainer's tensors again.
 On GPUs the weight is updated where it lies.
 

@@ -79,6 +79,10 @@ def test_once_the_checks_time_is_spent_no_stage_or_row_starts(gpu_check, tmp_pat
         (method, "not run: the check's 3600 s were spent") for method in plan.memory_methods["tiny"]]
 
 
+# 3.5 minutes alone, in the bench tier with the other scripts' quick modes (not in CI, for its 45-minute budget): run
+# `make test-bench ARGS="-k dry_run"` when bench/gpu_check.py, its stages or what they drive change, and before
+# spending a lent device's minutes on the check
+@pytest.mark.bench
 def test_the_dry_run_reports_every_stage(tmp_path):
     out = tmp_path / "gpu_check.json"
     # This checkout's package, whichever one the interpreter has installed.
